@@ -1,0 +1,67 @@
+"""Shared plumbing for benchmark scripts: one JSON result file per run (DESIGN.md §9)."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_name() -> str:
+    """GPU name when a CUDA device is visible, else `cpu-<cores>c`."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"cpu-{os.cpu_count()}c"
+
+
+def git_rev() -> str:
+    """Revision of the tree that ran; the GPU box gets a copy without .git, so GIT_REV may be passed in."""
+    if os.environ.get("GIT_REV"):
+        return os.environ["GIT_REV"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def write_result(benchmark: str, rows: list[dict], command: str | None = None, ceilings: dict | None = None,
+                 out_dir: str | os.PathLike | None = None, extra: dict | None = None) -> Path:
+    """Write `<benchmark>-<machine>-<YYYYMMDD>.json` with the fields DESIGN.md §9 asks for; returns its path.
+
+    `out_dir` defaults to $OUT when set (the GPU box returns only that folder), else benchmarks/results/.
+    """
+    machine = machine_name()
+    now = _dt.datetime.now(_dt.timezone.utc)
+    record = {
+        "benchmark": benchmark,
+        "machine": machine,
+        "git_rev": git_rev(),
+        "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command or " ".join([Path(sys.executable).name] + sys.argv),
+        "ceilings": ceilings or {},
+        "rows": rows,
+    }
+    if extra:
+        record.update(extra)
+    target = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / f"{benchmark}-{_slug(machine)}-{now:%Y%m%d}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
