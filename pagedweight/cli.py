@@ -1,0 +1,49 @@
+"""`pagedweight` command line: one argparse subcommand per module.
+
+A module joins by being listed in COMMAND_MODULES and exposing
+`add_parser(subparsers) -> ArgumentParser` and `run(args) -> int`. Bad input (ValueError, CheckpointError,
+missing files) ends with exit status 2 and one line on stderr; other exceptions are bugs and keep their traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from loguru import logger
+
+COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate",)
+EXIT_BAD_INPUT = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedweight",
+        description="PagedWeight: serve MoE models trading expert-weight precision against KV cache.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="loguru level of the logs written to stderr (default: INFO)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(name)
+        module.add_parser(subparsers).set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level)
+    from pagedweight.checkpoint import CheckpointError
+
+    try:
+        return int(args._run(args))
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        reason = " ".join(str(e).split())  # one line, whatever the exception text holds
+        print(f"pagedweight {args.command}: error: {reason}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Dense generate loop (no paging): prefill once into a DenseKVCache, then one token per step.
+
+Also the `pagedweight generate` subcommand (add_parser / run), the first user-facing command.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from pagedweight.models import DenseKVCache, MoEForCausalLM, load_model, parse_dtype
+from pagedweight.sampling import Sampler, SamplingParams, make_generator
+
+
+@torch.inference_mode()
+def generate(model: MoEForCausalLM, prompt_ids: list[list[int]], params: SamplingParams,
+             eos_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+    """Continue each prompt (all of one length: the dense cache has no padding) by up to params.max_tokens.
+
+    Returns the new tokens per row; a row stops after its first eos token (kept, as transformers does)
+    unless params.ignore_eos. Seeded rows draw from their own generator (seed + row).
+    """
+    params.validate()
+    if not prompt_ids or any(len(p) != len(prompt_ids[0]) for p in prompt_ids) or not prompt_ids[0]:
+        raise ValueError("prompts must be non-empty and of equal length")
+    cfg = model.config
+    device = model.embed_tokens.weight.device
+    b, t = len(prompt_ids), len(prompt_ids[0])
+    if t + params.max_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({t}) + max_tokens ({params.max_tokens}) exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    cache = DenseKVCache.allocate(cfg, b, t + params.max_tokens, model.embed_tokens.weight.dtype, device)
+    generators = [make_generator(None if params.seed is None else params.seed + row, device) for row in range(b)]
+    sampler = Sampler()
+    logits = model(torch.tensor(prompt_ids, device=device), cache=cache)[:, -1]
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    for step in range(params.max_tokens):
+        tokens = sampler(logits, [params] * b, generators)
+        for row, tok in enumerate(tokens):
+            if not done[row]:
+                out[row].append(tok)
+                done[row] = tok in eos_token_ids and not params.ignore_eos
+        if all(done) or step == params.max_tokens - 1:
+            break
+        logits = model(torch.tensor(tokens, device=device)[:, None], cache=cache)[:, -1]
+    return out
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a prompt with a local HF MoE checkpoint (dense path, no paging)",
+        description="Load a Hugging Face MoE checkpoint directory (qwen2_moe, mixtral, qwen3_moe, olmoe) and "
+                    "continue a prompt. The completion goes to stdout, logs to stderr.")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory: config.json, model.safetensors (or shards + index), tokenizer.json")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (must not be empty)")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                   help="most new tokens to generate; stops earlier at an eos token (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 picks the most likely token every step (greedy; default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P, in (0, 1] "
+                        "(default: 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample only among the K most likely tokens (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed for sampling, makes sampled output repeatable (default: none)")
+    p.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
+                   help="weight/activation dtype: float32 | bfloat16 | float16 (default: bfloat16)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="torch device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the options (ValueError = bad input), load, generate, print the completion."""
+    from pagedweight.tokenizer import TextTokenizer
+
+    if not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model}: not a directory")
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed).validate()
+    dtype = parse_dtype(args.dtype)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    tokenizer = TextTokenizer.from_dir(args.model)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to zero tokens")
+    model = load_model(args.model, dtype=dtype, device=device)
+    eos = tokenizer.eos_token_ids or model.config.eos_token_ids
+    start = time.perf_counter()
+    new = generate(model, [prompt_ids], params, eos)[0]
+    elapsed = time.perf_counter() - start
+    logger.info("{} prompt tokens, {} new tokens in {:.2f} s ({:.1f} tokens/s)", len(prompt_ids), len(new),
+                elapsed, len(new) / elapsed if elapsed > 0 else 0.0)
+    sys.stdout.write(tokenizer.decode(new) + "\n")
+    return 0

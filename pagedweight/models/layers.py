@@ -1,0 +1,232 @@
+"""Building blocks shared by every MoE family: RMSNorm, RoPE, GQA attention, experts, MoE block, KV cache.
+
+Numerics follow the published models (checked against transformers in tests/test_models_oracle.py):
+norms and softmaxes run in float32 and cast back, RoPE angles are computed in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedweight.models.config import ModelConfig
+
+RouterObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class KVCache(Protocol):
+    """What attention needs from a cache; `DenseKVCache` here, a paged one in the engine."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, head_dim] for integer positions [B, T]; angles in float32 whatever `dtype` is."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+                                / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; rotate-half convention (first half pairs with second half)."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def causal_mask(t_new: int, t_all: int, device: torch.device) -> torch.Tensor:
+    """bool [t_new, t_all], True = may attend: the new tokens are the last t_new of t_all."""
+    q_pos = torch.arange(t_all - t_new, t_all, device=device)
+    return torch.arange(t_all, device=device)[None, :] <= q_pos[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE and optional q/k RMSNorm (per head, or over the full projection)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
+        d, q_out, kv_out = cfg.hidden_size, self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(d, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, d, bias=cfg.o_bias)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(q_out, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+                ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(self.layer, k, v)
+        if mask is None and t > 1:
+            mask = causal_mask(t, k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (the shared expert)."""
+
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseExperts(nn.Module):
+    """E routed SwiGLU experts as two stacked weights; the paged any-precision experts replace this module.
+
+    gate_up [E, 2F, D]: rows 0..F-1 are gate_proj, F..2F-1 up_proj; down [E, D, F].
+    """
+
+    def __init__(self, num_experts: int, d: int, f: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * f, d))
+        self.down = nn.Parameter(torch.empty(num_experts, d, f))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], topk_ids [N, k], topk_weights [N, k] -> sum_k w * expert_k(x), [N, D] in x's dtype."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.where(topk_ids == e)
+            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(x.dtype))
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Router (softmax over all experts, then top-k, optional renormalisation) + routed experts
+    (+ a sigmoid-gated shared expert when the family has one)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.top_k, self.norm_topk_prob = layer, cfg.top_k, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts: nn.Module = DenseExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+        self.observer: RouterObserver | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> topk_ids [N, k] (long), topk_weights [N, k] (float32).
+
+        Weights stay float32 (the kernel contract); transformers rounds them to the model dtype first for
+        the Qwen/OLMoE families, a difference below bf16/fp16 rounding of the expert outputs.
+        """
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ids, weights = self.route(x)
+        if self.observer is not None:
+            self.observer(self.layer, x, ids, weights)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoEBlock(cfg, layer)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DenseKVCache:
+    """Contiguous per-layer K/V for a batch of equal-length rows (the simple dense generate path).
+
+    `length` counts the tokens every layer holds; the model reads it for default positions.
+    """
+
+    k: torch.Tensor  # [L, B, Hkv, max_len, hd]
+    v: torch.Tensor
+    layer_lengths: list[int]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "DenseKVCache":
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   [0] * cfg.num_hidden_layers)
+
+    @property
+    def length(self) -> int:
+        return self.layer_lengths[-1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        start = self.layer_lengths[layer]
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        self.layer_lengths[layer] = end
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], None

@@ -1,0 +1,90 @@
+"""`MoEForCausalLM`: one decoder for all four families (they differ only in what ModelConfig says).
+
+Parameter names are the Hugging Face names without the leading "model." (checkpoint.py maps the
+expert tensors, which are the only ones stored differently).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pagedweight.models.config import ModelConfig
+from pagedweight.models.layers import DecoderLayer, DenseExperts, KVCache, RMSNorm, RouterObserver, rope_cos_sin
+
+BlockKey = tuple[int, int, str]  # (layer, expert, "gate_up" | "down")
+BLOCK_KINDS = ("gate_up", "down")
+
+
+class MoEForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (call again after assign-loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> float32 logits [B, T, V].
+
+        positions default to arange(T) after the tokens already in `cache` (its `length` attribute).
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            start = getattr(cache, "length", 0) if cache is not None else 0
+            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        return self.lm_head(self.norm(x)).float()
+
+    def set_experts(self, layer: int, module: nn.Module) -> None:
+        """Replace layer `layer`'s routed experts by anything with DenseExperts' forward signature."""
+        self.layers[layer].mlp.experts = module
+
+    def set_router_observer(self, fn: RouterObserver | None) -> None:
+        """fn(layer, x [N,D], topk_ids [N,k], topk_weights [N,k]) is called by every MoE layer after routing."""
+        for layer in self.layers:
+            layer.mlp.observer = fn
+
+
+def block_index(key: BlockKey, num_experts: int) -> int:
+    """Flat block index i = (layer*E + expert)*2 + (0 gate_up | 1 down)."""
+    layer, expert, kind = key
+    return (layer * num_experts + expert) * 2 + BLOCK_KINDS.index(kind)
+
+
+def iter_expert_blocks(model: MoEForCausalLM) -> Iterator[tuple[BlockKey, torch.Tensor]]:
+    """Every routed-expert linear block in flat-index order, with its weight view [N, K] (y = W @ x)."""
+    for l, layer in enumerate(model.layers):
+        experts = layer.mlp.experts
+        if not isinstance(experts, DenseExperts):
+            raise TypeError(f"layer {l} experts are {type(experts).__name__}, not DenseExperts")
+        for e in range(experts.gate_up.shape[0]):
+            yield (l, e, "gate_up"), experts.gate_up[e]
+            yield (l, e, "down"), experts.down[e]
+
+
+def build_model(config: ModelConfig, seed: int | None = None, std: float = 0.02) -> MoEForCausalLM:
+    """A randomly initialised float32 model (for training): weights N(0, std), norms 1, biases 0."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    model = MoEForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model

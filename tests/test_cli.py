@@ -1,0 +1,100 @@
+"""`pagedweight generate`: help text, a real run on a tiny checkpoint, and one-line errors on bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from pagedweight.checkpoint import save_hf
+from pagedweight.cli import EXIT_BAD_INPUT, main
+from pagedweight.generate import generate
+from pagedweight.models import ModelConfig, build_model
+from pagedweight.sampling import SamplingParams
+from pagedweight.tokenizer import TextTokenizer
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = ["--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
+           "--device"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = ModelConfig(family="olmoe", vocab_size=len(words), hidden_size=32, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_experts=4, top_k=2, norm_topk_prob=False, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, qk_norm="full", bos_token_id=1, eos_token_ids=(2,))
+    path = tmp_path_factory.mktemp("tiny")
+    save_hf(build_model(cfg, seed=0, std=0.3), path, tokenizer_json=tok)
+    return path
+
+
+def test_help_explains_every_option(capsys):
+    from pagedweight.cli import build_parser
+
+    generate_parser = build_parser()._subparsers._group_actions[0].choices["generate"]
+    helps = {a.option_strings[-1]: a.help for a in generate_parser._actions if a.dest != "help"}
+    assert sorted(helps) == sorted(OPTIONS)
+    assert all(h and len(h.split()) >= 5 for h in helps.values()), helps
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(option in text for option in OPTIONS)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "generate" in capsys.readouterr().out
+
+
+def test_generate_prints_the_greedy_completion(model_dir, capsys):
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "w3 w17 w5", "--max-tokens", "6",
+               "--dtype", "float32"])
+    out = capsys.readouterr()
+    assert rc == 0
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    from pagedweight.models import load_model
+
+    new = generate(load_model(model_dir), [tokenizer.encode("w3 w17 w5")], SamplingParams(max_tokens=6), (2,))[0]
+    assert new and out.out == tokenizer.decode(new) + "\n"
+    assert "new tokens" in out.err  # loguru log on stderr
+
+
+def test_seeded_sampling_is_repeatable(model_dir, capsys):
+    args = ["generate", "--model", str(model_dir), "--prompt", "w9", "--max-tokens", "8", "--temperature", "1.5",
+            "--top-p", "0.9", "--top-k", "20", "--seed", "123", "--dtype", "float32"]
+    outs = []
+    for _ in range(2):
+        assert main(args) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
+@pytest.mark.parametrize("extra,reason", [
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--dtype", "int8"], "unsupported dtype 'int8'"),
+    (["--device", "bogus"], "--device 'bogus' is not a torch device"),
+    (["--prompt", ""], "--prompt must not be empty"),
+])
+def test_bad_input_one_line_error(model_dir, capsys, extra, reason):
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "w1", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT
+    assert err[-1].startswith("pagedweight generate: error: ") and reason in err[-1]
+
+
+def test_missing_model_dir_subprocess(tmp_path):
+    """The module entry point itself: non-zero exit and exactly one stderr line naming the problem."""
+    proc = subprocess.run([sys.executable, "-m", "pagedweight.cli", "generate", "--model", str(tmp_path / "none"),
+                           "--prompt", "hi"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT
+    assert proc.stderr.strip().splitlines() == [f"pagedweight generate: error: --model {tmp_path / 'none'}: "
+                                                "not a directory"]
