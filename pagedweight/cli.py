@@ -12,7 +12,7 @@ import sys
 
 from loguru import logger
 
-COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate",)
+COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train")
 EXIT_BAD_INPUT = 2
 
 
