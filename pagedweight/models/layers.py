@@ -98,10 +98,12 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.update(self.layer, k, v)
-        if mask is None and t > 1:
+        # Without a cache the keys are exactly the queries' positions: `is_causal` keeps SDPA on its fused kernels.
+        plain_causal = mask is None and t > 1 and k.shape[2] == t
+        if mask is None and t > 1 and not plain_causal:
             mask = causal_mask(t, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
-                                             enable_gqa=self.n_kv != self.n_heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
+                                             scale=self.head_dim ** -0.5, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
