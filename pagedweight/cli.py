@@ -12,7 +12,8 @@ import sys
 
 from loguru import logger
 
-COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train")
+COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train", "pagedweight.engine", "pagedweight.convert",
+                                     "pagedweight.actors.serve_cli")
 EXIT_BAD_INPUT = 2
 
 

@@ -1,0 +1,181 @@
+"""Calibration pass: per-weight sensitivity of every expert block and routing mass per layer and expert.
+
+Two sensitivities (DESIGN.md §2), the caller says which:
+- `activation`: diag(XᵀX) of the inputs routed to each expert, per input column (shared by the rows of the block).
+  For gate_up the inputs are the hidden states routed to the expert; for down they are silu(gate)·up of those
+  tokens. Forward passes only.
+- `fisher`: empirical Fisher diagonal as Any-Precision LLM: sum over calibration sequences of the squared
+  per-sequence gradient of the LM loss w.r.t. every expert weight (one backward pass per sequence).
+Routing mass m_{l,e} is measured in the same forward passes. Statistics are cached next to the output, keyed
+by a hash of the model files, the calibration text and the settings, so a second conversion reuses them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from tqdm import tqdm
+
+from pagedweight.models import MoEForCausalLM
+
+KINDS = ("activation", "fisher")
+CACHE_VERSION = 1
+
+
+@dataclass
+class CalibStats:
+    """Sensitivities [L, E, K] (activation) or [L, E, N, K] (fisher) per block kind, and routing statistics."""
+
+    kind: str
+    gate_up: torch.Tensor  # float32 [L, E, D] or [L, E, 2F, D]
+    down: torch.Tensor  # float32 [L, E, F] or [L, E, D, F]
+    routing_mass: torch.Tensor  # float64 [L, E]: share of the layer's routing weight each expert received
+    routed_tokens: torch.Tensor  # int64 [L, E]: how many (token, slot) pairs chose the expert
+    tokens: int  # calibration tokens seen
+
+    def block(self, layer: int, expert: int, kind: str) -> torch.Tensor:
+        """Sensitivity of one block: [K] (broadcast over rows) or [N, K]."""
+        return (self.gate_up if kind == "gate_up" else self.down)[layer, expert]
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"gate_up": self.gate_up, "down": self.down, "routing_mass": self.routing_mass,
+                   "routed_tokens": self.routed_tokens}
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path),
+                  metadata={"kind": self.kind, "tokens": str(self.tokens), "version": str(CACHE_VERSION)})
+
+    @classmethod
+    def load(cls, path: Path) -> "CalibStats":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        return cls(meta["kind"], t["gate_up"], t["down"], t["routing_mass"], t["routed_tokens"], int(meta["tokens"]))
+
+
+def calibration_batches(token_ids: list[int], num_seqs: int, seq_len: int) -> torch.Tensor:
+    """Cut the tokenised calibration text into up to `num_seqs` disjoint sequences of `seq_len` tokens."""
+    count = min(num_seqs, len(token_ids) // seq_len)
+    if count == 0:
+        raise ValueError(f"calibration text has {len(token_ids)} tokens, fewer than one sequence of {seq_len}")
+    if count < num_seqs:
+        logger.warning("calibration text gives {} sequences of {} tokens, not the {} asked for", count, seq_len,
+                       num_seqs)
+    return torch.tensor(token_ids[:count * seq_len], dtype=torch.long).view(count, seq_len)
+
+
+def cache_key(files: list[Path], calib_text: bytes, **settings: object) -> str:
+    """blake2b over the model files' bytes, the calibration text and the settings."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps({"version": CACHE_VERSION, **settings}, sort_keys=True).encode())
+    for path in sorted(files):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    h.update(calib_text)
+    return h.hexdigest()
+
+
+class _RoutingObserver:
+    """Router observer accumulating routing mass and, for `activation`, diag(XᵀX) of each expert's inputs."""
+
+    def __init__(self, model: MoEForCausalLM, activation: bool) -> None:
+        cfg = model.config
+        dev = next(model.parameters()).device
+        L, E, D, Fi = cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.model, self.activation = model, activation
+        self.mass = torch.zeros(L, E, dtype=torch.float64, device=dev)
+        self.count = torch.zeros(L, E, dtype=torch.int64, device=dev)
+        self.gate_up = torch.zeros(L, E, D, dtype=torch.float64, device=dev) if activation else None
+        self.down = torch.zeros(L, E, Fi, dtype=torch.float64, device=dev) if activation else None
+
+    @torch.no_grad()
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        E = self.mass.shape[1]
+        ids = topk_ids.reshape(-1)
+        self.mass[layer].index_add_(0, ids, topk_weights.reshape(-1).to(torch.float64))
+        self.count[layer] += torch.bincount(ids, minlength=E)
+        if not self.activation:
+            return
+        experts = self.model.layers[layer].mlp.experts
+        x = x.detach().float()
+        for e in torch.unique(ids).tolist():
+            xe = x[(topk_ids == e).any(-1)]
+            gate, up = F.linear(xe, experts.gate_up[e].float()).chunk(2, dim=-1)
+            self.gate_up[layer, e] += (xe.double() ** 2).sum(0)
+            self.down[layer, e] += ((F.silu(gate) * up).double() ** 2).sum(0)
+
+
+def calibrate(model: MoEForCausalLM, batches: torch.Tensor, kind: str, batch_size: int = 8) -> CalibStats:
+    """Run the calibration pass over `batches [S, T]` on the model's device."""
+    if kind not in KINDS:
+        raise ValueError(f"sensitivity must be one of {KINDS}, got {kind!r}")
+    dev = next(model.parameters()).device
+    obs = _RoutingObserver(model, activation=kind == "activation")
+    model.set_router_observer(obs)
+    try:
+        if kind == "activation":
+            with torch.no_grad():
+                for start in tqdm(range(0, len(batches), batch_size), desc="calibrate (activation)", unit="batch"):
+                    model(batches[start:start + batch_size].to(dev))
+            gate_up, down = obs.gate_up.float(), obs.down.float()
+        else:
+            gate_up, down = _fisher(model, batches, dev)
+    finally:
+        model.set_router_observer(None)
+    total = obs.mass.sum(1, keepdim=True)
+    mass = torch.where(total > 0, obs.mass / total.clamp_min(1e-300), torch.zeros_like(obs.mass))
+    return CalibStats(kind, gate_up.cpu(), down.cpu(), mass.cpu(), obs.count.cpu(), int(batches.numel()))
+
+
+def _fisher(model: MoEForCausalLM, batches: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over sequences of the squared per-sequence gradient w.r.t. every expert weight."""
+    experts = [layer.mlp.experts for layer in model.layers]
+    saved = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for ex in experts for p in (ex.gate_up, ex.down)]
+    for p in params:
+        p.requires_grad_(True)
+    fisher = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    try:
+        for seq in tqdm(batches, desc="calibrate (fisher)", unit="seq"):
+            seq = seq.to(dev).unsqueeze(0)
+            logits = model(seq)
+            loss = F.cross_entropy(logits[0, :-1], seq[0, 1:])
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for acc, g in zip(fisher, grads):
+                if g is not None:
+                    acc += g.float() ** 2
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    return torch.stack(fisher[0::2]), torch.stack(fisher[1::2])
+
+
+def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path: str | Path, cache_dir: str | Path,
+                     kind: str, num_seqs: int, seq_len: int, encode) -> CalibStats:
+    """calibrate() unless `cache_dir` already holds statistics for the same model files, text and settings.
+
+    `encode` turns the calibration text into token ids.
+    """
+    text = Path(calib_path).read_bytes()
+    key = cache_key(model_files, text, kind=kind, num_seqs=num_seqs, seq_len=seq_len)
+    path = Path(cache_dir) / f"calib-{kind}-{key}.safetensors"
+    if path.exists():
+        logger.info("reusing calibration statistics {}", path)
+        return CalibStats.load(path)
+    batches = calibration_batches(encode(text.decode("utf-8")), num_seqs, seq_len)
+    stats = calibrate(model, batches, kind)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    stats.save(path)
+    logger.info("calibration statistics cached in {}", path)
+    return stats

@@ -1,0 +1,120 @@
+"""`pagedweight convert SRC OUT --calib FILE`: HF MoE checkpoint -> AP checkpoint directory.
+
+Stages (each with a progress bar): load, calibrate (cached in OUT), quantize + pack every expert block layer by
+layer on the chosen device, write dense weights and the manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from loguru import logger
+from tqdm import tqdm
+
+from pagedweight.apformat import APWriter
+from pagedweight.calibrate import KINDS, cached_calibrate
+from pagedweight.quantize import quantize_blocks
+
+# Row-batch size of one quantizer call, in weights: the quantizer needs ~100 bytes of scratch per weight.
+DEFAULT_BATCH_WEIGHTS = 1 << 25
+
+
+def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: torch.Tensor,
+                   sensitivity: Callable[[int, str], torch.Tensor | None], device: torch.device,
+                   batch_weights: int = DEFAULT_BATCH_WEIGHTS) -> tuple[float, float]:
+    """Quantize the E gate_up [E, 2F, D] and down [E, D, F] blocks of one layer and stream them to `writer`.
+
+    Experts of one kind share K, so as many as fit in `batch_weights` go through the quantizer as one row batch.
+    `sensitivity(expert, kind)` gives the block's sensitivity ([K], [N, K] or None).
+    Returns (seconds quantizing and packing, seconds writing).
+    """
+    quantize_s = write_s = 0.0
+    for kind, weights in (("gate_up", gate_up), ("down", down)):
+        n_exp, n, k = weights.shape
+        per_batch = max(1, batch_weights // (n * k))
+        for start in range(0, n_exp, per_batch):
+            ids = range(start, min(start + per_batch, n_exp))
+            t0 = time.perf_counter()
+            blocks = quantize_blocks([weights[e].detach().float() for e in ids], [sensitivity(e, kind) for e in ids],
+                                     writer.seed_bits, writer.parent_bits, device=device)
+            t1 = time.perf_counter()
+            for e, blk in zip(ids, blocks):
+                writer.add_block(layer, e, kind, blk, k)
+            quantize_s, write_s = quantize_s + t1 - t0, write_s + time.perf_counter() - t1
+    return quantize_s, write_s
+
+
+def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int = 3, parent_bits: int = 8,
+            sensitivity: str = "fisher", num_seqs: int = 64, seq_len: int = 256,
+            device: str | torch.device | None = None, batch_weights: int = DEFAULT_BATCH_WEIGHTS) -> Path:
+    """Convert the HF checkpoint `src` into an AP checkpoint in `out`; returns the manifest path."""
+    from pagedweight.checkpoint import INDEX, read_config
+    from pagedweight.knobs import PlannerKnobs
+    from pagedweight.models import load_model
+    from pagedweight.tokenizer import TextTokenizer
+
+    src, out = Path(src), Path(out)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    cfg = read_config(src)
+    model = load_model(src, dtype=torch.float32, device=device)
+    timings["load_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    files = [src / "config.json", *sorted(src.glob("*.safetensors")), *[p for p in (src / INDEX,) if p.exists()]]
+    tok = TextTokenizer.from_dir(src)
+    stats = cached_calibrate(model, files, calib, out, sensitivity, num_seqs, seq_len, tok.encode)
+    timings["calibrate_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    writer = APWriter(out, cfg.raw, cfg.family, cfg.num_hidden_layers, cfg.num_experts, seed_bits, parent_bits)
+    for l in tqdm(range(cfg.num_hidden_layers), desc="quantize", unit="layer"):
+        experts = model.layers[l].mlp.experts
+
+        def sens(e: int, kind: str, l: int = l) -> torch.Tensor:
+            return stats.block(l, e, kind)
+
+        quantize_layer(writer, l, experts.gate_up, experts.down, sens, device, batch_weights)
+    timings["quantize_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    dense = {k: v.to(cfg.dtype) for k, v in model.state_dict().items()
+             if ".mlp.experts." not in k and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    calibration = {"sensitivity": sensitivity, "num_seqs": int(stats.tokens // seq_len), "seq_len": seq_len,
+                   "tokens": stats.tokens, "calib_file": Path(calib).name,
+                   "routed_tokens": stats.routed_tokens.tolist()}
+    path = writer.finish(stats.routing_mass.numpy(), dense, src, planner_knobs=PlannerKnobs().to_dict(),
+                         calibration=calibration)
+    timings["write_s"] = time.perf_counter() - t0
+    logger.info("AP checkpoint written to {} ({})", out,
+                ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in timings.items()))
+    return path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("convert", help="convert a HF MoE checkpoint into an any-precision (AP) checkpoint",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", type=Path, help="HF checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("out", type=Path, help="output AP checkpoint directory")
+    p.add_argument("--calib", type=Path, required=True, help="calibration text file")
+    p.add_argument("--seed-bits", type=int, default=3, help="seed width s (default 3)")
+    p.add_argument("--parent-bits", type=int, default=8, help="parent width P <= 8 (default 8)")
+    p.add_argument("--sensitivity", choices=KINDS, default="fisher",
+                   help="fisher: squared per-sequence gradients (as Any-Precision LLM); "
+                        "activation: diag(X^T X) of routed inputs, no backward pass (default fisher)")
+    p.add_argument("--num-seqs", type=int, default=64, help="calibration sequences (default 64)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence (default 256)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.seed_bits <= args.parent_bits <= 8:
+        raise ValueError("need 1 <= --seed-bits <= --parent-bits <= 8")
+    convert(args.src, args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity, args.num_seqs,
+            args.seq_len, args.device)
+    return 0

@@ -1,0 +1,204 @@
+"""AP checkpoint: convert a tiny random model, read it back, check tables, damage detection and the model path."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from pagedweight.apformat import ALIGN, APFormatError, load_ap, load_ap_model
+from pagedweight.bitplanes import dequantize, unpack_planes
+from pagedweight.calibrate import CalibStats
+from pagedweight.checkpoint import save_hf
+from pagedweight.convert import convert
+from pagedweight.models import ModelConfig, build_model, load_model
+from pagedweight.quantize import quantize_blocks
+from pagedweight.train import train_tokenizer
+
+torch.set_num_threads(1)
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(source dir, AP dir, calibration text) for a 2-layer, 4-expert model with K=40 down blocks (a word tail)."""
+    d = tmp_path_factory.mktemp("ap")
+    text = (DATA / "calib.txt").read_text()[:60_000]
+    tok = train_tokenizer([text[:30_000]], 300)
+    cfg = ModelConfig(family="qwen2_moe", vocab_size=tok.get_vocab_size(), hidden_size=64, moe_intermediate_size=40,
+                      num_hidden_layers=2, num_experts=4, top_k=2, norm_topk_prob=False, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+                      max_position_embeddings=512, shared_expert_intermediate_size=32, qkv_bias=True,
+                      eos_token_ids=(0,))
+    save_hf(build_model(cfg, seed=0), d / "src", tokenizer_json=tok)
+    (d / "calib.txt").write_text(text)
+    convert(d / "src", d / "ap", d / "calib.txt", sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
+    return d / "src", d / "ap", d / "calib.txt"
+
+
+def test_round_trip_against_independent_quantization(converted):
+    src, ap_dir, _ = converted
+    ap = load_ap(ap_dir)
+    model = load_model(src)
+    stats = CalibStats.load(next(ap_dir.glob("calib-activation-*.safetensors")))
+    assert ap.sensitivity.shape == (16, 9) and ap.routing_mass.shape == (2, 4)
+    np.testing.assert_allclose(ap.routing_mass.sum(1), 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(ap.routing_mass, stats.routing_mass.numpy())
+    for i, blk in enumerate(ap.blocks):
+        ex = model.layers[blk.layer].mlp.experts
+        w = (ex.gate_up if blk.kind == "gate_up" else ex.down)[blk.expert].detach()
+        assert (blk.n, blk.k) == tuple(w.shape) and i == (blk.layer * 4 + blk.expert) * 2 + (blk.kind == "down")
+        ref = quantize_blocks([w], [stats.block(blk.layer, blk.expert, blk.kind)], 3, 8)[0]
+        np.testing.assert_array_equal(ap.planes(i), ref.planes.numpy())
+        np.testing.assert_allclose(ap.sensitivity[i], ref.sensitivity.numpy(), rtol=1e-12)
+        for b in range(3, 9):
+            np.testing.assert_array_equal(ap.lut(i, b), ref.luts[b].numpy())
+        err8 = (ap.dequantized(i, 8) - w).abs().max() / w.abs().max()
+        assert err8 < 0.02  # 8 bits reproduce the block closely
+    assert ap.plane(0, 0).base is not None and not ap.plane(0, 0).flags.owndata  # zero-copy view of the map
+    dense = ap.dense_state_dict()
+    assert not any(".mlp.experts." in k for k in dense)
+    for k, v in dense.items():
+        assert torch.equal(v, model.state_dict()[k])
+
+
+def test_memory_table_matches_real_bytes(converted):
+    _, ap_dir, _ = converted
+    ap = load_ap(ap_dir)
+    runs = []
+    for i, blk in enumerate(ap.blocks):
+        for b in range(3, 9):
+            real = sum(ap.plane(i, p).nbytes for p in range(b)) + ap.lut(i, b).nbytes
+            assert ap.raw_bytes[i, b] == real == ap.block_bytes(i, b)
+            assert real == b * 4 * -(-blk.k // 32) * blk.n + 2 * 2**b * blk.n
+            page = 512
+            assert ap.block_bytes(i, b, page) == sum(-(-ap.plane(i, p).nbytes // page) * page for p in range(b)) + \
+                -(-ap.lut(i, b).nbytes // page) * page
+            runs.append((ap.lut_offset(i, b), ap.lut(i, b).nbytes))
+        runs += [(ap.plane_offset(i, p), ap.plane(i, p).nbytes) for p in range(8)]
+    runs.sort()
+    assert all(off % ALIGN == 0 for off, _ in runs)
+    assert all(a + n <= b for (a, n), (b, _) in zip(runs, runs[1:]))  # no two runs overlap
+    assert ap.planes_file.stat().st_size % ALIGN == 0 and runs[-1][0] + runs[-1][1] <= ap.planes_file.stat().st_size
+
+
+@pytest.mark.parametrize("b", [3, 5, 8])
+def test_uniform_width_model_equals_dequantize_then_dense(converted, b):
+    src, ap_dir, _ = converted
+    ap = load_ap(ap_dir)
+    ref = load_model(src)
+    with torch.no_grad():
+        for i, blk in enumerate(ap.blocks):
+            planes = np.stack([ap.plane(i, p) for p in range(b)])  # only the b-plane prefix
+            target = ref.layers[blk.layer].mlp.experts.gate_up if blk.kind == "gate_up" else \
+                ref.layers[blk.layer].mlp.experts.down
+            target[blk.expert].copy_(dequantize(planes, ap.lut(i, b), b, blk.k))
+    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(b))
+    got = load_ap_model(ap_dir, b)(ids)
+    torch.testing.assert_close(got, ref(ids), rtol=0, atol=1e-5)
+    if b == 8:  # the expert weights differ from the source only by 8-bit quantization
+        assert (got - load_model(src)(ids)).abs().max() < 0.05 * ref(ids).abs().max()
+
+
+def test_mixed_widths(converted):
+    _, ap_dir, _ = converted
+    ap = load_ap(ap_dir)
+    widths = np.array([3 + i % 6 for i in range(len(ap.blocks))])
+    model = load_ap_model(ap_dir, widths)
+    for i, blk in enumerate(ap.blocks):
+        ex = model.layers[blk.layer].mlp.experts
+        w = (ex.gate_up if blk.kind == "gate_up" else ex.down)[blk.expert]
+        idx = unpack_planes(ap.planes(i), blk.k).long() >> (8 - widths[i])
+        expect = torch.from_numpy(ap.lut(i, widths[i]).astype(np.float32)).t().gather(1, idx)
+        assert torch.equal(w, expect)
+    with pytest.raises(ValueError):
+        load_ap_model(ap_dir, 2)
+
+
+@pytest.fixture
+def damaged(converted, tmp_path):
+    ap_copy = tmp_path / "ap"
+    shutil.copytree(converted[1], ap_copy)
+    return ap_copy
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checksum_mismatch_names_file(damaged):
+    _flip_byte(damaged / "planes.bin", 5000)
+    with pytest.raises(APFormatError, match=r"planes\.bin.*checksum"):
+        load_ap(damaged)
+    load_ap(damaged, verify=False)  # sizes still agree: only the checksum can see it
+
+
+def test_dense_checksum_names_file(damaged):
+    path = damaged / "dense.safetensors"
+    _flip_byte(path, path.stat().st_size - 3)
+    with pytest.raises(APFormatError, match=r"dense\.safetensors.*checksum"):
+        load_ap(damaged)
+
+
+def test_truncated_planes_names_file(damaged):
+    path = damaged / "planes.bin"
+    path.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(APFormatError, match=r"planes\.bin.*truncated"):
+        load_ap(damaged, verify=False)
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.999])
+def test_truncated_manifest_names_file(damaged, cut):
+    path = damaged / "manifest.msgpack"
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * cut)])
+    with pytest.raises(APFormatError, match=r"manifest\.msgpack"):
+        load_ap(damaged)
+
+
+def test_manifest_body_corruption_names_file(damaged):
+    path = damaged / "manifest.msgpack"
+    head = msgpack.unpackb(path.read_bytes())
+    body = bytearray(head["body"])
+    body[len(body) // 2] ^= 0x01
+    head["body"] = bytes(body)
+    path.write_bytes(msgpack.packb(head))
+    with pytest.raises(APFormatError, match=r"manifest\.msgpack.*checksum"):
+        load_ap(damaged)
+
+
+def test_wrong_version_names_file(damaged):
+    path = damaged / "manifest.msgpack"
+    head = msgpack.unpackb(path.read_bytes())
+    head["version"] = 99
+    path.write_bytes(msgpack.packb(head))
+    with pytest.raises(APFormatError, match=r"manifest\.msgpack.*version 99"):
+        load_ap(damaged)
+
+
+def test_missing_file_names_it(damaged):
+    (damaged / "tokenizer.json").unlink()
+    with pytest.raises(APFormatError, match=r"tokenizer\.json.*missing"):
+        load_ap(damaged)
+
+
+def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
+    src, ap_dir, calib = converted
+    out = tmp_path / "again"
+    cache = next(ap_dir.glob("calib-activation-*.safetensors"))
+    out.mkdir()
+    shutil.copy(cache, out / cache.name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibration ran although cached statistics exist")
+
+    monkeypatch.setattr("pagedweight.calibrate.calibrate", refuse)
+    convert(src, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
+    assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
+    with pytest.raises(AssertionError, match="calibration ran"):  # other settings: a different key
+        convert(src, out, calib, sensitivity="activation", num_seqs=5, seq_len=64, device="cpu")
