@@ -1,0 +1,362 @@
+"""Planner quality on the bundled model (issue 7, items 4 and 6), CPU.
+
+At equal weight memory, does the planner's mixed-width configuration beat uniform width? Budgets lie between the
+3-bit and 6-bit footprints of the expert blocks (raw bytes, page 1: the bundled model's blocks are smaller than a
+page). Every planned configuration starts from 8 bits and releases down to the budget with PLANSTEP.
+
+Variants (each an ablation of one signal):
+  uniform            largest uniform width whose footprint fits (equal memory at the 4/5/6-bit footprints)
+  bytes-only         planner with s replaced by one unit of damage per bit dropped (no sensitivity)
+  global             planner, global damage g from the checkpoint's sensitivity table, mu = 1
+  global+buckets     + routing buckets from the checkpoint's calibration routing mass
+  online-buckets     + routing buckets from each evaluation window's own routing mass (per-window plan)
+  online+residual    + prompt residual heads on the window's features (per-window plan)
+  ..., one stage     the same without depth stages (at a footprint equal to a stage floor, stages force uniform)
+
+Item 4 (knob search) runs first on one half of data/calib.txt, the residual heads are fitted on the other half
+(target: log of the window's measured output error of a block's drop over its mean across windows), and the
+evaluation uses data/eval.txt only.
+
+    python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_result  # noqa: E402
+from pagedweight.apformat import load_ap, load_ap_model  # noqa: E402
+from pagedweight.knobs import PlannerKnobs  # noqa: E402
+from pagedweight.planner import BlockTables, damage_rows, eta_rows, plan_release  # noqa: E402
+from pagedweight.signals import ResidualHeads, RouterStats, block_bucket_signals  # noqa: E402
+
+
+class Widths:
+    """Puts each expert block of a dense model at a chosen width from per-width dequantized copies."""
+
+    def __init__(self, ap, model) -> None:
+        cfg = ap.config
+        self.model, self.seed, self.parent = model, ap.seed_bits, ap.parent_bits
+        self.L, self.E = cfg.num_hidden_layers, cfg.num_experts
+        self.w = {}  # (b, kind) -> [L, E, N, K]
+        for b in range(self.seed, self.parent + 1):
+            for u, kind in enumerate(("gate_up", "down")):
+                self.w[b, kind] = torch.stack([torch.stack([ap.dequantized((l * self.E + e) * 2 + u, b)
+                                                            for e in range(self.E)]) for l in range(self.L)])
+
+    @torch.no_grad()
+    def apply(self, widths: np.ndarray) -> None:
+        w = np.asarray(widths).reshape(self.L, self.E, 2)
+        for l in range(self.L):
+            experts = self.model.layers[l].mlp.experts
+            for u, kind in enumerate(("gate_up", "down")):
+                for b in np.unique(w[l, :, u]):
+                    sel = np.flatnonzero(w[l, :, u] == b)
+                    getattr(experts, kind)[sel] = self.w[int(b), kind][l, sel]
+
+
+def token_windows(tok, path: Path, context: int, limit: int, skip: int = 0) -> torch.Tensor:
+    ids = torch.tensor(tok.encode(path.read_text(), add_special_tokens=False).ids, dtype=torch.long)
+    n = (len(ids) - 1) // context
+    wins = [ids[i * context: i * context + context + 1] for i in range(skip, min(n, skip + limit))]
+    return torch.stack(wins)
+
+
+@torch.no_grad()
+def nll(model, wins: torch.Tensor, batch: int = 16) -> float:
+    total = 0.0
+    for s in range(0, len(wins), batch):
+        x = wins[s:s + batch]
+        logits = model(x[:, :-1])
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
+    return total
+
+
+class Capture:
+    """Router observer keeping each layer's expert input and routing of one forward (for measured damage)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer, x, ids, w) -> None:
+        self.seen[layer] = (x.detach().float(), ids.detach(), w.detach().float())
+
+
+@torch.no_grad()
+def window_signals(model, widths: Widths, win: torch.Tensor, measure: bool):
+    """(routing mass [L,E], features [n,3], measured damage [n, P+1] or None) of one window at 8 bits.
+
+    Measured damage of block i at row b: sum_t r_t |(W^{prev} - W^b) in_t|^2 over the window's tokens routed to
+    the expert, in_t = x_t (gate_up) or silu(gate) * up at full width (down); 0 where the expert got no token.
+    """
+    stats, cap = RouterStats(widths.L, widths.E), Capture()
+    model.set_router_observer(lambda *a: (stats(*a), cap(*a)))
+    try:
+        model(win[None, :-1])
+    finally:
+        model.set_router_observer(None)
+    if not measure:
+        return stats.routing_mass(), stats.features(), None
+    n, P = widths.L * widths.E * 2, widths.parent
+    dmg = np.zeros((n, P + 1))
+    for l, (x, ids, w) in cap.seen.items():
+        for e in range(widths.E):
+            tok_i, slot = torch.nonzero(ids == e, as_tuple=True)
+            if not len(tok_i):
+                continue
+            xe, r = x[tok_i], w[tok_i, slot]
+            gu = widths.w[P, "gate_up"][l, e]
+            g, up = (xe @ gu.T).chunk(2, dim=-1)
+            inputs = {"gate_up": xe, "down": F.silu(g) * up}
+            for u, kind in enumerate(("gate_up", "down")):
+                for b in range(widths.seed, P):
+                    delta = widths.w[b + 1, kind][l, e] - widths.w[b, kind][l, e]
+                    dmg[(l * widths.E + e) * 2 + u, b] = float((r[:, None] * (inputs[kind] @ delta.T) ** 2).sum())
+    return stats.routing_mass(), stats.features(), dmg
+
+
+def fit_heads(tables: BlockTables, samples: list[tuple[np.ndarray, np.ndarray]]) -> ResidualHeads:
+    """Residual heads on log(window damage / mean damage over the windows where the expert was routed)."""
+    dm = np.stack([d for _, d in samples])  # [W, n, P+1]
+    routed = dm > 0
+    mean = dm.sum(0) / np.maximum(routed.sum(0), 1)
+    kinds, bf, bt, phi, y = [], [], [], [], []
+    lo, p = tables.low, tables.parent_bits
+    for (f, d), r in zip(samples, routed):
+        i, b = np.nonzero(r[:, lo:p])
+        b = b + lo
+        kinds.append(i % 2), bf.append(tables.prev_rows[b, i]), bt.append(b), phi.append(f[i])
+        y.append(np.log(d[i, b] / mean[i, b]))
+    return ResidualHeads.fit(p, np.concatenate(kinds), np.concatenate(bf), np.concatenate(bt),
+                             np.concatenate(phi), np.concatenate(y))
+
+
+def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, phi=None, sens_free=False):
+    """Widths after releasing from the parent width down to `budget` bytes."""
+    n, p = tables.n_blocks, tables.parent_bits
+    top = np.full(n, p)
+    if mass is None:
+        mu, floors = np.ones(n), np.full(n, tables.low)
+    else:
+        mu, floors = block_bucket_signals(mass, knobs)
+    eta = None if heads is None else eta_rows(tables, heads, phi, knobs.alpha, knobs.rho_clip)
+    if sens_free:
+        dhat = damage_rows(replace_sens(tables), mu, knobs.eps)
+    else:
+        dhat = damage_rows(tables, mu, knobs.eps, eta)
+    demand = float(tables.bytes_at(top).sum() - budget)
+    return plan_release(tables, top, demand, dhat, floors, knobs.stage_floors).widths
+
+
+_UNIT = {}
+
+
+def replace_sens(tables: BlockTables) -> BlockTables:
+    """The same tables with one unit of damage per bit dropped (the no-sensitivity ablation)."""
+    if id(tables) not in _UNIT:
+        s = -np.arange(tables.parent_bits + 1, dtype=np.float64)[None, :].repeat(tables.n_blocks, 0)
+        _UNIT[id(tables)] = BlockTables(tables.supported, tables.mem, s, tables.num_layers, tables.num_experts)
+    return _UNIT[id(tables)]
+
+
+def knob_grid() -> list[PlannerKnobs]:
+    out = []
+    for stages, nb, spread, hot_floor in itertools.product(((3,), (5, 3), (6, 5, 4, 3)), (1, 2, 4), (2.0, 4.0),
+                                                           (3, 4)):
+        if nb == 1 and (spread != 2.0 or hot_floor != 3):
+            continue
+        mult = tuple(spread ** (1 - k / (nb - 1)) for k in range(nb)) if nb > 1 else (1.0,)
+        floors = (hot_floor,) + (3,) * (nb - 1)
+        out.append(PlannerKnobs(n_buckets=nb, bucket_multipliers=mult, bucket_floors=floors, stage_floors=stages))
+    return out
+
+
+def main() -> int:
+    ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap_.add_argument("--model", type=Path, default=ROOT / "models" / "pw-tiny-moe")
+    ap_.add_argument("--ap", type=Path, default=None, help="existing AP checkpoint of --model (else converted)")
+    ap_.add_argument("--context", type=int, default=512)
+    ap_.add_argument("--eval-windows", type=int, default=32)
+    ap_.add_argument("--calib-windows", type=int, default=16, help="per half of data/calib.txt")
+    ap_.add_argument("--search-windows", type=int, default=8)
+    args = ap_.parse_args()
+    torch.set_num_threads(1)
+    from tokenizers import Tokenizer
+
+    from pagedweight.convert import convert
+
+    ap_dir = args.ap
+    if ap_dir is None:
+        ap_dir = Path(tempfile.mkdtemp(prefix="pw-planner-quality-"))
+        convert(args.model, ap_dir, ROOT / "data" / "calib.txt", device="cpu")
+    ap = load_ap(ap_dir)
+    tok = Tokenizer.from_file(str(ap_dir / "tokenizer.json"))
+    model = load_ap_model(ap_dir, ap.parent_bits)
+    widths = Widths(ap, model)
+    n, P, s = len(ap.blocks), ap.parent_bits, ap.seed_bits
+    sup = np.zeros((n, P + 1), dtype=bool)
+    sup[:, s:] = True
+    tables = BlockTables(sup, ap.raw_bytes, ap.sensitivity, widths.L, widths.E)
+    foot = {b: float(ap.raw_bytes[:, b].sum()) for b in range(s, P + 1)}
+    # the 4/5/6-bit footprints (equal memory with uniform) and the midpoints between consecutive footprints
+    budgets = [(f"{b}-bit footprint", foot[b]) for b in (4, 5, 6)]
+    budgets += [(f"midpoint {b}/{b + 1}-bit", (foot[b] + foot[b + 1]) / 2) for b in (3, 4, 5)]
+    budgets.sort(key=lambda t: t[1])
+    calib = ROOT / "data" / "calib.txt"
+
+    def uniform_width(budget: float) -> int:
+        return max(b for b in range(s, P + 1) if foot[b] <= budget + 0.5)
+
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+
+    def ppl(wins: torch.Tensor, w: np.ndarray) -> float:
+        widths.apply(w)
+        return nll(model, wins)
+
+    # ---- item 4: knob search on the first half of the calibration slice (static plans, calibration mass)
+    # selection: most budgets where the plan beats uniform width on this slice, then the lowest mean NLL
+    search = token_windows(tok, calib, args.context, args.search_windows)
+    tokens = search[:, 1:].numel()
+    uniform_nll = [ppl(search, np.full(n, uniform_width(b))) for _, b in budgets]
+    scored = []
+    for knobs in knob_grid():
+        total = [ppl(search, planned(tables, knobs, b, mass=ap.routing_mass)) for _, b in budgets]
+        wins = sum(t < u for t, u in zip(total, uniform_nll))
+        score = float(np.mean(total)) / tokens
+        scored.append((-wins, score, knobs))
+        rows.append({"phase": "knob-search", "knobs": json.dumps(knobs.to_dict()), "nll_per_token": round(score, 5),
+                     "ppl": round(math.exp(score), 4), "budgets": "all six", "budgets_beating_uniform": wins})
+    best_static = min(scored, key=lambda t: t[:2])[2]
+    print("best static knobs", best_static, flush=True)
+
+    # ---- residual heads: fit on the second half of the calibration slice
+    heads_wins = token_windows(tok, calib, args.context, args.calib_windows, skip=args.search_windows)
+    widths.apply(np.full(n, P))
+    samples = []
+    for win in heads_wins:
+        _, phi, dmg = window_signals(model, widths, win, measure=True)
+        samples.append((phi, dmg))
+    heads = fit_heads(tables, samples)
+    conf = heads.confidence[:, np.arange(s + 1, P + 1), np.arange(s, P)]
+    print("head confidence [kind, transition]", conf.round(3), flush=True)
+
+    # alpha / clip on the search windows, per-window plans
+    def per_window(wins, knobs, budget, use_heads: bool) -> float:
+        total = 0.0
+        for win in wins:
+            widths.apply(np.full(n, P))
+            mass, phi, _ = window_signals(model, widths, win, measure=False)
+            total += ppl(win[None], planned(tables, knobs, budget, mass=mass, heads=heads if use_heads else None,
+                                            phi=phi))
+        return total
+
+    best, best_score = replace(best_static, alpha=0.0), None
+    for alpha, clip in itertools.product((0.0, 0.5, 1.0, 2.0), ((-1.0, 1.0), (-2.0, 2.0))):
+        if alpha == 0.0 and clip != (-1.0, 1.0):
+            continue
+        knobs = replace(best_static, alpha=alpha, rho_clip=clip)
+        score = float(np.mean([per_window(search, knobs, b, True) for _, b in budgets])) / tokens
+        rows.append({"phase": "knob-search", "knobs": json.dumps(knobs.to_dict()), "nll_per_token": round(score, 5),
+                     "ppl": round(math.exp(score), 4), "budgets": "all six", "per_window": True})
+        if best_score is None or score < best_score:
+            best, best_score = knobs, score
+    print("best knobs", best, flush=True)
+
+    # ---- item 6: evaluation slice
+    ev = token_windows(tok, ROOT / "data" / "eval.txt", args.context, args.eval_windows)
+    ev_tokens = ev[:, 1:].numel()
+    sigs = []
+    widths.apply(np.full(n, P))
+    for win in ev:
+        mass, phi, _ = window_signals(model, widths, win, measure=False)
+        sigs.append((mass, phi))
+    one_stage = replace(best, stage_floors=(s,))  # no depth stages: a stage floor at a footprint forces uniform
+    for label, budget in budgets:
+        uni = uniform_width(budget)
+        configs = {
+            "uniform": lambda: [np.full(n, uni)],
+            "bytes-only": lambda: [planned(tables, best, budget, sens_free=True)],
+            "global": lambda: [planned(tables, best, budget)],
+            "global+buckets": lambda: [planned(tables, best, budget, mass=ap.routing_mass)],
+            "online-buckets": lambda: [planned(tables, best, budget, mass=m) for m, _ in sigs],
+            "online+residual": lambda: [planned(tables, best, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
+            "online+residual, one stage": lambda: [planned(tables, one_stage, budget, mass=m, heads=heads, phi=f)
+                                                   for m, f in sigs],
+        }
+        for variant, make in configs.items():
+            ws = make()
+            if len(ws) == 1:
+                total, used = ppl(ev, ws[0]), [tables.bytes_at(ws[0]).sum()]
+            else:
+                total = sum(ppl(win[None], w) for win, w in zip(ev, ws))
+                used = [tables.bytes_at(w).sum() for w in ws]
+            row = {"phase": "eval", "budget": label, "budget_bytes": budget, "variant": variant,
+                   "weight_bytes_max": float(max(used)), "mean_bits": round(float(np.mean([w.mean() for w in ws])), 3),
+                   "nll_per_token": round(total / ev_tokens, 5), "ppl": round(math.exp(total / ev_tokens), 4),
+                   "tokens": ev_tokens}
+            rows.append(row)
+            print(row, flush=True)
+    evals = [r for r in rows if r["phase"] == "eval"]
+    beats = {}
+    for variant in ("online+residual", "online+residual, one stage"):
+        for label, _ in budgets:
+            by = {r["variant"]: r["ppl"] for r in evals if r["budget"] == label}
+            beats[f"{variant} @ {label}"] = by[variant] < by["uniform"]
+    path = write_result("planner-quality", rows, extra={
+        "chosen_knobs": best.to_dict(), "residual_head_confidence": conf.tolist(),
+        "checks": {"planner_beats_uniform_at": beats},
+        "wall_s": round(time.perf_counter() - t0, 1), "context": args.context, "eval_windows": args.eval_windows,
+        "model_sha256": hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]})
+    print(path)
+    plot(path)
+    return 0
+
+
+def plot(path: Path) -> None:
+    """PNG of perplexity against budget per variant, made from the JSON (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (run `python benchmarks/planner_quality.py --plot JSON` where it is)")
+        return
+    rec = json.loads(Path(path).read_text())
+    evals = [r for r in rec["rows"] if r["phase"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant in dict.fromkeys(r["variant"] for r in evals):
+        pts = sorted((r["budget_bytes"] / 1024, r["ppl"]) for r in evals if r["variant"] == variant)
+        ax.plot(*zip(*pts), marker="o", label=variant, drawstyle="steps-post" if variant == "uniform" else "default")
+    ax.set_xlabel("expert weight budget (KiB, raw bytes)")
+    ax.set_ylabel("eval perplexity (data/eval.txt)")
+    ax.set_title(f"planner vs uniform width, {rec['machine']}, {rec['date'][:10]}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out = Path(path).with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":
+        plot(Path(sys.argv[2]))
+        raise SystemExit(0)
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""The planner's knobs: one dataclass, stored in the AP checkpoint manifest under `planner_knobs` (msgpack)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import msgpack
+
+
+@dataclass(frozen=True)
+class PlannerKnobs:
+    """Everything the planner's behaviour depends on besides the checkpoint tables (DESIGN.md §2).
+
+    Buckets are ranked hottest first: bucket 0 holds the experts with the largest routing mass of their layer.
+    `stage_floors` are the depth stages of PLANSTEP: stage k lets no block go below `stage_floors[k]` bits
+    (descending, so the deepest allowed drop grows stage by stage). KV thresholds are in KV blocks.
+    """
+
+    # Defaults = the values chosen by the knob search of benchmarks/planner_quality.py on the bundled model
+    # (results: benchmarks/results/planner-quality-*.json, "knob-search" rows); `convert` stores them in the
+    # AP manifest. The search's spread between knob settings was < 0.05% in NLL: weak evidence, see the JSON.
+    n_buckets: int = 4
+    bucket_multipliers: tuple[float, ...] = tuple(4.0 ** (1 - k / 3) for k in range(4))  # mu per bucket: 4 .. 1
+    bucket_floors: tuple[int, ...] = (3, 3, 3, 3)  # lowest width a block of the bucket may reach
+    stage_floors: tuple[int, ...] = (5, 3)
+    alpha: float = 1.0  # strength of the prompt residual
+    rho_clip: tuple[float, float] = (-1.0, 1.0)  # clip range of the residual head output (log-ratio)
+    eps: float = 1e-12  # damage floor: every drop costs something, so zero-sensitivity blocks still rank by bytes
+    routing_decay: float = 0.9  # weight of the old routing mass in the exponential moving average
+    trigger_blocks: int = 2  # offload once free KV blocks <= target + trigger_blocks
+    lookahead_blocks: int = 8  # the standing plan always covers at least this many KV blocks
+    hysteresis_blocks: int = 4  # a reload leaves free blocks more than this many above the offload threshold
+    queue_len: int = 4  # plans kept in the plan queue
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_multipliers", tuple(float(m) for m in self.bucket_multipliers))
+        object.__setattr__(self, "bucket_floors", tuple(int(f) for f in self.bucket_floors))
+        object.__setattr__(self, "stage_floors", tuple(int(f) for f in self.stage_floors))
+        object.__setattr__(self, "rho_clip", (float(self.rho_clip[0]), float(self.rho_clip[1])))
+        if len(self.bucket_multipliers) != self.n_buckets or len(self.bucket_floors) != self.n_buckets:
+            raise ValueError("bucket_multipliers and bucket_floors need one entry per bucket")
+        if any(m <= 0 for m in self.bucket_multipliers):
+            raise ValueError("bucket multipliers must be positive")
+        if not self.stage_floors or list(self.stage_floors) != sorted(self.stage_floors, reverse=True):
+            raise ValueError("stage_floors must be a non-empty descending sequence")
+        if self.rho_clip[0] > self.rho_clip[1]:
+            raise ValueError("rho_clip must be (min, max)")
+        if not 0.0 <= self.routing_decay < 1.0:
+            raise ValueError("routing_decay must lie in [0, 1)")
+        if self.eps <= 0 or min(self.trigger_blocks, self.lookahead_blocks, self.hysteresis_blocks) < 0:
+            raise ValueError("eps must be positive and block counts non-negative")
+        if self.queue_len < 1:
+            raise ValueError("queue_len must be >= 1")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlannerKnobs":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown planner knobs: {sorted(unknown)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> "PlannerKnobs":
+        return cls.from_dict(msgpack.unpackb(data, raw=False))

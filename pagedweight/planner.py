@@ -1,0 +1,479 @@
+"""PLANSTEP and the reload planner (DESIGN.md §2): which expert blocks lose or regain bits.
+
+The planner only writes desired widths; the mover commits them. Inputs are numpy arrays; internally every table
+is width-major ([P+1, n]) so each per-width operation runs over one contiguous row and no Python loop touches
+blocks (loops run over widths, at most P of them).
+
+A block's drops form a chain d -> next supported width below -> ... -> its floor; each step has bytes freed
+(Delta, page-rounded) and predicted damage d_hat. Taking steps greedily by d_hat/Delta is only consistent when
+the ratios grow along each chain, so chains that break that order are replaced by their lower convex hull
+(merged steps): the classic greedy for the multiple-choice knapsack. Its guarantee, which the tests check against
+brute force: for a release that meets demand D at stage k,
+
+    LP_k <= OPT_k <= greedy <= OPT_k + gap_bound,   gap_bound = d_last * (1 - (D - freed_before_last) / Delta_last)
+
+where OPT_k is the least damage of any legal configuration of stage k that frees >= D, LP_k its fractional
+relaxation and d_last, Delta_last the damage and bytes of the last (merged) step taken. After the cut, steps the
+last step's overshoot makes redundant are undone (which only lowers the damage). In ratio terms the greedy can be
+far from optimal on tiny instances (one expensive last step; the tests report the worst seen); the additive bound
+is what holds. Ranking sorts only the steps in the key histogram's bins up to the demand (exact, see
+`_greedy_order`), so a step over 10,000 blocks costs well under a millisecond. The reload
+planner mirrors it (concave hull, budget packing, then fill rounds with steps that still fit):
+greedy >= OPT - d_next * (B - used) / Delta_next, with d_next, Delta_next the first step the prefix left out.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedweight.knobs import PlannerKnobs
+from pagedweight.signals import (ResidualHeads, RoutingTracker, block_bucket_signals, global_damage,
+                                 predicted_damage)
+
+_NBINS_SHIFT = 19  # float32 bits >> 19: sign(0) + 8 exponent + 4 mantissa bits -> 4096 bins of ~6% relative width
+_NBINS = 1 << (32 - _NBINS_SHIFT)
+_F32_MAX = 3.0e38
+
+
+@dataclass
+class BlockTables:
+    """Static per-block tables of one checkpoint at one page size. Inputs are block-major [n, P+1]."""
+
+    supported: np.ndarray  # bool [n, P+1]: widths the block can take
+    mem: np.ndarray  # [n, P+1] bytes as allocated (page-rounded); only supported entries are read
+    sens: np.ndarray  # [n, P+1] s_i^b; only supported entries are read
+    num_layers: int
+    num_experts: int
+    # derived, width-major [P+1, n]
+    parent_bits: int = field(init=False)
+    low: int = field(init=False)  # lowest supported width of any block
+    kinds: np.ndarray = field(init=False)  # [n] 0 gate_up, 1 down
+    sup_rows: np.ndarray = field(init=False)
+    mem_rows: np.ndarray = field(init=False)
+    prev_rows: np.ndarray = field(init=False)  # supported width just above row b (P+1 when none)
+    has_step: np.ndarray = field(init=False)  # a drop prev[b] -> b exists
+    step_bytes: np.ndarray = field(init=False)  # M[prev] - M[b] where has_step, else 0
+    step_g: np.ndarray = field(init=False)  # global damage g^{prev -> b}
+    trans: np.ndarray = field(init=False)  # [K, 3] distinct (kind, from, to) transitions
+    trans_flat: np.ndarray = field(init=False)  # [P+1, n] index into an eta table [K, n] raveled
+
+    def __post_init__(self) -> None:
+        self.supported = np.asarray(self.supported, dtype=bool)
+        n, w = self.supported.shape
+        if n != self.num_layers * self.num_experts * 2:
+            raise ValueError(f"{n} blocks, expected num_layers*num_experts*2 = {self.num_layers * self.num_experts * 2}")
+        if not self.supported.any(axis=1).all():
+            raise ValueError("every block needs at least one supported width")
+        self.parent_bits = w - 1
+        self.kinds = np.arange(n) % 2
+        self.sup_rows = np.ascontiguousarray(self.supported.T)
+        self.mem_rows = np.ascontiguousarray(np.asarray(self.mem, dtype=np.float64).T)
+        sens_rows = np.asarray(self.sens, dtype=np.float64).T
+        self.low = int(np.flatnonzero(self.sup_rows.any(axis=1))[0])
+        prev = np.full((w, n), w, dtype=np.int64)
+        nxt = np.full(n, w, dtype=np.int64)
+        for b in range(w - 1, -1, -1):
+            prev[b] = nxt
+            nxt = np.where(self.sup_rows[b], b, nxt)
+        self.prev_rows = prev
+        self.has_step = self.sup_rows & (prev < w)
+        cols = np.arange(n)
+        pc = np.minimum(prev, w - 1)
+        self.step_bytes = np.where(self.has_step, self.mem_rows[pc, cols] - self.mem_rows, 0.0)
+        self.step_g = np.where(self.has_step, global_damage(sens_rows[pc, cols], sens_rows), 0.0)
+        if (self.step_bytes[self.has_step] <= 0).any():
+            raise ValueError("M_i^b must grow strictly with b over each block's supported widths")
+        rows = np.broadcast_to(np.arange(w)[:, None], (w, n))
+        key = (self.kinds[None, :] * w + pc) * w + rows
+        uniq, inv = np.unique(np.where(self.has_step, key, 0), return_inverse=True)
+        self.trans = np.stack([uniq // (w * w), (uniq // w) % w, uniq % w], axis=1)
+        self.trans_flat = inv.reshape(w, n) * n + cols[None, :]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.supported.shape[0]
+
+    def bytes_at(self, widths: np.ndarray) -> np.ndarray:
+        return self.mem_rows[widths, np.arange(self.n_blocks)]
+
+    def check_widths(self, widths: np.ndarray) -> None:
+        if not self.sup_rows[widths, np.arange(self.n_blocks)].all():
+            raise ValueError("a width outside its block's supported set")
+
+
+def damage_rows(tables: BlockTables, mu: np.ndarray, eps: float, eta: np.ndarray | None = None) -> np.ndarray:
+    """d_hat [P+1, n] of every drop step prev[b] -> b under multipliers mu [n]; eta [P - low, n] covers rows low..P-1."""
+    lo, p = tables.low, tables.parent_bits
+    out = np.empty(tables.step_g.shape)
+    out[:lo], out[p:] = eps, eps
+    predicted_damage(mu[None, :], tables.step_g[lo:p], eta, eps, out=out[lo:p])
+    return out
+
+
+@dataclass
+class EtaScratch:
+    """Buffers reused by `eta_rows` every step: fresh MB-sized temporaries each step cost page faults."""
+
+    x: np.ndarray  # [n, 3] transformed features
+    cols: np.ndarray  # [n, K] log eta per transition
+    cols_t: np.ndarray  # [K, n]
+    eta: np.ndarray  # [P - low, n]
+
+    @classmethod
+    def for_tables(cls, tables: BlockTables) -> "EtaScratch":
+        n, k = tables.n_blocks, len(tables.trans)
+        return cls(np.empty((n, 3)), np.empty((n, k)), np.empty((k, n)),
+                   np.empty((tables.parent_bits - tables.low, n)))
+
+
+def eta_rows(tables: BlockTables, heads: ResidualHeads, phi: np.ndarray, alpha: float, clip: tuple[float, float],
+             scratch: EtaScratch | None = None) -> np.ndarray:
+    """eta [P - low, n] of every block's drop steps, gathered from one [n, K] table of its K distinct transitions."""
+    s = scratch or EtaScratch.for_tables(tables)
+    t = tables.trans
+    heads.log_eta_columns(t[:, 0], t[:, 1], t[:, 2], phi, alpha, clip, out=s.cols, x_out=s.x)
+    np.copyto(s.cols_t, s.cols.T)
+    np.take(s.cols_t.ravel(), tables.trans_flat[tables.low:tables.parent_bits], out=s.eta)
+    return np.exp(s.eta, out=s.eta)
+
+
+@dataclass
+class Plan:
+    """Desired widths and what reaching them costs. Release: bytes freed, damage added; reload: the mirror."""
+
+    kind: str  # "release" | "reload" | "none"
+    base: np.ndarray  # widths planned from
+    widths: np.ndarray  # desired widths
+    amount_bytes: float  # demand (release) or budget (reload)
+    delta_bytes: float  # bytes freed (release) or claimed (reload)
+    damage: float  # predicted damage added (release) or avoided (reload)
+    met: bool  # release: freed >= demand
+    stage: int  # index into stage_floors of a release; -1 for a reload or no change
+    gap_bound: float  # |greedy - OPT| <= gap_bound (see module docstring)
+    # greedy order of the steps taken: a release for a smaller demand at the same stage is a prefix of it
+    blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    end_widths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cum_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    cum_damage: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    stage_release: np.ndarray = field(default_factory=lambda: np.zeros(0))  # max release per stage
+    version: int = -1
+
+    def prefix(self, demand: float) -> "Plan":
+        """The release for a smaller demand at the same stage: the shortest prefix of this plan that covers it,
+        less the redundant steps (see `_drop_redundant`)."""
+        if demand <= 0 or not len(self.blocks):
+            return unchanged(self.base, demand, "none")
+        cut = min(int(np.searchsorted(self.cum_bytes, demand, "left")) + 1, len(self.blocks))
+        blocks, ends = self.blocks[:cut], self.end_widths[:cut]
+        x = np.diff(self.cum_bytes[:cut], prepend=0.0)
+        y = np.diff(self.cum_damage[:cut], prepend=0.0)
+        keep = _drop_redundant(blocks, x, y, float(self.cum_bytes[cut - 1]) - demand)
+        widths = self.base.copy()
+        np.minimum.at(widths, blocks[keep], ends[keep])
+        freed = float(x[keep].sum())
+        before = self.cum_bytes[cut - 2] if cut > 1 else 0.0
+        return Plan("release", self.base, widths, demand, freed, float(y[keep].sum()), freed >= demand, self.stage,
+                    _cover_gap(float(y[-1]), float(x[-1]), demand - before), blocks, ends,
+                    self.cum_bytes[:cut], self.cum_damage[:cut], self.stage_release, self.version)
+
+
+def _drop_redundant(blocks: np.ndarray, x: np.ndarray, y: np.ndarray, slack: float) -> np.ndarray:
+    """Mask of the steps to keep after undoing the costliest deepest-per-block steps that the overshoot covers.
+
+    The last step taken often frees more than the demand still needed, so some earlier steps become unnecessary;
+    only a block's deepest taken step can be undone without breaking its chain. One pass, costliest first.
+    """
+    keep = np.ones(len(blocks), dtype=bool)
+    if slack <= 0:
+        return keep
+    _, first_rev = np.unique(blocks[::-1], return_index=True)
+    last = len(blocks) - 1 - first_rev  # index of each block's deepest taken step
+    last = last[x[last] <= slack]
+    last = last[np.argsort(-y[last], kind="stable")]
+    undo = last[np.cumsum(x[last]) <= slack]
+    keep[undo] = False
+    return keep
+
+
+def unchanged(base: np.ndarray, amount: float, kind: str = "none") -> Plan:
+    return Plan(kind, base, base.copy(), float(amount), 0.0, 0.0, amount <= 0, -1, 0.0)
+
+
+def _cover_gap(d_last: float, x_last: float, need_last: float) -> float:
+    return float(d_last * max(0.0, 1.0 - need_last / x_last)) if x_last > 0 else 0.0
+
+
+def _chain_steps(x: np.ndarray, y: np.ndarray, legal: np.ndarray, y_over_x: bool):
+    """Steps in chain order [S, m] -> (key, bytes, value) of the steps to rank; key is inf off-step.
+
+    key = y/x (release: damage per byte, ascending) or x/y (reload: bytes per damage avoided, ascending).
+    Chains whose keys do not grow are replaced by their hull (merged steps placed at the hull's vertices).
+    """
+    sx = np.where(legal, x, 0.0)
+    sy = np.where(legal, y, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # y >= eps > 0, so y / 0 is inf off-step
+        key = y / sx if y_over_x else np.where(legal, x / sy, np.inf)
+    viol = np.zeros(x.shape[1], dtype=bool)
+    last = np.full(x.shape[1], -np.inf)
+    for r in range(x.shape[0]):
+        viol |= legal[r] & (key[r] < last)
+        last = np.where(legal[r], key[r], last)
+    bad = np.flatnonzero(viol)
+    if bad.size:
+        key[:, bad], sx[:, bad], sy[:, bad] = _hull(sx[:, bad], sy[:, bad], legal[:, bad], y_over_x)
+    return key, sx, sy
+
+
+def _hull(x: np.ndarray, y: np.ndarray, legal: np.ndarray, y_over_x: bool):
+    """Convex hull of each chain's cumulative (bytes, value) curve; vertex iteration over at most S steps."""
+    s, m = x.shape
+    cx = np.vstack([np.zeros(m), np.cumsum(x, axis=0)])
+    cy = np.vstack([np.zeros(m), np.cumsum(y, axis=0)])
+    ok = np.vstack([np.ones(m, dtype=bool), legal])
+    vertex = np.zeros((s + 1, m), dtype=bool)
+    rows = np.arange(s + 1)[:, None]
+    cols = np.arange(m)
+    cur = np.zeros(m, dtype=np.int64)
+    for _ in range(s):
+        dx, dy = cx - cx[cur, cols], cy - cy[cur, cols]
+        cand = ok & (rows > cur[None, :])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.where(cand, dy / dx if y_over_x else dx / dy, np.inf)
+        kmin = k.min(axis=0)
+        active = np.isfinite(kmin)
+        if not active.any():
+            break
+        tie = cand & (k <= kmin + 1e-12 * np.abs(kmin))
+        nxt = s - np.argmax(tie[::-1], axis=0)  # furthest among ties: collinear steps merge
+        vertex[nxt[active], cols[active]] = True
+        cur = np.where(active, nxt, cur)
+    key = np.full((s, m), np.inf)
+    mx, my = np.zeros((s, m)), np.zeros((s, m))
+    lx, ly, lk = np.zeros(m), np.zeros(m), np.zeros(m)
+    for r in range(1, s + 1):
+        v = vertex[r]
+        dx, dy = cx[r] - lx, cy[r] - ly
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kr = np.maximum(dy / dx if y_over_x else dx / dy, lk)  # max(): float noise must not reorder a chain
+        key[r - 1] = np.where(v, kr, np.inf)
+        mx[r - 1], my[r - 1] = np.where(v, dx, 0.0), np.where(v, dy, 0.0)
+        lx, ly, lk = np.where(v, cx[r], lx), np.where(v, cy[r], ly), np.where(v, kr, lk)
+    return key, mx, my
+
+
+def _greedy_order(key: np.ndarray, sx: np.ndarray, amount: float, cover: bool) -> tuple[np.ndarray, int]:
+    """Flat step ids in greedy order (ascending key, ties in chain order) and how many of them to take.
+
+    cover: shortest prefix with bytes >= amount. pack: longest prefix with bytes <= amount. Only the steps in the
+    histogram bins up to the crossing bin are sorted (bins are monotone in the key, so the order is exact).
+    """
+    fk, fx = key.ravel(), sx.ravel()
+    bins = np.minimum(fk, _F32_MAX).astype(np.float32).view(np.int32) >> _NBINS_SHIFT
+    cs = np.cumsum(np.bincount(bins, weights=fx, minlength=_NBINS))
+    bstar = int(np.searchsorted(cs, amount, "left" if cover else "right"))
+    cand = np.flatnonzero((bins <= bstar) & (fx > 0))
+    order = cand[np.argsort(fk[cand], kind="stable")]
+    cum = np.cumsum(fx[order])
+    if cover:
+        cut = min(int(np.searchsorted(cum, amount, "left")) + 1, len(order))
+    else:
+        cut = int(np.searchsorted(cum, amount, "right"))
+    return order, cut
+
+
+def plan_release(tables: BlockTables, widths: np.ndarray, demand: float, dhat: np.ndarray, floors: np.ndarray,
+                 stage_floors: tuple[int, ...], keep_order_to: float = 0.0) -> Plan:
+    """PLANSTEP: free >= `demand` bytes from `widths` with the least predicted damage, stage by stage.
+
+    Stage k allows widths >= max(floors[i], stage_floors[k]). The first stage that can meet the demand is planned
+    greedily; when none can, every legal step of the last stage is taken (the largest safe release, met=False).
+    `keep_order_to` > demand keeps the greedy order long enough to serve that larger demand later by `Plan.prefix`
+    (the standing plan of the plan queue); with demand <= 0 the widths stay as they are.
+    """
+    widths = np.asarray(widths, dtype=np.int64)
+    target = max(demand, keep_order_to)
+    if target <= 0:
+        return unchanged(widths, demand)
+    lo, p, n = tables.low, tables.parent_bits, tables.n_blocks
+    rows = np.arange(lo, p)[:, None]
+    legal = tables.has_step[lo:p] & (rows < widths[None, :]) & (rows >= floors[None, :])
+    row_release = (tables.step_bytes[lo:p] * legal).sum(axis=1)
+    stage_release = np.array([row_release[max(f - lo, 0):].sum() for f in stage_floors])
+    if demand > stage_release[-1]:  # short even at the last stage: take every legal step, no ranking needed
+        f = max(stage_floors[-1], lo)
+        leg = legal[f - lo:]
+        lowest = np.where(leg.any(axis=0), np.argmax(leg, axis=0) + f, widths)
+        return Plan("release", widths, lowest, float(demand), float(stage_release[-1]),
+                    float((dhat[f:p] * leg).sum()), False, len(stage_floors) - 1, 0.0, stage_release=stage_release)
+    target = min(target, float(stage_release[-1]))
+    stage = _first_stage(stage_release, target)
+    if demand > 0 and _first_stage(stage_release, demand) != stage:
+        return plan_release(tables, widths, demand, dhat, floors, stage_floors)
+    f = max(stage_floors[stage], lo)
+    # chain order: shallowest drop first (rows descending)
+    key, sx, sy = _chain_steps(tables.step_bytes[f:p][::-1], dhat[f:p][::-1], legal[f - lo:][::-1], True)
+    order, cut = _greedy_order(key, sx, target, cover=True)
+    order = order[:cut]
+    end = (p - 1 - order // n).astype(np.int64)
+    full = Plan("none", widths, widths.copy(), float(target), 0.0, 0.0, True, stage, 0.0, order % n, end,
+                np.cumsum(sx.ravel()[order]), np.cumsum(sy.ravel()[order]), stage_release)
+    return full.prefix(demand) if demand > 0 else full
+
+
+def _first_stage(stage_release: np.ndarray, amount: float) -> int:
+    """First stage whose maximal release covers `amount`; the last stage when none does."""
+    ok = np.flatnonzero(stage_release >= amount)
+    return int(ok[0]) if ok.size else len(stage_release) - 1
+
+
+def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
+                caps: np.ndarray) -> Plan:
+    """Mirror of PLANSTEP: restore the bits with the most damage avoided per byte within `budget` bytes.
+
+    A raise over drop row a (a -> prev[a]) avoids d_hat[a] and costs step_bytes[a]; widths never exceed caps.
+    """
+    widths = np.asarray(widths, dtype=np.int64)
+    if budget <= 0:
+        return unchanged(widths, budget, "reload")
+    lo, p, n = tables.low, tables.parent_bits, tables.n_blocks
+    rows = np.arange(lo, p)[:, None]
+    legal = tables.has_step[lo:p] & (rows >= widths[None, :]) & (tables.prev_rows[lo:p] <= caps[None, :])
+    key, sx, sy = _chain_steps(tables.step_bytes[lo:p], dhat[lo:p], legal, False)
+    order, cut = _greedy_order(key, sx, budget, cover=False)
+    fx, fy = sx.ravel(), sy.ravel()
+    used = float(fx[order[:cut]].sum())
+    gap = float(fy[order[cut]] * (budget - used) / fx[order[cut]]) if cut < len(order) else 0.0
+    taken = np.zeros(sx.shape, dtype=bool)
+    taken.ravel()[order[:cut]] = True
+    cols = np.arange(n)
+    for _ in range(sx.shape[0]):  # fill: each block's next step, best key first, while it fits (chains stay whole)
+        avail = (sx > 0) & ~taken
+        nxt = np.argmax(avail, axis=0)
+        ok = np.flatnonzero(avail.any(axis=0) & (sx[nxt, cols] <= budget - used))
+        if not ok.size:
+            break
+        ids = nxt[ok] * n + ok
+        ids = ids[np.argsort(key.ravel()[ids], kind="stable")]
+        c = np.cumsum(fx[ids])
+        k = int(np.searchsorted(c, budget - used, "right"))
+        taken.ravel()[ids[:k]] = True
+        used += float(c[k - 1])
+    srow, blocks = np.nonzero(taken)
+    out = widths.copy()
+    np.maximum.at(out, blocks, tables.prev_rows[lo + srow, blocks])
+    return Plan("reload", widths, out, float(budget), float(sx[taken].sum()), float(sy[taken].sum()), True, -1,
+                gap)
+
+
+@dataclass
+class KVState:
+    """What the KV allocator reports at a step boundary."""
+
+    free_blocks: int
+    target_free_blocks: int
+    block_bytes: int
+
+
+class Planner:
+    """Stateful planner of one engine: signals in, desired widths out.
+
+    `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
+    target + trigger_blocks, the newest queued plan is cut to the demand and written; when they exceed that
+    threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
+    offload within hysteresis_blocks. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh.
+    """
+
+    def __init__(self, tables: BlockTables, knobs: PlannerKnobs, widths: np.ndarray,
+                 heads: ResidualHeads | None = None, routing_prior: np.ndarray | None = None,
+                 home_widths: np.ndarray | None = None) -> None:
+        self.tables, self.knobs, self.heads = tables, knobs, heads
+        self.desired = np.asarray(widths, dtype=np.int64).copy()
+        tables.check_widths(self.desired)
+        self.home = self.desired.copy() if home_widths is None else np.asarray(home_widths, dtype=np.int64)
+        L, E = tables.num_layers, tables.num_experts
+        self.routing = (RoutingTracker.uniform(L, E, knobs.routing_decay) if routing_prior is None
+                        else RoutingTracker.from_prior(routing_prior, knobs.routing_decay))
+        self.features: np.ndarray | None = None
+        self._scratch: EtaScratch | None = None
+        self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
+        self.version = 0
+        self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
+
+    def observe(self, step_mass: np.ndarray | None = None, features: np.ndarray | None = None) -> None:
+        """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 3]."""
+        if step_mass is not None:
+            self.routing.update(step_mass)
+        if features is not None:
+            self.features = np.asarray(features, dtype=np.float64)
+
+    def signals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(d_hat [P+1, n], floors [n]) under the current signals."""
+        mu, floors = block_bucket_signals(self.routing.mass, self.knobs)
+        eta = None
+        if self.heads is not None and self.features is not None:
+            self._scratch = self._scratch or EtaScratch.for_tables(self.tables)
+            eta = eta_rows(self.tables, self.heads, self.features, self.knobs.alpha, self.knobs.rho_clip,
+                           self._scratch)
+        return damage_rows(self.tables, mu, self.knobs.eps, eta), floors
+
+    def _pending(self, committed: np.ndarray) -> float:
+        """Bytes the mover will still free (+) or claim (-) to reach the desired widths."""
+        return float((self.tables.bytes_at(committed) - self.tables.bytes_at(self.desired)).sum())
+
+    def _free_bytes(self, kv: KVState, committed: np.ndarray) -> float:
+        return kv.free_blocks * kv.block_bytes + self._pending(committed)
+
+    def _write(self, plan: Plan) -> Plan:
+        self.desired = plan.widths.copy()
+        self.version += 1
+        self.queue.clear()
+        self.counters[plan.kind] += 1
+        return plan
+
+    def refresh(self, kv: KVState, committed: np.ndarray) -> Plan:
+        """Compute the standing plan (current demand + lookahead_blocks) and push it on the plan queue."""
+        k = self.knobs
+        demand = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes - self._free_bytes(kv, committed)
+        dhat, floors = self.signals()
+        plan = plan_release(self.tables, self.desired, 0.0, dhat, floors, k.stage_floors,
+                            keep_order_to=max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes)
+        plan.version = self.version
+        self.queue.append(plan)
+        self.counters["refresh"] += 1
+        return plan
+
+    def decide(self, kv: KVState, committed: np.ndarray) -> Plan | None:
+        """Write new desired widths if pressure crossed a threshold; returns the plan written, else None."""
+        k = self.knobs
+        free = self._free_bytes(kv, committed)
+        low = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes
+        if free < low:
+            plan = self._release(low - free)
+            return None if np.array_equal(plan.widths, self.desired) else self._write(plan)
+        budget = free - low - k.hysteresis_blocks * kv.block_bytes
+        if budget >= kv.block_bytes and (self.desired < self.home).any():
+            dhat, _ = self.signals()
+            plan = plan_reload(self.tables, self.desired, budget, dhat, self.home)
+            if plan.delta_bytes > 0:
+                return self._write(plan)
+        return None
+
+    def step(self, kv: KVState, committed: np.ndarray) -> Plan | None:
+        """decide, then refresh the queue for the next step."""
+        plan = self.decide(kv, committed)
+        self.refresh(kv, committed)
+        return plan
+
+    def _release(self, demand: float) -> Plan:
+        """Newest queued plan cut to `demand` when it is current and was planned at the right stage."""
+        if self.queue:
+            newest = self.queue[-1]
+            if (newest.version == self.version and newest.cum_bytes.size and newest.cum_bytes[-1] >= demand
+                    and _first_stage(newest.stage_release, demand) == newest.stage):
+                self.counters["queue_hit"] += 1
+                return newest.prefix(demand)
+        self.counters["queue_miss"] += 1
+        dhat, floors = self.signals()
+        return plan_release(self.tables, self.desired, demand, dhat, floors, self.knobs.stage_floors)

@@ -1,0 +1,234 @@
+"""Planner signals (DESIGN.md §2): routing mass, routing buckets, global damage, prompt residual heads.
+
+Everything here is numpy on small arrays so the planner can refresh it every engine step; the only torch code is
+the router observer, which reduces each MoE layer's routing to [E]-sized sums before leaving torch.
+Block index rule (SPEC.md): i = (layer*E + expert)*2 + (0 gate_up, 1 down).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedweight.knobs import PlannerKnobs
+
+N_FEATURES = 3  # routing-weighted mean input norm, routing-weighted RMS input norm, max input norm
+_TINY = 1e-30
+
+
+def global_damage(s_from: np.ndarray, s_to: np.ndarray) -> np.ndarray:
+    """g^{b->b'} = max(s^{b'} - s^b, 0): sensitivity-weighted error added by the drop."""
+    return np.maximum(s_to - s_from, 0.0)
+
+
+def predicted_damage(mu: np.ndarray, g: np.ndarray, eta: np.ndarray | None, eps: float,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """d_hat = max(eps, mu * g * eta) (eta None: the global estimate); `out` lets the planner reuse its rows."""
+    out = np.multiply(mu, g, out=out)
+    if eta is not None:
+        out *= eta
+    return np.maximum(out, eps, out=out)
+
+
+def normalize_mass(mass: np.ndarray) -> np.ndarray:
+    """Per-layer normalisation; a layer that saw no tokens gets the uniform distribution."""
+    mass = np.asarray(mass, dtype=np.float64)
+    tot = mass.sum(axis=1, keepdims=True)
+    uniform = np.full_like(mass, 1.0 / mass.shape[1])
+    return np.where(tot > 0, mass / np.where(tot > 0, tot, 1.0), uniform)
+
+
+def merge_routing_mass(masses: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
+    """Merge per-request routing mass [R, L, E] into one [L, E], each request weighted by its KV blocks."""
+    masses = normalize_mass(np.asarray(masses, dtype=np.float64).reshape(-1, masses.shape[-1])).reshape(masses.shape)
+    w = np.asarray(kv_blocks, dtype=np.float64)
+    if w.sum() <= 0:
+        w = np.ones_like(w)
+    return normalize_mass(np.tensordot(w, masses, axes=1))
+
+
+@dataclass
+class RoutingTracker:
+    """Exponentially decayed routing mass m_{l,e}; `decay` is the weight kept by the old estimate."""
+
+    mass: np.ndarray  # [L, E], rows sum to 1
+    decay: float
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_experts: int, decay: float) -> "RoutingTracker":
+        return cls(np.full((num_layers, num_experts), 1.0 / num_experts), decay)
+
+    @classmethod
+    def from_prior(cls, prior: np.ndarray, decay: float) -> "RoutingTracker":
+        """Start from the checkpoint's calibration routing mass."""
+        return cls(normalize_mass(prior), decay)
+
+    def update(self, step_mass: np.ndarray) -> None:
+        """Fold in one step's mass; layers that saw no tokens this step keep their estimate."""
+        step_mass = np.asarray(step_mass, dtype=np.float64)
+        seen = step_mass.sum(axis=1, keepdims=True) > 0
+        new = self.decay * self.mass + (1.0 - self.decay) * normalize_mass(step_mass)
+        self.mass = np.where(seen, new, self.mass)
+
+
+def bucket_experts(mass: np.ndarray, n_buckets: int) -> np.ndarray:
+    """Rank the experts of each layer by mass (hottest first) and cut the ranks into `n_buckets` equal groups."""
+    num_experts = mass.shape[1]
+    order = np.argsort(-mass, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(num_experts)[None, :].repeat(mass.shape[0], 0), axis=1)
+    return (rank * n_buckets) // num_experts
+
+
+def block_bucket_signals(mass: np.ndarray, knobs: PlannerKnobs) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block damage multiplier mu [n] and bitwidth floor [n]; gate_up and down of an expert share a bucket."""
+    bucket = np.repeat(bucket_experts(mass, knobs.n_buckets).ravel(), 2)
+    mu = np.asarray(knobs.bucket_multipliers, dtype=np.float64)[bucket]
+    floor = np.asarray(knobs.bucket_floors, dtype=np.int64)[bucket]
+    return mu, floor
+
+
+def batch_token_weights(tokens_per_request: list[int], kv_blocks_per_request: list[int]) -> torch.Tensor:
+    """Per-token weights so a batch's routing merges across requests weighted by KV blocks (not by token count)."""
+    parts = [torch.full((t,), float(b) / max(t, 1)) for t, b in zip(tokens_per_request, kv_blocks_per_request)]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+class RouterStats:
+    """Router observer for `model.set_router_observer`: routing mass and per-expert input-norm features.
+
+    The observer sees the expert input x, so both blocks of an expert get features of x (the down block's input
+    is a function of it; residual heads are per block type and learn their own map). Set `token_weights` before a
+    batched forward to weight each token by its request's KV blocks (see `batch_token_weights`).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.token_weights: torch.Tensor | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        shape = (self.num_layers, self.num_experts)
+        self.mass = np.zeros(shape)  # sum of routing weights
+        self.norm_sum = np.zeros(shape)  # sum of r * |x|
+        self.norm2_sum = np.zeros(shape)  # sum of r * |x|^2
+        self.norm_max = np.zeros(shape)  # max |x| over tokens routed to the expert
+
+    @torch.no_grad()
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        ids = topk_ids.reshape(-1).long()
+        r = topk_weights.float()
+        if self.token_weights is not None:
+            r = r * self.token_weights.to(r.device, r.dtype)[:, None]
+        r = r.reshape(-1)
+        norm = x.float().norm(dim=-1).repeat_interleave(topk_ids.shape[1])
+        e = self.num_experts
+        sums = torch.zeros(3, e, device=x.device)
+        sums[0].index_add_(0, ids, r)
+        sums[1].index_add_(0, ids, r * norm)
+        sums[2].index_add_(0, ids, r * norm * norm)
+        mx = torch.zeros(e, device=x.device).scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
+        sums = sums.cpu().numpy()
+        self.mass[layer] += sums[0]
+        self.norm_sum[layer] += sums[1]
+        self.norm2_sum[layer] += sums[2]
+        self.norm_max[layer] = np.maximum(self.norm_max[layer], mx.cpu().numpy())
+
+    def routing_mass(self) -> np.ndarray:
+        return normalize_mass(self.mass)
+
+    def features(self) -> np.ndarray:
+        """phi [n_blocks, 3] = (routing-weighted mean |x|, routing-weighted RMS |x|, max |x|); 0 for unrouted."""
+        denom = np.where(self.mass > 0, self.mass, 1.0)
+        phi = np.stack([self.norm_sum / denom, np.sqrt(self.norm2_sum / denom), self.norm_max], axis=-1)
+        return np.repeat(phi.reshape(-1, N_FEATURES), 2, axis=0)
+
+
+@dataclass
+class ResidualHeads:
+    """Linear heads rho_hat = w . phi_t + a per (block type u, transition b->b'), phi_t = standardised log features.
+
+    Arrays are indexed [u, b, b'] (u: 0 gate_up, 1 down). confidence c in [0, 1]; c = 0 gives eta = 1 exactly.
+    """
+
+    weight: np.ndarray  # [2, P+1, P+1, 3]
+    bias: np.ndarray  # [2, P+1, P+1]
+    confidence: np.ndarray  # [2, P+1, P+1]
+    feat_mean: np.ndarray  # [3]
+    feat_scale: np.ndarray  # [3]
+
+    @classmethod
+    def zeros(cls, parent_bits: int) -> "ResidualHeads":
+        w = parent_bits + 1
+        return cls(np.zeros((2, w, w, N_FEATURES)), np.zeros((2, w, w)), np.zeros((2, w, w)),
+                   np.zeros(N_FEATURES), np.ones(N_FEATURES))
+
+    def transform(self, phi: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.add(np.asarray(phi, dtype=np.float64), _TINY, out=out)
+        np.log(out, out=out)
+        out -= self.feat_mean
+        out /= self.feat_scale
+        return out
+
+    def eta(self, kinds: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray, alpha: float,
+            clip: tuple[float, float]) -> np.ndarray:
+        """eta = exp(alpha * c * clip(rho_hat)) for each (block, transition) row (per-row reference form)."""
+        x = self.transform(phi)
+        rho = np.einsum("nf,nf->n", self.weight[kinds, b_from, b_to], x) + self.bias[kinds, b_from, b_to]
+        return np.exp(alpha * self.confidence[kinds, b_from, b_to] * np.clip(rho, clip[0], clip[1]))
+
+    def log_eta_columns(self, u: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray, alpha: float,
+                        clip: tuple[float, float], out: np.ndarray | None = None,
+                        x_out: np.ndarray | None = None) -> np.ndarray:
+        """log eta of every block under each of K transitions (u[k], b_from[k], b_to[k]): [n, K], one small matmul.
+
+        `out` [n, K] and `x_out` [n, 3] are optional scratch, so a caller running every step allocates nothing.
+        """
+        rho = np.matmul(self.transform(phi, x_out), self.weight[u, b_from, b_to].T, out=out)
+        rho += self.bias[u, b_from, b_to]
+        np.clip(rho, clip[0], clip[1], out=rho)
+        rho *= alpha * self.confidence[u, b_from, b_to]
+        return rho
+
+    @classmethod
+    def fit(cls, parent_bits: int, kinds: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray,
+            log_ratio: np.ndarray, ridge: float = 1e-2, min_samples: int = 8) -> "ResidualHeads":
+        """Ridge fit of each head on samples of log(measured damage / global estimate).
+
+        Confidence is the adjusted R^2 of the head's fit, clipped to [0, 1]; heads with fewer than `min_samples`
+        samples keep confidence 0 (they fall back to the global estimate).
+        """
+        heads = cls.zeros(parent_bits)
+        logphi = np.log(np.asarray(phi, dtype=np.float64) + _TINY)
+        heads.feat_mean = logphi.mean(axis=0)
+        heads.feat_scale = np.maximum(logphi.std(axis=0), 1e-6)
+        x = heads.transform(phi)
+        keys = np.stack([kinds, b_from, b_to], axis=1)
+        for key in np.unique(keys, axis=0):
+            sel = np.all(keys == key, axis=1)
+            m = int(sel.sum())
+            if m < min_samples:
+                continue
+            xs = np.concatenate([x[sel], np.ones((m, 1))], axis=1)
+            y = log_ratio[sel]
+            reg = ridge * np.eye(N_FEATURES + 1)
+            reg[-1, -1] = 0.0
+            coef = np.linalg.solve(xs.T @ xs + m * reg, xs.T @ y)
+            sse = float(((xs @ coef - y) ** 2).sum())
+            sst = float(((y - y.mean()) ** 2).sum())
+            r2 = 1.0 - sse / sst if sst > 0 else 0.0
+            adj = 1.0 - (1.0 - r2) * (m - 1) / max(m - N_FEATURES - 1, 1)
+            u, a, b = (int(k) for k in key)
+            heads.weight[u, a, b] = coef[:N_FEATURES]
+            heads.bias[u, a, b] = coef[N_FEATURES]
+            heads.confidence[u, a, b] = float(np.clip(adj, 0.0, 1.0))
+        return heads
+
+    def to_dict(self) -> dict:
+        return {k: np.asarray(getattr(self, k), dtype=np.float64).tolist()
+                for k in ("weight", "bias", "confidence", "feat_mean", "feat_scale")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ResidualHeads":
+        return cls(**{k: np.asarray(v, dtype=np.float64) for k, v in d.items()})
