@@ -1,0 +1,345 @@
+"""Fused bit-plane MoE kernels on the GPU: correctness vs the torch twin, CUDA-graph table updates, and speed.
+
+Sections (each appends rows; the JSON is rewritten after each so a cut-short run still leaves its results):
+  correctness  moe_forward vs moe_forward_reference on fresh random inputs, random mixed widths, fp16 and bf16,
+               decode (T <= 64) and prefill (T > 64) paths.
+  graph        one capture; q, plane offsets and LUT offsets rewritten in the device tables between replays;
+               each replay checked against the reference with the new tables (no recapture).
+  speed        per-layer MoE time under CUDA graphs for Qwen1.5-MoE / Mixtral-8x7B / Qwen3-30B-A3B expert shapes,
+               T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
+               than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
+               device-to-device copy ceiling measured in the same run.
+Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
+from pagedweight.bitplanes import lut_bytes, plane_bytes  # noqa: E402
+from pagedweight.cuda.moe_kernels import moe_forward  # noqa: E402
+from pagedweight.cuda.reference import moe_forward_reference  # noqa: E402
+from pagedweight.cuda.synthetic import build_synthetic_moe  # noqa: E402
+
+SHAPES = {  # name: (E, D, F, top_k)
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+}
+P, SEED_BITS = 8, 3
+ROUTING_SETS = 8
+DEV = "cuda"
+ROWS: list[dict] = []
+CEIL: dict = {}
+STATE = {"t0": time.time()}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - STATE['t0']:7.1f}s] {msg}", flush=True)
+
+
+def save(cmd: str) -> None:
+    write_result("moe_kernel_bench", ROWS, command=cmd, ceilings=CEIL)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.rand(T, E, generator=gen, device=DEV)
+    w, ids = scores.topk(k, dim=1)
+    return ids.to(torch.int32), torch.softmax(w * 4, dim=1)
+
+
+def time_cycle(fns: list, reps: int = 12, warm: int = 3) -> float:
+    """Median µs per call of a round-robin over fns (each replay touches other weights: no L2 reuse)."""
+    for _ in range(warm):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for f in fns:
+            f()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def copy_ceiling() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    us = time_cycle([lambda: dst.copy_(src)], reps=10)
+    del src, dst
+    return 2 * (2 << 30) / (us * 1e-6) / 1e12
+
+
+# ------------------------------------------------------------------------------------------- correctness
+
+def correctness(quick: bool) -> None:
+    E, D, F, k = 8, 1024, 704, 4
+    moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=11)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    gcpu = torch.Generator().manual_seed(6)
+    for T in ([1, 16, 80] if quick else [1, 4, 16, 64, 80]):
+        for dtype in (torch.float16, torch.bfloat16):
+            q = torch.randint(SEED_BITS, P + 1, (E, 2), generator=gcpu)
+            qd, po, lo = moe.tables(q)
+            hidden = torch.randn(T, D, generator=gen, device=DEV).to(dtype)
+            ids, w = routing(T, E, k, gen)
+            args = (hidden, ids, w, moe.pool_words, moe.pool_halves, qd, po, lo, D, F, P)
+            out = moe_forward(*args)
+            torch.cuda.synchronize()
+            ref = moe_forward_reference(*args)
+            err = rel(out, ref)
+            ok = bool(torch.isfinite(out).all()) and out.dtype == dtype and err <= 1e-2
+            ROWS.append(dict(section="correctness", T=T, k=k, D=D, F=F, dtype=str(dtype).split(".")[-1],
+                             path="decode" if T <= 64 else "prefill", rel_err=err, passed=ok))
+            log(f"correctness T={T} {dtype}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+
+
+def graph_test() -> None:
+    E, D, F, k, T = 8, 1024, 512, 2, 4
+    moe = build_synthetic_moe(2 * E, D, F, P, SEED_BITS, device=DEV, seed=12)  # second half: where blocks "move"
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    gcpu = torch.Generator().manual_seed(8)
+    q0 = torch.full((E, 2), P)
+    qd, _, lo_all = moe.tables(torch.cat([q0, q0]))
+    q_dev = qd[:E].clone()
+    po_dev = moe.plane_off[:E].clone().to(DEV)
+    lo_dev = lo_all[:E].clone()
+    hidden = torch.randn(T, D, generator=gen, device=DEV).half()
+    ids, w = routing(T, E, k, gen)
+    args = (hidden, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
+    moe_forward(*args)  # warm-up: compile and load outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_forward(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(*args)
+    for step in range(4):
+        if step:
+            q = torch.randint(SEED_BITS, P + 1, (E, 2), generator=gcpu)
+            src = torch.randint(0, 2 * E, (E, 2, P), generator=gcpu)  # each plane from any block of the pool
+            po_dev.copy_(moe.plane_off[src, torch.arange(2).view(1, 2, 1), torch.arange(P)])
+            lsrc = torch.randint(0, 2 * E, (E, 2), generator=gcpu)
+            lo_dev.copy_(moe.lut_offs[lsrc, torch.arange(2).view(1, 2), q].to(DEV))
+            q_dev.copy_(q.to(torch.int32))
+            hidden.copy_(torch.randn(T, D, generator=gen, device=DEV))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_forward_reference(*args)
+        err = rel(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err <= 1e-2
+        ROWS.append(dict(section="graph", step=step, T=T, rel_err=err, passed=ok,
+                         q_hist=torch.bincount(q_dev.flatten().long().cpu(), minlength=P + 1).tolist()))
+        log(f"graph replay {step}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+
+
+# ------------------------------------------------------------------------------------------------ speed
+
+_KEEP: list = []  # closures of captured steps: their tensors (index lists, outputs) must outlive the graphs
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    _KEEP.append(fn)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def fp16_expert_step(hidden, ids, w, wgu, wd, F):
+    """Per-expert cuBLAS path (groups known on the host at capture time)."""
+    T, k = ids.shape
+    out = torch.zeros(T, wd.shape[1], dtype=torch.float32, device=DEV)
+    groups = []
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        groups.append((e, tok, w[tok, slot].float().unsqueeze(1)))
+
+    def run():
+        out.zero_()
+        for e, tok, ww in groups:
+            h = hidden.index_select(0, tok) @ wgu[e].t()
+            y = (tf.silu(h[:, :F]) * h[:, F:]) @ wd[e].t()
+            out.index_add_(0, tok, y.float() * ww)
+        return out
+    return run
+
+
+def grouped_step(hidden, ids, w, wgu_t, wd_t, F, E):
+    """torch._grouped_mm (bf16): pairs sorted by expert on the device, offsets by a cumulative count."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).long()
+
+    def run():
+        order = torch.argsort(flat)
+        counts = torch.zeros(E, dtype=torch.int32, device=DEV).scatter_add_(0, flat, torch.ones_like(flat,
+                                                                                                  dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        x = hidden.index_select(0, order // k)
+        h = torch._grouped_mm(x, wgu_t, offs=offs)
+        a = (tf.silu(h[:, :F]) * h[:, F:]).to(torch.bfloat16)
+        y = torch._grouped_mm(a, wd_t, offs=offs)
+        return torch.zeros(T, y.shape[1], device=DEV, dtype=torch.float32).index_add_(
+            0, order // k, y.float() * w.reshape(-1)[order].unsqueeze(1))
+    return run
+
+
+def block_bytes(D: int, F: int, qg: int, qd: int) -> int:
+    return (qg * plane_bytes(2 * F, D) + lut_bytes(2 * F, qg)) + (qd * plane_bytes(D, F) + lut_bytes(D, qd))
+
+
+def speed(quick: bool, shapes: list[str]) -> None:
+    plans = {"w4": 4, "w8": 8, "mixed": None} if quick else {"w3": 3, "w4": 4, "w6": 6, "w8": 8, "mixed": None}
+    for name in shapes:
+        shape = SHAPES[name]
+        try:
+            speed_shape(name, *shape, plans=plans, quick=quick)
+        except Exception as exc:  # noqa: BLE001 - one shape failing must not hide the others
+            ROWS.append(dict(section="speed", shape=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"{name}: FAILED {type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache()
+        save(CMD)
+
+
+def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: bool) -> None:
+    t_build = time.time()
+    moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
+    log(f"{name}: pool {moe.pool.numel() / 2**30:.2f} GiB built in {time.time() - t_build:.1f}s")
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    gcpu = torch.Generator().manual_seed(4)
+    q_dev, po_dev, lo_dev = moe.tables(torch.full((E, 2), 4))
+    wgu = torch.randn(E, 2 * F, D, device=DEV, dtype=torch.float16) / D ** 0.5
+    wd = torch.randn(E, D, F, device=DEV, dtype=torch.float16) / F ** 0.5
+    mixed_q = torch.tensor([3, 4, 5, 6, 8])[torch.randint(0, 5, (E, 2), generator=gcpu)]
+    for T in ([1, 4, 16] if quick else [1, 4, 16, 64]):
+        sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
+        hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
+        graphs = [capture(lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
+                                                        po_dev, lo_dev, D, F, P)) for h, s in zip(hiddens, sets)]
+        fp16 = [capture(fp16_expert_step(h, s[0], s[1], wgu, wd, F)) for h, s in zip(hiddens, sets)]
+        us_fp16 = time_cycle([g.replay for g in fp16])
+        active = [torch.unique(s[0]).tolist() for s in sets]
+        fp16_bytes = statistics.mean(len(a) * 2 * (3 * F * D) for a in active)
+        us_grouped, grouped_err = None, None
+        try:
+            wgu_t = wgu.to(torch.bfloat16).transpose(1, 2)  # [E, D, 2F], column-major per expert
+            wd_t = wd.to(torch.bfloat16).transpose(1, 2)
+            grouped = [capture(grouped_step(h.to(torch.bfloat16), s[0], s[1], wgu_t, wd_t, F, E))
+                       for h, s in zip(hiddens, sets)]
+            us_grouped = time_cycle([g.replay for g in grouped])
+            del wgu_t, wd_t, grouped
+        except Exception as exc:  # noqa: BLE001 - recorded, not hidden
+            grouped_err = f"{type(exc).__name__}: {str(exc)[:160]}"
+        for plan, width in plans.items():
+            q = mixed_q if width is None else torch.full((E, 2), width)
+            moe.write_tables(q, q_dev, lo_dev)
+            us = time_cycle([g.replay for g in graphs])
+            nbytes = statistics.mean(sum(block_bytes(D, F, int(q[e, 0]), int(q[e, 1])) for e in a) for a in active)
+            tbs = nbytes / (us * 1e-6) / 1e12
+            row = dict(section="speed", shape=name, E=E, D=D, F=F, top_k=k, T=T, plan=plan, dtype="float16",
+                       active_experts=statistics.mean(len(a) for a in active), us=us, bytes_read=nbytes,
+                       tb_per_s=tbs, frac_of_copy_ceiling=tbs / CEIL["copy_tb_per_s"],
+                       us_fp16_cublas_graph=us_fp16, fp16_bytes=fp16_bytes,
+                       fp16_frac_of_copy_ceiling=fp16_bytes / (us_fp16 * 1e-6) / 1e12 / CEIL["copy_tb_per_s"],
+                       speedup_vs_fp16=us_fp16 / us, us_grouped_mm_bf16_graph=us_grouped,
+                       speedup_vs_grouped=(us_grouped / us) if us_grouped else None, grouped_error=grouped_err)
+            ROWS.append(row)
+            log(f"{name} T={T} {plan}: {us:.1f} us, {tbs:.2f} TB/s ({row['frac_of_copy_ceiling']:.0%}), "
+                f"fp16 {us_fp16:.1f} us (x{us_fp16 / us:.2f}), grouped {us_grouped}")
+        del graphs, fp16
+        _KEEP.clear()
+    # prefill: dequantize + tensor-core GEMMs vs the decode kernel at T = 64, and T = 256 (prefill only)
+    moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)
+    for T in (64, 256):
+        ids, w = routing(T, E, k, gen)
+        h = torch.randn(T, D, generator=gen, device=DEV).half()
+        args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
+        from pagedweight.cuda import moe_kernels as mk
+        us_pre = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
+        us_dec = time_cycle([lambda: moe_forward(*args)], reps=5, warm=1) if T <= 64 else None
+        ROWS.append(dict(section="prefill", shape=name, T=T, plan="w4", us_prefill_path_eager=us_pre,
+                         us_decode_kernel_eager=us_dec))
+        log(f"{name} prefill T={T}: dequant+GEMM {us_pre:.0f} us, decode kernel {us_dec} us (eager)")
+    del moe, wgu, wd
+
+
+def table() -> None:
+    print("\nshape              T  plan    us    TB/s  frac  fp16us  x_fp16  grouped_us")
+    for r in ROWS:
+        if r["section"] == "speed" and "error" not in r:
+            g = f"{r['us_grouped_mm_bf16_graph']:.1f}" if r["us_grouped_mm_bf16_graph"] else "-"
+            print(f"{r['shape'][:18]:18s} {r['T']:2d} {r['plan']:5s} {r['us']:7.1f} {r['tb_per_s']:5.2f} "
+                  f"{r['frac_of_copy_ceiling']:5.0%} {r['us_fp16_cublas_graph']:7.1f} {r['speedup_vs_fp16']:6.2f} {g}")
+    bad = [r for r in ROWS if r["section"] in ("correctness", "graph") and not r["passed"]]
+    print(f"correctness+graph checks: {sum(r['section'] in ('correctness', 'graph') for r in ROWS)} run, "
+          f"{len(bad)} failed; copy ceiling {CEIL.get('copy_tb_per_s', 0):.2f} TB/s")
+
+
+CMD = "python benchmarks/moe_kernel_bench.py"
+
+
+def main() -> int:
+    global CMD
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer T values and checks")
+    ap.add_argument("--sections", default="correctness,graph,speed")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    a = ap.parse_args()
+    CMD = ("python benchmarks/moe_kernel_bench.py" + (" --quick" if a.quick else "")
+           + f" --sections {a.sections} --shapes {a.shapes}")
+    torch.manual_seed(0)
+    CEIL["copy_tb_per_s"] = copy_ceiling()
+    CEIL["device"] = torch.cuda.get_device_name(0)
+    log(f"copy ceiling {CEIL['copy_tb_per_s']:.2f} TB/s")
+    t = time.time()
+    moe = build_synthetic_moe(2, 256, 128, P, SEED_BITS, device=DEV)
+    qd, po, lo = moe.tables(torch.full((2, 2), 4))
+    moe_forward(torch.randn(1, 256, device=DEV).half(), torch.tensor([[0, 1]], dtype=torch.int32, device=DEV),
+                torch.ones(1, 2, device=DEV), moe.pool_words, moe.pool_halves, qd, po, lo, 256, 128, P)
+    torch.cuda.synchronize()
+    CEIL["first_call_compile_s"] = time.time() - t
+    log(f"first call (Numba compile) {CEIL['first_call_compile_s']:.1f}s")
+    sections = a.sections.split(",")
+    for sec, fn in (("correctness", lambda: correctness(a.quick)), ("graph", graph_test)):
+        if sec in sections:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - recorded as a failed check
+                ROWS.append(dict(section=sec, passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
+            save(CMD)
+    if "speed" in sections:
+        speed(a.quick, a.shapes.split(","))
+    save(CMD)
+    table()
+    return 0 if all(r.get("passed", True) for r in ROWS) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Import `numba.cuda` safely; every kernel module imports it from here.
+
+Two traps (GPU.md): numba-cuda 0.30.4 calls `np.row_stack`, gone in numpy 2.5, so alias it first; and this
+repository's `cuda/` folder (imported as `pagedweight.cuda`) shadows NVIDIA's `cuda` namespace package whenever
+the repository root is on sys.path (`python -m pytest` from the root puts it there), and numba-cuda then refuses
+to import. The root entry is hidden only while NVIDIA's package is imported; afterwards `sys.modules["cuda"]` is
+NVIDIA's and later lookups never see the folder again.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack  # numba-cuda#907
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _is_repo_root(entry: str) -> bool:
+    try:
+        return Path(entry or os.getcwd()).resolve() == _REPO
+    except OSError:
+        return False
+
+
+def _import_nvidia_cuda() -> None:
+    mod = sys.modules.get("cuda")
+    if mod is not None and Path(getattr(mod, "__file__", None) or "/").resolve().parent != _REPO / "cuda":
+        return
+    sys.modules.pop("cuda", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if not _is_repo_root(p)]
+    try:
+        importlib.import_module("cuda.bindings")
+    finally:
+        sys.path[:] = saved
+
+
+_import_nvidia_cuda()
+
+from numba import cuda  # noqa: E402
+
+SIMULATOR: bool = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
+
+__all__ = ["cuda", "SIMULATOR"]

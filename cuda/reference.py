@@ -1,0 +1,36 @@
+"""Torch reference twins of the MoE kernels: same signatures, any device, float32, via bitplanes.dequantize."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as tf
+
+from pagedweight.bitplanes import dequantize, num_words
+
+
+def block_weight(pool_words: torch.Tensor, pool_halves: torch.Tensor, b: int, poff: torch.Tensor, lo: int,
+                 N: int, K: int) -> torch.Tensor:
+    """float32 [N, K] of one block at width b, read from the pool at the table's offsets."""
+    W = num_words(K)
+    words = pool_words.view(torch.int32)
+    planes = torch.stack([words[int(o):int(o) + W * N].view(W, N) for o in poff[:b].tolist()]).view(torch.uint32)
+    lut = pool_halves[lo:lo + (1 << b) * N].view(1 << b, N)
+    return dequantize(planes, lut, b, K)
+
+
+def moe_forward_reference(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          pool_words: torch.Tensor, pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor,
+                          lut_off: torch.Tensor, D: int, F: int, P: int) -> torch.Tensor:
+    """Twin of `moe_forward`: out[t] = sum_k w[t,k] * down_e @ (silu(gate_e @ x) * up_e @ x), e = ids[t,k]."""
+    T, k = topk_ids.shape
+    x = hidden.float()
+    out = torch.zeros(T, D, dtype=torch.float32, device=hidden.device)
+    q_h, lut_h = q.cpu(), lut_off.cpu()
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        w_gu = block_weight(pool_words, pool_halves, int(q_h[e, 0]), plane_off[e, 0].cpu(), int(lut_h[e, 0]), 2 * F, D)
+        w_d = block_weight(pool_words, pool_halves, int(q_h[e, 1]), plane_off[e, 1].cpu(), int(lut_h[e, 1]), D, F)
+        h = x[tok] @ w_gu.to(x.device).t()
+        y = (tf.silu(h[:, :F]) * h[:, F:]) @ w_d.to(x.device).t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out.to(hidden.dtype)
