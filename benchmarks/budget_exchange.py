@@ -1,0 +1,184 @@
+"""Issue 6 item 2: one budget for weights and KV, in real bytes.
+
+After an offload that frees D bytes the KV cache can allocate exactly floor(D / B_KV) more blocks, and
+`torch.cuda.max_memory_reserved` does not grow; after a reload the reverse. Synthetic expert blocks (SPEC.md byte
+formulas), a real page store in /dev/shm, the real pool/table/mover. Runs on CUDA when present, else on CPU.
+
+    python -m benchmarks.budget_exchange                      # H200 defaults
+    python -m benchmarks.budget_exchange --tiny --device cpu  # seconds, on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks.common import write_result
+from pagedweight.mover import PageMover
+from pagedweight.page_store import PageStore, write_planes_file
+from pagedweight.page_table import WeightPageTable, expert_block_specs
+from pagedweight.pool import PagePool
+
+GIB = 1 << 30
+
+
+@dataclass
+class Rig:
+    """A pool + page table + mover over a synthetic page store (shared by both page benchmarks)."""
+
+    pool: PagePool
+    table: WeightPageTable
+    mover: PageMover
+    store: PageStore
+    tmp: Path
+
+    def close(self) -> None:
+        self.store.close()
+        PageStore.destroy(self.tmp / "store")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _store_dir(specs, parent_bits: int) -> str | None:
+    """/dev/shm when it has room for the source file and the store (containers often give it 64 MiB)."""
+    need = 2.2 * sum(parent_bits * s.plane_bytes + sum(s.lut_bytes.values()) for s in specs)
+    if os.access("/dev/shm", os.W_OK):
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > need:
+            return "/dev/shm"
+    return None
+
+
+def make_rig(device: str, budget: int, page_bytes: int, layers: int, experts: int, hidden: int, inter: int,
+             parent_bits: int, seed_bits: int, lut_reserve_pages: int | None = None) -> Rig:
+    specs = expert_block_specs(layers, experts, hidden, inter, parent_bits, seed_bits)
+    tmp = Path(tempfile.mkdtemp(prefix=f"pw-bench-{uuid.uuid4().hex[:6]}-", dir=_store_dir(specs, parent_bits)))
+    records = write_planes_file(tmp / "planes.bin", [(s.plane_bytes, s.lut_bytes) for s in specs], parent_bits)
+    store = PageStore.create(tmp / "store", tmp / "planes.bin", records)
+    (tmp / "planes.bin").unlink()  # the source is not needed once the store holds every plane
+    try:
+        store.pin()
+    except RuntimeError as e:  # reported as store_pinned=False; reloads then run at pageable speed
+        print(f"page store not pinned: {e}")
+    pool = PagePool(budget, page_bytes, device=device)
+    table = WeightPageTable(specs, layers, experts, parent_bits, pool)
+    mover = PageMover(table, store, lut_reserve_pages=lut_reserve_pages)
+    return Rig(pool, table, mover, store, tmp)
+
+
+def drive(mover: PageMover, targets: dict[int, int], step: Callable[[], None] | None = None,
+          until: Callable[[], bool] | None = None, timeout_s: float = 300.0) -> int:
+    """Run steps (boundary, optional work, end_step), re-requesting moves the pool refused, until every target is
+    committed and every retired page freed (or `until()` holds). Returns the number of steps."""
+    rows = mover.table.rows
+    deadline, n = time.perf_counter() + timeout_s, 0
+    while time.perf_counter() < deadline:
+        for i, b in targets.items():
+            if rows[i].q != b and not mover.pending(i):
+                mover.request(i, b)
+        mover.boundary()
+        if until() if until is not None else (mover.idle() and all(rows[i].q == b for i, b in targets.items())):
+            return n
+        if step is not None:
+            step()
+        mover.end_step()
+        n += 1
+    raise RuntimeError(f"moves did not finish in {timeout_s} s")
+
+
+def _kv_write(pool: PagePool, blocks: list[int], value: int) -> None:
+    pool.kv_blocks_view().index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=pool.device), value)
+
+
+def _reserved() -> int:
+    return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
+
+
+def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts: int, hidden: int, inter: int,
+                 parent_bits: int, seed_bits: int, offload_frac: float = 0.5) -> list[dict]:
+    """Load all blocks at P, fill KV, offload a fraction to the seed width, refill KV, reload: one row per phase."""
+    rig = make_rig(device, budget, page_bytes, layers, experts, hidden, inter, parent_bits, seed_bits)
+    pool, table, mover = rig.pool, rig.table, rig.mover
+    n = len(table.rows)
+    rows: list[dict] = []
+    try:
+        drive(mover, {i: parent_bits for i in range(n)})
+        kv = pool.alloc_kv_blocks(pool.kv_capacity())
+        _kv_write(pool, kv, 1)  # KV writes: the blocks are real memory
+        reserved0 = _reserved()
+
+        def row(phase: str, freed: int, expected: int, got: int, ms: float) -> dict:
+            return {"phase": phase, "weight_bytes": pool.bytes_of(pool.weight_pages), "kv_blocks": len(kv),
+                    "kv_block_bytes": pool.kv_block_bytes, "freed_bytes": freed, "expected_new_kv_blocks": expected,
+                    "new_kv_blocks": got, "max_reserved_gib": _reserved() / GIB,
+                    "reserved_growth_bytes": _reserved() - reserved0, "ms": ms}
+
+        rows.append(row("loaded", 0, 0, 0, 0.0))
+        chosen = sorted(random.Random(0).sample(range(n), max(1, int(n * offload_frac))))  # gate_up and down
+        w0 = pool.weight_pages
+        t = time.perf_counter()
+        drive(mover, {i: seed_bits for i in chosen})
+        ms = (time.perf_counter() - t) * 1e3
+        freed = pool.bytes_of(w0 - pool.weight_pages)
+        want = sum(table.memory(i, parent_bits) - table.memory(i, seed_bits) for i in chosen)
+        assert freed == want, f"freed {freed} B, M_i^b predicts {want} B"
+        expected = freed // pool.kv_block_bytes
+        got = pool.kv_capacity()
+        new = pool.alloc_kv_blocks(got)
+        _kv_write(pool, new, 2)
+        kv += new
+        rows.append(row("offload", freed, expected, got, ms))
+        assert got == expected and _reserved() == reserved0, rows[-1]
+
+        pool.free_kv_blocks(new)
+        kv = kv[:len(kv) - len(new)]
+        w1 = pool.weight_pages
+        t = time.perf_counter()
+        drive(mover, {i: parent_bits for i in chosen})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        taken = pool.bytes_of(pool.weight_pages - w1)
+        rows.append(row("reload", -taken, -(taken // pool.kv_block_bytes), -len(new), ms))
+        assert taken == freed and pool.kv_capacity() == 0 and _reserved() == reserved0, rows[-1]
+        for i in chosen[:8]:  # reloaded bytes equal the store's
+            for p in range(parent_bits):
+                s = table.rows[i].planes[p]
+                got_bytes = pool.page_view(s.page, table.rows[i].spec.plane_bytes).cpu()
+                assert torch.equal(got_bytes, rig.store.tensor(i, "plane", p)), f"block {i} plane {p} differs"
+    finally:
+        rig.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--page-kib", type=int, default=64, help="page = one KV block")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        shape = dict(layers=2, experts=4, hidden=64, inter=32, parent_bits=4, seed_bits=2)
+        budget, page = 160 * 1024, 1024
+    else:  # Qwen1.5-MoE-A2.7B expert shapes, 4 layers (2.0 GiB of planes at 8 bits)
+        shape = dict(layers=4, experts=60, hidden=2048, inter=1408, parent_bits=8, seed_bits=3)
+        budget, page = int(args.budget_gib * GIB), args.page_kib * 1024
+    rows = run_exchange(args.device, budget, page, **shape)
+    for r in rows:
+        print(r)
+    print(write_result("budget_exchange", rows, ceilings={}, extra={"shape": shape, "budget_bytes": budget,
+                                                                      "page_bytes": page}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Node page store: the CPU copy of every plane and LUT, written once into shared memory, mapped by every engine.
+
+Why: reloads need a pinned host source, and pinning a private copy per GPU process would cost one copy of the
+model per GPU. Here one page-aligned file on tmpfs (/dev/shm) holds every plane/LUT at a 4096-byte-aligned
+offset, indexed by msgpack; each engine maps it read-only (MAP_SHARED, so all processes share the same physical
+pages), and pins the mapping in place with cudaHostRegister(ReadOnly) — never `tensor.pin_memory()`, which copies.
+The store is plain files, not `multiprocessing.shared_memory`, so no resource tracker can unlink it when a reader
+exits: only `PageStore.destroy` removes it.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import torch
+
+ALIGN = 4096
+FORMAT_VERSION = 1
+CUDA_HOST_REGISTER_READ_ONLY = 8
+WHAT = ("plane", "lut")
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where one plane (idx = plane p) or LUT (idx = width b) of block `block` lies in a source file."""
+
+    block: int
+    what: str  # "plane" | "lut"
+    idx: int
+    offset: int
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class PageStore:
+    """Read-only mapping of a store directory (`pages.bin` + `index.msgpack`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        index = msgpack.unpackb((self.path / "index.msgpack").read_bytes())
+        if index["version"] != FORMAT_VERSION:
+            raise ValueError(f"page store format {index['version']} != {FORMAT_VERSION}")
+        self.nbytes = index["nbytes"]
+        self._entries = {(b, w, i): (off, n) for b, w, i, off, n in index["entries"]}
+        fd = os.open(self.path / "pages.bin", os.O_RDONLY)
+        try:
+            self._mm = mmap.mmap(fd, max(self.nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)  # read-only view
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, by design
+            warnings.simplefilter("ignore", UserWarning)
+            self._tensor = torch.from_numpy(self.array)
+        self.pinned = False
+
+    # ---- creation (once per node) ----
+    @classmethod
+    def create(cls, path: str | os.PathLike, source: str | os.PathLike, records: list[Record]) -> PageStore:
+        """Copy `records` from `source` into a new store at `path`, or open it if a complete store is there.
+
+        Creation is serialized by a file lock, so several engines of a node racing here write it once; the index
+        is renamed into place last, so a store with an index is complete.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / "index.msgpack").exists():
+                cls._write(path, Path(source), records)
+        return cls(path)
+
+    @staticmethod
+    def _write(path: Path, source: Path, records: list[Record]) -> None:
+        entries, pos = [], 0
+        for r in records:
+            if r.what not in WHAT:
+                raise ValueError(f"record kind {r.what!r} not in {WHAT}")
+            entries.append([r.block, r.what, r.idx, pos, r.nbytes])
+            pos = _align(pos + r.nbytes)
+        if len({tuple(e[:3]) for e in entries}) != len(entries):
+            raise ValueError("duplicate (block, what, idx) records")
+        tmp = path / "pages.bin.tmp"
+        with open(source, "rb") as src, open(tmp, "wb") as dst:
+            src_size = os.fstat(src.fileno()).st_size
+            for r, e in zip(records, entries):  # plain writes: a full tmpfs raises ENOSPC instead of SIGBUS
+                if r.offset < 0 or r.offset + r.nbytes > src_size:
+                    raise ValueError(f"record {r} outside the source file ({src_size} B)")
+                src.seek(r.offset)
+                dst.seek(e[3])
+                dst.write(src.read(r.nbytes))
+            dst.truncate(pos)
+        os.replace(tmp, path / "pages.bin")
+        index = {"version": FORMAT_VERSION, "align": ALIGN, "nbytes": pos, "source": str(source),
+                 "entries": entries}
+        (path / "index.msgpack.tmp").write_bytes(msgpack.packb(index))
+        os.replace(path / "index.msgpack.tmp", path / "index.msgpack")
+
+    @staticmethod
+    def destroy(path: str | os.PathLike) -> None:
+        """Remove the store (mappings that are still open keep their pages until they close)."""
+        path = Path(path)
+        for name in ("index.msgpack", "pages.bin", "pages.bin.tmp", "index.msgpack.tmp", ".lock"):
+            (path / name).unlink(missing_ok=True)
+        path.rmdir()
+
+    # ---- views ----
+    def keys(self) -> list[tuple[int, str, int]]:
+        return list(self._entries)
+
+    def extent(self, block: int, what: str, idx: int) -> tuple[int, int]:
+        """(offset, nbytes) inside pages.bin."""
+        return self._entries[(block, what, idx)]
+
+    def view(self, block: int, what: str, idx: int) -> np.ndarray:
+        """Zero-copy read-only numpy uint8 view."""
+        off, n = self._entries[(block, what, idx)]
+        return self.array[off:off + n]
+
+    def tensor(self, block: int, what: str, idx: int) -> torch.Tensor:
+        """Zero-copy CPU uint8 tensor (the source of reload copies; pinned once `pin` ran)."""
+        off, n = self._entries[(block, what, idx)]
+        return self._tensor[off:off + n]
+
+    def arrow(self, block: int, what: str, idx: int) -> pa.Buffer:
+        """Zero-copy Arrow buffer."""
+        off, n = self._entries[(block, what, idx)]
+        return pa.py_buffer(self._mm)[off:off + n]
+
+    # ---- pinning ----
+    def pin(self) -> bool:
+        """Page-lock the mapping in place (ReadOnly flag: the mapping is PROT_READ); False without CUDA."""
+        if self.pinned or not torch.cuda.is_available() or self.nbytes == 0:
+            return self.pinned
+        err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.nbytes, CUDA_HOST_REGISTER_READ_ONLY)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister(ReadOnly) failed: {err}")
+        self.pinned = True
+        return True
+
+    def close(self) -> None:
+        """Unpin and unmap; views still alive keep the mapping until they go. The store itself stays."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.pinned = False
+        del self._tensor, self.array
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def write_planes_file(path: str | os.PathLike, block_sizes: list[tuple[int, dict[int, int]]], parent_bits: int,
+                      seed: int = 0) -> list[Record]:
+    """Write random planes/LUTs laid out like an AP checkpoint's planes.bin (4096-aligned); return their records.
+
+    `block_sizes[i] = (plane_bytes, {width: lut_bytes})`. Synthetic input for tests and benchmarks, until a real
+    checkpoint's `load_ap` supplies the records.
+    """
+    rng = np.random.default_rng(seed)
+    records, pos = [], 0
+    with open(path, "wb") as f:
+        for i, (plane_bytes, luts) in enumerate(block_sizes):
+            for what, idx, n in [("plane", p, plane_bytes) for p in range(parent_bits)] + \
+                                [("lut", b, nb) for b, nb in sorted(luts.items())]:
+                f.seek(pos)
+                f.write(rng.bytes(n))
+                records.append(Record(i, what, idx, pos, n))
+                pos = _align(pos + n)
+        f.truncate(pos)
+    return records

@@ -1,0 +1,255 @@
+"""One GPU memory budget: a preallocated byte pool cut in fixed pages, shared by weight pages and KV blocks.
+
+Why one pool (DESIGN.md §4): a byte freed from weights must be a byte the KV cache can use for real. The pool
+is allocated once, so `torch.cuda.max_memory_reserved` cannot grow when weights and KV trade pages, and kernels
+address weights by offsets into the pool (device tables), which keeps captured CUDA graphs valid.
+
+Layout: weight runs (planes, LUTs) are taken best-fit (lowest first) from the low end, KV blocks from the high end,
+so the two kinds meet in the middle and small LUT runs do not split the large holes a reload needs. Accounting is
+in whole pages: bytes = pages x page_bytes.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+PAGE_ALIGN = 256  # page sizes are multiples of this, so every page starts word- and half-aligned
+
+
+class PoolExhausted(RuntimeError):
+    """No room for the requested pages within the budget (or no contiguous run long enough)."""
+
+
+@dataclass
+class Allocation:
+    start: int  # first page
+    npages: int
+    tag: str  # "weight" | "kv"
+
+
+def resolve_budget(gpu_memory_budget: int | float, device: torch.device | str) -> int:
+    """Budget in bytes: an int is bytes; a float in (0, 1] is a fraction of the device's total memory."""
+    if isinstance(gpu_memory_budget, float):
+        if not 0.0 < gpu_memory_budget <= 1.0:
+            raise ValueError(f"fractional budget must be in (0, 1], got {gpu_memory_budget}")
+        device = torch.device(device)
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(total * gpu_memory_budget)
+    if gpu_memory_budget <= 0:
+        raise ValueError("budget must be positive")
+    return int(gpu_memory_budget)
+
+
+@dataclass
+class PagePool:
+    """Fixed-page byte pool; `capacity_pages` are allocated once, `budget_pages` of them may be in use."""
+
+    gpu_memory_budget: int | float
+    page_bytes: int
+    kv_block_bytes: int | None = None  # default: one page per KV block
+    device: torch.device | str = "cpu"
+    data: torch.Tensor = field(init=False, repr=False)
+    _free_starts: list[int] = field(init=False, repr=False)  # sorted starts of free extents
+    _free_len: dict[int, int] = field(init=False, repr=False)  # start -> length of free extent
+    _allocs: dict[int, Allocation] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGN:
+            raise ValueError(f"page_bytes must be a positive multiple of {PAGE_ALIGN}")
+        self.device = torch.device(self.device)
+        budget = resolve_budget(self.gpu_memory_budget, self.device)
+        self.capacity_pages = budget // self.page_bytes
+        if self.capacity_pages == 0:
+            raise ValueError("budget smaller than one page")
+        self.budget_pages = self.capacity_pages
+        self.kv_block_bytes = self.kv_block_bytes or self.page_bytes
+        self.pages_per_kv = -(-self.kv_block_bytes // self.page_bytes)
+        self.reserve_pages = 0  # held back from KV and ordinary weight runs (see alloc_run)
+        self.data = torch.empty(self.capacity_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
+        self._free_starts = [0]
+        self._free_len = {0: self.capacity_pages}
+        self._allocs = {}
+        self.weight_pages = 0
+        self.kv_pages = 0
+
+    # ---- views the kernels and the KV cache read ----
+    @property
+    def words(self) -> torch.Tensor:
+        """The pool as uint32 words (plane_off is in these units)."""
+        return self.data.view(torch.uint32)
+
+    @property
+    def halves(self) -> torch.Tensor:
+        """The pool as float16 halves (lut_off is in these units)."""
+        return self.data.view(torch.float16)
+
+    def page_view(self, start: int, nbytes: int) -> torch.Tensor:
+        """uint8 view of `nbytes` from page `start`."""
+        off = start * self.page_bytes
+        return self.data[off:off + nbytes]
+
+    def kv_block_view(self, block: int) -> torch.Tensor:
+        """uint8 view of KV block `block` (a block id is its first page)."""
+        a = self._allocs.get(block)
+        if a is None or a.tag != "kv":
+            raise KeyError(f"page {block} is not a KV block")
+        return self.page_view(block, self.kv_block_bytes)
+
+    def kv_blocks_view(self) -> torch.Tensor:
+        """The whole pool as [capacity_pages, page_bytes]; with one page per KV block, row id = KV block id."""
+        return self.data.view(self.capacity_pages, self.page_bytes)
+
+    # ---- accounting ----
+    @property
+    def used_pages(self) -> int:
+        return self.weight_pages + self.kv_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Pages that may still be allocated within the budget (reserve included)."""
+        return self.budget_pages - self.used_pages
+
+    def bytes_of(self, npages: int) -> int:
+        return npages * self.page_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def set_budget(self, nbytes: int) -> None:
+        """Change the budget at runtime; it can never drop below what is in use nor exceed the allocation."""
+        pages = nbytes // self.page_bytes
+        if pages > self.capacity_pages:
+            raise ValueError(f"budget {nbytes} B exceeds the preallocated pool ({self.bytes_of(self.capacity_pages)} B)")
+        if pages < self.used_pages + self.reserve_pages:
+            raise PoolExhausted(f"budget {nbytes} B is below the bytes in use; offload first")
+        self.budget_pages = pages
+
+    def set_reserve(self, pages: int) -> None:
+        """Pages kept back for the small LUT copies an offload needs, so pressure can never deadlock the pool."""
+        if self.used_pages + pages > self.budget_pages:
+            raise PoolExhausted("reserve does not fit in the free pages")
+        self.reserve_pages = pages
+
+    def kv_capacity(self) -> int:
+        """How many more KV blocks `alloc_kv_blocks` can return now."""
+        room = (self.free_pages - self.reserve_pages) // self.pages_per_kv
+        if room <= 0:
+            return 0
+        if self.pages_per_kv == 1:
+            return room
+        fit = sum(self._free_len[s] // self.pages_per_kv for s in self._free_starts)
+        return min(room, fit)
+
+    # ---- allocation ----
+    def alloc_run(self, npages: int, use_reserve: bool = False) -> int:
+        """Contiguous weight run of `npages`: the smallest free extent that fits, lowest first; returns its first page."""
+        limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
+        if npages <= 0 or npages > limit:
+            raise PoolExhausted(f"{npages} weight pages requested, {max(limit, 0)} available")
+        fits = [s for s in self._free_starts if self._free_len[s] >= npages]
+        if not fits:
+            raise PoolExhausted(f"no contiguous run of {npages} pages (fragmented)")
+        s = min(fits, key=lambda s: (self._free_len[s], s))  # best fit keeps large holes for large runs
+        self._take(s, npages)
+        self._allocs[s] = Allocation(s, npages, "weight")
+        self.weight_pages += npages
+        return s
+
+    def alloc_kv_blocks(self, n: int) -> list[int]:
+        """`n` KV blocks from the high end, all or none; a block id is its first page."""
+        if n > self.kv_capacity():
+            raise PoolExhausted(f"{n} KV blocks requested, {self.kv_capacity()} available")
+        ppk = self.pages_per_kv
+        out: list[int] = []
+        while len(out) < n:
+            for s in reversed(self._free_starts):
+                ln = self._free_len[s]
+                if ln >= ppk:
+                    take = min(ln // ppk, n - len(out)) * ppk
+                    first = s + ln - take
+                    self._take(first, take)
+                    for b in range(first + take - ppk, first - 1, -ppk):
+                        self._allocs[b] = Allocation(b, ppk, "kv")
+                        out.append(b)
+                    break
+        self.kv_pages += n * ppk
+        return out
+
+    def free_kv_blocks(self, blocks: list[int]) -> None:
+        for b in blocks:
+            a = self._allocs.get(b)
+            if a is None or a.tag != "kv":
+                raise KeyError(f"page {b} is not a KV block")
+        for b in blocks:
+            a = self._allocs.pop(b)
+            self.kv_pages -= a.npages
+            self._give(a.start, a.npages)
+
+    def free_run(self, start: int) -> int:
+        """Free the weight run starting at `start`; returns the pages freed."""
+        a = self._allocs.get(start)
+        if a is None or a.tag != "weight":
+            raise KeyError(f"page {start} is not a weight run")
+        del self._allocs[start]
+        self.weight_pages -= a.npages
+        self._give(a.start, a.npages)
+        return a.npages
+
+    def allocations(self, tag: str | None = None) -> dict[int, Allocation]:
+        return {s: a for s, a in self._allocs.items() if tag is None or a.tag == tag}
+
+    def check(self) -> None:
+        """Allocations and free extents tile the pool exactly once; counters match; budget holds."""
+        spans = sorted([(a.start, a.npages) for a in self._allocs.values()]
+                       + [(s, self._free_len[s]) for s in self._free_starts])
+        pos = 0
+        for s, n in spans:
+            assert s == pos and n > 0, f"pool tiling broken at page {pos} (next span {s}+{n})"
+            pos = s + n
+        assert pos == self.capacity_pages, "pool tiling does not cover the pool"
+        for a, b in zip(self._free_starts, self._free_starts[1:]):
+            assert a + self._free_len[a] < b, "adjacent free extents not merged"
+        assert self.weight_pages == sum(a.npages for a in self._allocs.values() if a.tag == "weight")
+        assert self.kv_pages == sum(a.npages for a in self._allocs.values() if a.tag == "kv")
+        assert self.used_pages <= self.budget_pages <= self.capacity_pages
+
+    # ---- free-extent list ----
+    def _take(self, start: int, npages: int) -> None:
+        """Remove [start, start+npages) from the free extent that contains it."""
+        i = bisect.bisect_right(self._free_starts, start) - 1
+        s = self._free_starts[i]
+        ln = self._free_len.pop(s)
+        assert s <= start and start + npages <= s + ln, "taking pages that are not free"
+        del self._free_starts[i]
+        if start > s:
+            self._insert(s, start - s)
+        end, ext_end = start + npages, s + ln
+        if ext_end > end:
+            self._insert(end, ext_end - end)
+
+    def _give(self, start: int, npages: int) -> None:
+        """Return pages to the free list, merging with neighbours."""
+        i = bisect.bisect_left(self._free_starts, start)
+        if i < len(self._free_starts):
+            nxt = self._free_starts[i]
+            assert start + npages <= nxt, "double free"
+            if start + npages == nxt:
+                npages += self._free_len.pop(nxt)
+                del self._free_starts[i]
+        if i > 0:
+            prv = self._free_starts[i - 1]
+            assert prv + self._free_len[prv] <= start, "double free"
+            if prv + self._free_len[prv] == start:
+                self._free_len[prv] += npages
+                return
+        self._insert(start, npages)
+
+    def _insert(self, start: int, npages: int) -> None:
+        bisect.insort(self._free_starts, start)
+        self._free_len[start] = npages

@@ -1,0 +1,313 @@
+"""Safety of the page mover (DESIGN.md §3) under random plan/offload/reload/step/cancel/fault/KV/budget sequences.
+
+A deferred backend makes copies and steps asynchronous for real: a copy writes nothing (the destination holds
+poison) until the test completes it, and a step stays in flight, holding the word/half offsets its device tables
+pointed at, until the test completes it (in launch order, as one CUDA stream would). KV blocks are filled with
+poison when allocated, like a KV write. So a premature commit or a premature release shows up as wrong bytes.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedweight.mover import PageMover
+from pagedweight.page_store import PageStore, write_planes_file
+from pagedweight.page_table import BlockSpec, PageState, WeightPageTable
+from pagedweight.pool import PagePool, PoolExhausted
+
+torch.set_num_threads(1)
+L, E, P, S = 2, 3, 4, 2
+PAGE = 256
+POISON = 0xA5
+SPECS = [BlockSpec(plane_bytes=100 + 97 * (i % 5), lut_bytes={b: 2 * (1 << b) * (8 + 4 * (i % 3)) for b in range(S, P + 1)})
+         for i in range(L * E * 2)]
+
+
+class PoisonPool(PagePool):
+    """Freed pages get overwritten at once: the worst case of reuse, so any early release is seen."""
+
+    def free_run(self, start: int) -> int:
+        n = super().free_run(start)
+        self.page_view(start, self.bytes_of(n)).fill_(POISON)
+        return n
+
+
+class ManualFence:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class DeferredBackend:
+    """Copies run and steps finish only when the test says so."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[ManualFence, list]] = []
+        self.steps: list[ManualFence] = []
+        self.raise_next = False
+
+    def copy(self, pairs):
+        if pairs and self.raise_next:  # issuing fails after the first copy was enqueued
+            self.raise_next = False
+            pairs[0][0].fill_(POISON)
+            raise RuntimeError("injected copy-issue failure")
+        fence = ManualFence()
+        for dst, _ in pairs:
+            dst.fill_(POISON)  # what an unfinished copy leaves
+        self.copies.append((fence, pairs))
+        return fence
+
+    def finish_copy(self, k: int) -> None:
+        fence, pairs = self.copies.pop(k)
+        for dst, src in pairs:
+            dst.copy_(src)
+        fence.finished = True
+
+    def step_fence(self):
+        fence = ManualFence()
+        self.steps.append(fence)
+        return fence
+
+    def publish(self, table):
+        table.publish()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    src = tmp_path_factory.mktemp("planes") / "planes.bin"
+    records = write_planes_file(src, [(s.plane_bytes, s.lut_bytes) for s in SPECS], parent_bits=P, seed=3)
+    path = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else src.parent) / f"pw-sm-{uuid.uuid4().hex[:8]}"
+    s = PageStore.create(path, src, records)
+    yield s
+    s.close()
+    PageStore.destroy(path)
+
+
+class MoverMachine(RuleBasedStateMachine):
+    store: PageStore
+
+    @initialize(budget_pages=st.integers(120, 200))
+    def setup(self, budget_pages):
+        self.pool = PoisonPool(budget_pages * PAGE, PAGE)
+        self.table = WeightPageTable(SPECS, L, E, P, self.pool)
+        self.backend = DeferredBackend()
+        self.to_fail: set[int] = set()
+        self.mover = PageMover(self.table, self.store, backend=self.backend, fault_hook=self._fault_hook)
+        self.kv: list[int] = []
+        self.inflight: list[list[tuple[int, bytes]]] = []  # per in-flight step: (byte offset, bytes it may read)
+        self.steps = 0
+        # load every block at the seed width, the way an engine starts
+        for i in range(len(SPECS)):
+            assert self.mover.request(i, S)
+        self._drain()
+        assert all(r.q == S for r in self.table.rows)
+
+    # ---- helpers ----
+    def _fault_hook(self, i: int, b: int) -> bool:
+        """The next copy of block i to complete fails (once)."""
+        if i in self.to_fail:
+            self.to_fail.discard(i)
+            return True
+        return False
+
+    def _drain(self) -> None:
+        for _ in range(3):
+            while self.backend.copies:
+                self.backend.finish_copy(0)
+            while self.backend.steps:
+                self._finish_step()
+            self.mover.boundary()
+
+    def _reads(self) -> list[tuple[int, bytes]]:
+        """Byte ranges the device tables point at now, with the bytes a kernel would read there."""
+        q = self.table.q.cpu().numpy()
+        po = self.table.plane_off.cpu().numpy()
+        lo = self.table.lut_off.cpu().numpy()
+        data = self.pool.data
+        out = []
+        for i, spec in enumerate(SPECS):
+            l, rem = divmod(i, 2 * E)
+            e, u = divmod(rem, 2)
+            for p in range(int(q[l, e, u])):
+                off = int(po[l, e, u, p]) * 4
+                out.append((off, bytes(data[off:off + spec.plane_bytes].numpy())))
+            off = int(lo[l, e, u]) * 2
+            if q[l, e, u]:
+                out.append((off, bytes(data[off:off + spec.lut_bytes[int(q[l, e, u])]].numpy())))
+        return out
+
+    def _finish_step(self) -> None:
+        reads = self.inflight.pop(0)
+        for off, want in reads:  # nothing the step read changed while it ran
+            assert bytes(self.pool.data[off:off + len(want)].numpy()) == want, "page released under a running step"
+        self.backend.steps.pop(0).finished = True
+
+    # ---- rules ----
+    @rule(i=st.integers(0, len(SPECS) - 1), b=st.integers(S, P))
+    def plan(self, i, b):
+        row = self.table.rows[i]
+        before = (row.q, row.d, self.pool.weight_pages)
+        ok = self.mover.request(i, b)
+        if ok:
+            assert row.d == b
+        else:
+            assert (row.q, row.d, self.pool.weight_pages) == before
+
+    @rule(moves=st.lists(st.tuples(st.integers(0, len(SPECS) - 1), st.integers(S, P)), min_size=2, max_size=6))
+    def plan_many(self, moves):
+        for i, b in moves:
+            self.plan(i, b)
+
+    @precondition(lambda self: self.mover._retiring)
+    @rule(data=st.data())
+    def plan_back(self, data):
+        """Ask for a width that needs a page still waiting for its release (the mover must keep it, not free it)."""
+        i, what, idx = data.draw(st.sampled_from(sorted(self.mover._retiring)))
+        self.plan(i, idx if what == "lut" else data.draw(st.integers(max(idx + 1, S), P)))
+
+    @rule(i=st.integers(0, len(SPECS) - 1), b=st.integers(S, P))
+    def round_trip(self, i, b):
+        """Move, commit while an older step still runs, then ask for the old width back at once: the pages just
+        retired are still readable by that step and must be reused, not freed."""
+        old = self.table.rows[i].q
+        while len(self.inflight) > 2:
+            self._finish_step()
+        self.launch_step()
+        if b == old or not self.mover.request(i, b):
+            return
+        while self.backend.copies:
+            self.backend.finish_copy(0)
+        self.launch_step()
+        if self.table.rows[i].q == b:
+            self.plan(i, old)
+
+    @rule(i=st.integers(0, len(SPECS) - 1))
+    def cancel(self, i):
+        q = self.table.rows[i].q
+        self.mover.cancel(i)
+        assert self.table.rows[i].q == q == self.table.rows[i].d
+
+    @rule(i=st.integers(0, len(SPECS) - 1))
+    def fault(self, i):
+        self.to_fail.add(i)
+
+    @rule()
+    def fault_at_issue(self):
+        self.backend.raise_next = True
+
+    @precondition(lambda self: len(self.inflight) < 4)
+    @rule()
+    def launch_step(self):
+        self.mover.boundary()
+        self.inflight.append(self._reads())
+        self.mover.end_step()
+        self.steps += 1
+
+    @precondition(lambda self: self.inflight)
+    @rule()
+    def finish_step(self):
+        self._finish_step()
+
+    @precondition(lambda self: self.backend.copies)
+    @rule(data=st.data())
+    def finish_copy(self, data):
+        self.backend.finish_copy(data.draw(st.integers(0, len(self.backend.copies) - 1)))
+
+    @rule(n=st.integers(1, 12))
+    def kv_alloc(self, n):
+        cap = self.pool.kv_capacity()
+        if n > cap:
+            with pytest.raises(PoolExhausted):
+                self.pool.alloc_kv_blocks(n)
+            return
+        blocks = self.pool.alloc_kv_blocks(n)
+        for blk in blocks:
+            self.pool.kv_block_view(blk).fill_(POISON)  # a KV write
+        self.kv += blocks
+        assert self.pool.kv_capacity() == cap - n
+
+    @precondition(lambda self: self.kv)
+    @rule(data=st.data())
+    def kv_free(self, data):
+        n = data.draw(st.integers(1, len(self.kv)))
+        self.pool.free_kv_blocks(self.kv[:n])
+        self.kv = self.kv[n:]
+
+    @rule(pages=st.integers(60, 200))
+    def budget(self, pages):
+        if pages > self.pool.capacity_pages:
+            with pytest.raises(ValueError):
+                self.pool.set_budget(pages * PAGE)
+        elif pages < self.pool.used_pages + self.pool.reserve_pages:
+            with pytest.raises(PoolExhausted):
+                self.pool.set_budget(pages * PAGE)
+        else:
+            self.pool.set_budget(pages * PAGE)
+            assert self.pool.budget_pages == pages
+
+    @rule()
+    def settle(self):
+        """Liveness: with every copy and step finished, every surviving plan commits and every retired page frees."""
+        self._drain()
+        assert self.mover.idle()
+        for row in self.table.rows:
+            assert row.q == row.d
+
+    # ---- invariants, after every step ----
+    @invariant()
+    def safe(self):
+        self.table.check(published=True)  # table == staged == device tables; pool tiling; every plane < q resident
+        pool = self.pool
+        assert pool.used_pages <= pool.budget_pages
+        assert self.table.resident_weight_bytes() + pool.bytes_of(pool.kv_pages) <= pool.bytes_of(pool.budget_pages)
+        assert self.table.resident_weight_bytes() == pool.bytes_of(pool.weight_pages)
+        data = pool.data
+        for i, row in enumerate(self.table.rows):  # what kernels read is complete: equal to the store
+            for p in range(row.q):
+                s = row.planes[p]
+                got = bytes(pool.page_view(s.page, SPECS[i].plane_bytes).numpy())
+                assert got == self.store.view(i, "plane", p).tobytes(), f"block {i} plane {p} incomplete"
+            lut = row.luts[row.q]
+            assert lut.state is PageState.GPU
+            got = bytes(pool.page_view(lut.page, SPECS[i].lut_bytes[row.q]).numpy())
+            assert got == self.store.view(i, "lut", row.q).tobytes()
+        del data
+
+    def teardown(self):
+        if hasattr(self, "mover"):
+            self._drain()
+            assert self.mover.idle()
+            self.pool.free_kv_blocks(self.kv)
+            assert self.pool.used_pages == self.pool.weight_pages == sum(
+                self.table.memory(i, r.q) for i, r in enumerate(self.table.rows)) // PAGE
+
+
+def test_mover_state_machine(store):
+    MoverMachine.store = store
+    run = settings(max_examples=70, stateful_step_count=80, deadline=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    MoverMachine.TestCase.settings = run
+    MoverMachine.TestCase().runTest()
+
+
+def test_page_mover_bench_cpu_smoke(tmp_path, monkeypatch):
+    """The H200 benchmark's code path at toy sizes: it runs and writes one JSON with the three measurements."""
+    import json
+
+    from benchmarks import page_mover_bench
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert page_mover_bench.main(["--tiny", "--device", "cpu", "--trials", "1"]) == 0
+    (result,) = tmp_path.glob("page_mover-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {r["test"] for r in rows} == {"reload_bandwidth", "decode_slowdown", "pressure_to_kv"}
+    assert all(r["gb_per_s"] > 0 for r in rows if r["test"] == "reload_bandwidth")

@@ -1,0 +1,129 @@
+"""Page store: written once, zero-copy views, shared physical pages across processes, readers never destroy it."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedweight.page_store import ALIGN, PageStore, Record, write_planes_file
+
+READER = r"""
+import hashlib, sys
+from pagedweight.page_store import PageStore
+s = PageStore(sys.argv[1])
+print(hashlib.blake2b(s.array.tobytes()).hexdigest(), flush=True)   # touches every page of the mapping
+sys.stdin.readline()
+print(hashlib.blake2b(s.array.tobytes()).hexdigest(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _smaps(pid: int, path: Path) -> dict:
+    """Rss/Pss/Shared_*/Anonymous (kB) and inode of `path`'s mapping in process `pid`."""
+    out, inside = {}, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # mapping header: addr perms off dev inode path
+            inside = len(head) >= 6 and head[5] == str(path)
+            if inside:
+                out["inode"] = int(head[4])
+                out["perms"] = head[1]
+        elif inside and head[0].rstrip(":") in ("Rss", "Pss", "Shared_Clean", "Shared_Dirty", "Anonymous"):
+            out[head[0].rstrip(":")] = out.get(head[0].rstrip(":"), 0) + int(head[1])
+    return out
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    src = tmp_path / "planes.bin"
+    sizes = [(3000 + 512 * i, {2: 64 * (i + 1), 3: 128 * (i + 1)}) for i in range(6)]
+    records = write_planes_file(src, sizes, parent_bits=3, seed=1)
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    path = shm / f"pw-test-{uuid.uuid4().hex[:8]}"
+    yield path, src, records
+    if path.exists():
+        PageStore.destroy(path)
+
+
+def test_views_match_source_and_are_aligned(store_dir):
+    path, src, records = store_dir
+    store = PageStore.create(path, src, records)
+    raw = np.fromfile(src, dtype=np.uint8)
+    for r in records:
+        off, n = store.extent(r.block, r.what, r.idx)
+        assert off % ALIGN == 0 and n == r.nbytes
+        want = raw[r.offset:r.offset + r.nbytes]
+        np.testing.assert_array_equal(store.view(r.block, r.what, r.idx), want)
+        assert store.tensor(r.block, r.what, r.idx).numpy().tobytes() == want.tobytes()
+        assert store.arrow(r.block, r.what, r.idx).to_pybytes() == want.tobytes()
+    v = store.view(0, "plane", 0)
+    assert not v.flags.writeable
+    # zero-copy: the views point into the one mapping
+    assert v.ctypes.data == store.array.ctypes.data + store.extent(0, "plane", 0)[0]
+    assert store.tensor(0, "plane", 1).data_ptr() == store.array.ctypes.data + store.extent(0, "plane", 1)[0]
+    assert store.pin() is False  # CPU-only box: nothing to pin
+    store.close()
+
+
+def test_written_once(store_dir):
+    path, src, records = store_dir
+    PageStore.create(path, src, records).close()
+    ino = os.stat(path / "pages.bin").st_ino
+    # a second create (another engine of the node) opens the existing store, even with a different source
+    other = PageStore.create(path, src, records[:3])
+    assert os.stat(path / "pages.bin").st_ino == ino and len(other.keys()) == len(records)
+    other.close()
+
+
+def test_rejects_bad_records(tmp_path):
+    src = tmp_path / "s.bin"
+    src.write_bytes(b"x" * 100)
+    with pytest.raises(ValueError):
+        PageStore.create(tmp_path / "a", src, [Record(0, "plane", 0, 50, 60)])
+    with pytest.raises(ValueError):
+        PageStore.create(tmp_path / "b", src, [Record(0, "plane", 0, 0, 8), Record(0, "plane", 0, 8, 8)])
+
+
+def test_two_processes_share_pages_and_reader_exit_keeps_store(store_dir):
+    path, src, records = store_dir
+    PageStore.create(path, src, records).close()  # creator unmaps: only the readers map it below
+    data = path / "pages.bin"
+    want = hashlib.blake2b(data.read_bytes()).hexdigest()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    readers = [subprocess.Popen([sys.executable, "-c", READER, str(path)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        for r in readers:
+            assert r.stdout.readline().strip() == want
+        maps = [_smaps(r.pid, data) for r in readers]
+        size_kb = os.path.getsize(data) // 1024
+        for m in maps:
+            # the same tmpfs inode, mapped read-only and MAP_SHARED ("r--s")
+            assert m["inode"] == os.stat(data).st_ino and m["perms"] == "r--s"
+            assert m["Rss"] >= size_kb  # every page mapped ...
+            # ... shared with the other reader, none copied (tmpfs pages count as dirty)
+            assert m["Shared_Clean"] + m["Shared_Dirty"] == m["Rss"] and m["Anonymous"] == 0
+            assert m["Pss"] <= 0.5 * m["Rss"] + 8  # each process is charged half: the same physical pages
+        # reader 0 exits: the store stays and reader 1 still reads it intact
+        readers[0].communicate("\n\n", timeout=30)
+        assert readers[0].wait(timeout=30) == 0
+        assert data.exists() and (path / "index.msgpack").exists()
+        readers[1].stdin.write("\n")
+        readers[1].stdin.flush()
+        assert readers[1].stdout.readline().strip() == want
+        alone = _smaps(readers[1].pid, data)
+        assert alone["Pss"] >= alone["Rss"] - 8  # now the only mapper
+        late = PageStore(path)  # a new reader after one exited
+        assert hashlib.blake2b(late.array.tobytes()).hexdigest() == want
+        late.close()
+    finally:
+        for r in readers:
+            if r.poll() is None:
+                r.communicate("\n\n", timeout=30)
+    assert data.exists()
