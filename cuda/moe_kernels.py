@@ -196,7 +196,7 @@ def _make_dispatch():
 _dispatch = _make_dispatch()
 
 
-@cuda.jit
+@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
 def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
                  n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
     """grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
@@ -236,7 +236,7 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
         t0 += tt
 
 
-@cuda.jit
+@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
 def _route_kernel(topk_ids, topk_w, n_experts, slot_expert, slot_start, slot_count, n_active, pair_tok, pair_w):
     """One block: group pairs by expert. Slots follow ascending expert id; pairs of a slot are contiguous."""
     counts = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
@@ -275,7 +275,7 @@ def _route_kernel(topk_ids, topk_w, n_experts, slot_expert, slot_start, slot_cou
         pair_w[j] = topk_w[t, i % k]
 
 
-@cuda.jit
+@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
 def _dequant_kernel(pool_words, pool_halves, b, poff, lo, N, K, out):
     """out[n, k] = LUT_b[idx_b[n, k], n] for one block (prefill); grid (ceil(N/ROWS), W), block ROWS."""
     n = cuda.blockIdx.x * ROWS + cuda.threadIdx.x

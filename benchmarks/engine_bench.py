@@ -1,0 +1,223 @@
+"""Engine throughput and memory (issue 8 item 5): FP16 dense vs uniform AP 3/4/5/6 bits vs PagedWeight.
+
+A Qwen1.5-MoE-A2.7B-shaped model with random weights: the non-expert weights are random fp16 tensors, the
+experts are random bit-planes and LUTs put in a pinned CPU page store directly (no quantizer, no checkpoint
+on disk); the same engine serves all configurations. Each configuration gets a budget: FP16 = its weights +
+the KV cache of the batch; uniform AP b = non-expert weights + experts at b bits + the mover's reserve + the
+same KV; PagedWeight = the uniform-b budget with paging on (home = parent width), so it chooses its widths
+within the same memory. Rows: tokens/s (decode and end to end) and torch.cuda.max_memory_reserved.
+
+    python -m benchmarks.engine_bench                   # H200: full shape, seq len 2048, batch 1 and 4
+    python -m benchmarks.engine_bench --tiny --device cpu   # CPU check at toy sizes
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks.common import write_result
+from pagedweight.bitplanes import lut_bytes
+from pagedweight.engine import LLM, param_bytes, round_up
+from pagedweight.knobs import PlannerKnobs
+from pagedweight.kv_cache import kv_layer_block_bytes
+from pagedweight.models import ModelConfig, MoEForCausalLM
+from pagedweight.page_table import BlockSpec, expert_block_specs
+from pagedweight.pool import PAGE_ALIGN
+from pagedweight.runner import APWeights
+from pagedweight.sampling import SamplingParams
+
+QWEN15_MOE = dict(family="qwen2_moe", vocab_size=151936, hidden_size=2048, moe_intermediate_size=1408,
+                  num_hidden_layers=24, num_experts=60, top_k=4, norm_topk_prob=False, num_attention_heads=16,
+                  num_key_value_heads=16, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                  max_position_embeddings=8192, shared_expert_intermediate_size=5632, qkv_bias=True)
+TINY = dict(QWEN15_MOE, vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            num_experts=8, top_k=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            shared_expert_intermediate_size=64, max_position_embeddings=4096)
+
+
+class RandomPlaneStore:
+    """Stand-in page store: every plane reads one pinned buffer of random words, every LUT one of small normal
+    fp16 values (valid numbers, so activations stay finite). Reload copies move real bytes at real speed."""
+
+    def __init__(self, specs: list[BlockSpec], seed: int = 0) -> None:
+        self.specs = specs
+        gen = torch.Generator().manual_seed(seed)
+        max_plane = max(s.plane_bytes for s in specs)
+        max_lut = max(n for s in specs for n in s.lut_bytes.values())
+        self.planes = torch.randint(0, 256, (max_plane,), dtype=torch.uint8, generator=gen)
+        self.luts = (torch.randn(max_lut // 2, generator=gen) * 0.02).half().view(torch.uint8)
+        if torch.cuda.is_available():
+            self.planes, self.luts = self.planes.pin_memory(), self.luts.pin_memory()
+
+    def tensor(self, block: int, what: str, idx: int) -> torch.Tensor:
+        spec = self.specs[block]
+        return self.planes[:spec.plane_bytes] if what == "plane" else self.luts[:spec.lut_bytes[idx]]
+
+
+def model_config(tiny: bool) -> ModelConfig:
+    return ModelConfig(**(TINY if tiny else QWEN15_MOE))
+
+
+def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, device: str, seed: int = 0
+                 ) -> MoEForCausalLM:
+    """Random weights allocated directly in `dtype` on `device` (no float32 detour: the FP16 experts are 25 GB)."""
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    if not dense_experts:
+        for layer in range(cfg.num_hidden_layers):
+            model.set_experts(layer, nn.Identity())
+    model = model.to(dtype=dtype)
+    if device == "meta":
+        return model
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()
+    return model.eval()
+
+
+def ap_weights(cfg: ModelConfig, parent_bits: int, seed_bits: int = 3, seed: int = 0) -> APWeights:
+    specs = expert_block_specs(cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               parent_bits, seed_bits)
+    rng = np.random.default_rng(seed)
+    n = len(specs)
+    sens = np.zeros((n, parent_bits + 1))
+    scale = rng.lognormal(0.0, 1.0, n)
+    for b in range(seed_bits, parent_bits + 1):
+        sens[:, b] = scale * 4.0 ** (parent_bits - b)  # quantization error falls ~4x per bit
+    mass = rng.dirichlet(np.ones(cfg.num_experts), cfg.num_hidden_layers)
+    return APWeights(specs, seed_bits, parent_bits, RandomPlaneStore(specs, seed), sens, mass, PlannerKnobs())
+
+
+def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return round_up(kv_layer_block_bytes(cfg, block_size, dtype), PAGE_ALIGN)
+
+
+def expert_pool_bytes(weights: APWeights, b: int, page: int) -> int:
+    """Experts at uniform width b as allocated, plus the mover's reserve (its largest LUT)."""
+    total = sum(b * round_up(s.plane_bytes, page) + round_up(s.lut_bytes[b], page) for s in weights.specs)
+    return total + max(round_up(n, page) for s in weights.specs for n in s.lut_bytes.values())
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: int, chunk: int) -> int:
+    """KV blocks for `batch` sequences of `seq_len` tokens plus one step's slack."""
+    blocks = batch * -(-seq_len // block_size) + -(-chunk // block_size) + 1
+    return blocks * page * cfg.num_hidden_layers
+
+
+def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int) -> dict:
+    """One timed batch: prefill (chunked) then decode; returns timings and counters."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    done: dict[str, int] = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
+            if out.finished:
+                done[out.request_id] = out.completion_tokens
+                if out.finish_reason != "length":
+                    raise RuntimeError(f"request {out.request_id} ended with {out.finish_reason}: {out.error}")
+    sync()
+    t1 = time.perf_counter()
+    t_first = max(first[r] for r in ids)
+    decode_tokens = sum(done.values()) - batch
+    return {"prefill_ms": (t_first - t0) * 1e3, "decode_tokens_per_s": decode_tokens / max(t1 - t_first, 1e-9),
+            "tokens_per_s": sum(done.values()) / (t1 - t0), "generated_tokens": sum(done.values())}
+
+
+def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
+               gen: int, args: argparse.Namespace, **options) -> dict:
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = random_model(cfg, weights is None, dtype, args.device)
+    llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
+                         block_size=args.block_size, max_num_seqs=max(batch, 1),
+                         max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
+    serve(llm, batch, min(64, seq_len - gen), 4, cfg.vocab_size, seed=1)  # warm-up: kernels compile here
+    start_hist = llm.stats()["committed_width_hist"]
+    res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
+    st = llm.stats()
+    row = {"config": name, "batch": batch, "seq_len": seq_len, "prompt_tokens": seq_len - gen, "gen_tokens": gen,
+           **res, "budget_gib": budget / 2**30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
+           "weights_outside_pool_gib": param_bytes(llm.model) / 2**30,
+           "resident_expert_gib": st["resident_weight_bytes"] / 2**30,
+           "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
+           "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
+           "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
+           "preemptions": st["preemptions"]}
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
+    del llm, model
+    return row
+
+
+def _mean(hist: list) -> float | None:
+    if not hist:
+        return None
+    counts = np.asarray(hist).sum(axis=0)
+    return float((counts * np.arange(len(counts))).sum() / counts.sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--gen", type=int, default=128, help="generated tokens per request (inside seq-len)")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--bits", default="3,4,5,6", help="uniform AP widths")
+    p.add_argument("--parent-bits", type=int, default=6)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=512, help="token budget per step (prefill chunk)")
+    p.add_argument("--skip-fp16", action="store_true")
+    p.add_argument("--out-dir", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cfg = model_config(args.tiny)
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    page = page_bytes(cfg, args.block_size, dtype)
+    weights = ap_weights(cfg, args.parent_bits)
+    outside = param_bytes(random_model(cfg, False, dtype, "meta"))
+    element = torch.empty((), dtype=dtype).element_size()
+    expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        kv = kv_bytes(cfg, batch, args.seq_len, args.block_size, page, args.chunk)
+        if not args.skip_fp16:
+            rows.append(run_config("fp16-dense", cfg, None, outside + expert_dense + kv, batch, args.seq_len,
+                                   args.gen, args))
+        for b in [int(x) for x in args.bits.split(",")]:
+            budget = outside + expert_pool_bytes(weights, b, page) + kv
+            rows.append(run_config(f"ap{b}-uniform", cfg, weights, budget, batch, args.seq_len, args.gen, args,
+                                   bits=b, paging=False))
+            rows.append(run_config(f"pagedweight@ap{b}-memory", cfg, weights, budget, batch, args.seq_len,
+                                   args.gen, args, bits=args.parent_bits, paging=True))
+    lut_note = {"lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits)}
+    path = write_result("engine_bench", rows, out_dir=args.out_dir,
+                        extra={"model": "Qwen1.5-MoE-A2.7B shape, random planes" if not args.tiny else "tiny",
+                               "page_bytes": page, **lut_note})
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

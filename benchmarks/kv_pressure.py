@@ -1,0 +1,167 @@
+"""KV-pressure workload (issue 8 item 6): Poisson arrivals of long-context requests push the KV cache past what
+the budget holds at full expert width, then ebb. PagedWeight (paging on) against static uniform widths at the
+same budget. Reports P50/P99 time-to-first-token and inter-token latency, offload/reload triggers, bytes moved,
+time with pages in flight, width oscillation, and how many requests waited or were preempted.
+
+Same random Qwen1.5-MoE-A2.7B-shaped model as engine_bench (random planes, pinned CPU store).
+
+    python -m benchmarks.kv_pressure                        # H200
+    python -m benchmarks.kv_pressure --tiny --device cpu    # CPU check at toy sizes
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import write_result
+from benchmarks.engine_bench import ap_weights, expert_pool_bytes, model_config, page_bytes, random_model
+from pagedweight.engine import LLM, param_bytes
+from pagedweight.sampling import SamplingParams
+
+
+def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int
+             ) -> list[tuple[float, list[int]]]:
+    """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    arrivals -= arrivals[0]
+    return [(float(t), rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
+            for t in arrivals]
+
+
+def reversals(series: np.ndarray) -> int:
+    """Direction changes of a series (ignoring flat stretches): 0 for down-then-up, more means oscillation."""
+    d = np.sign(np.diff(series))
+    d = d[d != 0]
+    return int((d[1:] != d[:-1]).sum()) if d.size > 1 else 0
+
+
+def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int) -> dict:
+    """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times."""
+    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    arrival, last, ttft, itl = {}, {}, [], []
+    waited, mean_w, free_kv, widths = set(), [], [], []
+    finished, failed, nxt, steps0 = 0, 0, 0, llm.num_steps
+    t0 = time.perf_counter()
+    while finished < len(requests):
+        now = time.perf_counter() - t0
+        while nxt < len(requests) and requests[nxt][0] <= now:
+            rid = llm.add_request(requests[nxt][1], params, request_id=str(nxt))
+            arrival[rid] = t0 + requests[nxt][0]
+            nxt += 1
+        if not llm.has_unfinished():
+            time.sleep(max(0.0, requests[nxt][0] - now))
+            continue
+        outs = llm.step()
+        sync()
+        t = time.perf_counter()
+        for out in outs:
+            n = out.completion_tokens
+            if n and out.request_id not in last:
+                ttft.append(t - arrival[out.request_id])
+            elif n and n > last[out.request_id][1]:
+                itl.append(t - last[out.request_id][0])
+            if n:
+                last[out.request_id] = (t, n)
+            if out.finished:
+                finished += 1
+                failed += out.finish_reason != "length"  # "error": its context can never fit this budget
+        waited.update(s.request_id for s in llm.scheduler.waiting)
+        free_kv.append(llm.kv.num_free_blocks)
+        if llm.table is not None:
+            w = llm.committed_widths()
+            widths.append(w)
+            mean_w.append(float(w.mean()))
+    elapsed = time.perf_counter() - t0
+    st = llm.stats()
+    pct = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None  # noqa: E731
+    block_rev = [reversals(col) for col in np.asarray(widths).T] if widths else [0]
+    return {
+        "requests": len(requests), "elapsed_s": elapsed, "steps": llm.num_steps - steps0,
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "tokens_per_s": (len(requests) - failed) * gen / elapsed,
+        "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],
+        "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
+        "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
+        "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
+        "sync_waits": llm.paging.syncs,
+        "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
+        "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
+        "mean_width_end": mean_w[-1] if mean_w else None,
+        "mean_width_reversals": reversals(np.asarray(mean_w)) if mean_w else 0,
+        "blocks_with_2plus_reversals": int(sum(r >= 2 for r in block_rev)),
+        "max_block_reversals": int(max(block_rev)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-requests", type=int, default=None, help="default 32 (tiny: 10)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 2; tiny: 4)")
+    p.add_argument("--prompt-len", default=None, help="lo,hi prompt tokens (default 1024,3072; tiny: 48,160)")
+    p.add_argument("--gen", type=int, default=None, help="generated tokens per request (default 64; tiny: 12)")
+    p.add_argument("--kv-room-blocks", type=int, default=None,
+                   help="KV blocks the budget leaves with every expert at the parent width (default 256; tiny: 6)")
+    p.add_argument("--parent-bits", type=int, default=6)
+    p.add_argument("--static-bits", default=None, help="static uniform widths to compare (default: parent,4)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=None)
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    n = args.num_requests or (10 if tiny else 32)
+    rate = args.rate or (4.0 if tiny else 2.0)
+    lo, hi = (int(x) for x in (args.prompt_len or ("48,160" if tiny else "1024,3072")).split(","))
+    gen = args.gen or (12 if tiny else 64)
+    room = args.kv_room_blocks or (6 if tiny else 256)
+    chunk = args.chunk or (64 if tiny else 1024)
+    static_bits = [int(b) for b in (args.static_bits or f"{args.parent_bits},4").split(",")]
+
+    cfg = model_config(tiny)
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    page = page_bytes(cfg, args.block_size, dtype)
+    weights = ap_weights(cfg, args.parent_bits, seed=args.seed)
+    outside = param_bytes(random_model(cfg, False, dtype, "meta"))
+    kv_block = page * cfg.num_hidden_layers
+    budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + room * kv_block
+    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)
+    options = dict(detokenize=False, block_size=args.block_size, max_num_seqs=64, max_num_batched_tokens=chunk,
+                   max_model_len=hi + gen + 16)
+    modes = [("pagedweight", dict(bits=args.parent_bits, paging=True))]
+    modes += [(f"static-ap{b}", dict(bits=b, paging=False)) for b in static_bits]
+    rows = []
+    for name, extra in modes:
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model = random_model(cfg, False, dtype, args.device, seed=args.seed)
+        llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
+        drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
+        llm.scheduler.num_preemptions = 0
+        row = {"mode": name, "budget_gib": budget / 2**30, "kv_blocks_at_start": llm.kv.num_free_blocks,
+               "rate_req_per_s": rate, "prompt_lo": lo, "prompt_hi": hi, "gen_tokens": gen,
+               **drive(llm, requests, gen),
+               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
+        rows.append(row)
+        del llm, model
+    path = write_result("kv_pressure", rows, out_dir=args.out_dir,
+                        extra={"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes",
+                               "page_bytes": page, "kv_block_bytes": kv_block})
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,617 @@
+"""The engine: `LLM` (SPEC.md's engine contract) and the per-step loop that ties the pieces together.
+
+One step = (1) the paging loop at the step boundary: the planner sees KV pressure (free blocks vs. what the
+next step wants), routing statistics and prompt features, and the mover commits whatever is ready (lower widths
+free pool pages for KV; higher widths come back when pressure falls); (2) the scheduler packs running and
+waiting requests into a token budget, preempting the newest when even the largest safe release leaves the KV
+cache short; (3) the runner computes the batch; (4) sampling, detokenization and stop checks. Every request
+ends with a finish reason: stop, length, abort or error; none is dropped.
+
+Memory: `gpu_memory_budget` covers model weights and the KV cache. Weights that are not paged (attention,
+embeddings, norms, router, shared experts; all weights on the dense path) are taken off the top; the rest is
+the page pool, shared by expert bit-planes/LUTs and KV blocks. Activations come on top of the budget.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from loguru import logger
+from tqdm import tqdm
+
+from pagedweight.apformat import MANIFEST, load_ap
+from pagedweight.knobs import PlannerKnobs
+from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
+from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
+from pagedweight.mover import PageMover
+from pagedweight.page_table import PageState, WeightPageTable
+from pagedweight.planner import BlockTables, KVState, Planner
+from pagedweight.pool import PAGE_ALIGN, PagePool, resolve_budget
+from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_model, install_ap_experts,
+                                planes_id)
+from pagedweight.sampling import Sampler, SamplingParams, make_generator
+from pagedweight.scheduler import Scheduler
+from pagedweight.sequence import Sequence
+from pagedweight.signals import RouterStats, batch_token_weights
+from pagedweight.tokenizer import TextTokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (cut at a stop string)
+    delta_text: str  # new since this request's previous output
+    finished: bool
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineOptions:
+    """Everything `LLM(**engine_options)` accepts besides the model, budget and device."""
+
+    dtype: str | None = None  # default: float16 on CUDA, float32 on CPU
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_bytes: int = 64 << 20  # KV pool size when no gpu_memory_budget is given
+    detokenize: bool = True
+    # any-precision checkpoints only
+    bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
+    paging: bool = True  # False = static uniform `bits` (no planner, no mover traffic)
+    page_store_dir: str | None = None  # default: /dev/shm/pagedweight-<checkpoint id> (shared by the node)
+    verify_checkpoint: bool = False  # blake2b of every checkpoint file at load (slow for large models)
+    planner_knobs: dict | None = None  # overrides of the checkpoint's PlannerKnobs
+    observe_every: int = 4  # routing statistics from every n-th step (the observer synchronises per layer)
+
+
+@dataclass
+class PagingStats:
+    """Counters of the paging loop (engine side; the mover keeps its own byte counters)."""
+
+    offload_triggers: int = 0  # plans written because free KV blocks fell to the threshold
+    reload_triggers: int = 0  # plans written because free KV blocks stayed above it (+ hysteresis)
+    planner_step_ms: float = 0.0  # the last step's planner time
+    plan_step: int = 0  # step at which the current desired widths were written
+    steps_in_flight: int = 0  # steps that ran while moves were pending or pages awaited release
+    time_in_flight_s: float = 0.0
+    syncs: int = 0  # times a short KV cache waited for in-flight work to release pages
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (`parameters()` yields a tied tensor once)."""
+    return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+class LLM:
+    """Offline and online serving of one MoE model within a memory budget (one engine, one device)."""
+
+    def __init__(self, model_dir: str | Path, gpu_memory_budget: int | float | None = None, device: str = "cpu",
+                 **engine_options) -> None:
+        self._init_options(engine_options, device)
+        self.model_dir = Path(model_dir)
+        self.model_name = self.model_dir.name
+        self.tokenizer = TextTokenizer.from_dir(self.model_dir)
+        weights = None
+        if (self.model_dir / MANIFEST).is_file():
+            ap = load_ap(self.model_dir, verify=self.options.verify_checkpoint)
+            model = build_ap_model(ap, self.dtype, self.device)
+            store_dir = self.options.page_store_dir or f"/dev/shm/pagedweight-{planes_id(ap)}"
+            weights = ap_weights(ap, store_dir)
+        else:
+            model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
+        self._setup(model, gpu_memory_budget, weights)
+
+    @classmethod
+    def from_parts(cls, model: MoEForCausalLM, weights: APWeights | None, tokenizer: TextTokenizer | None = None,
+                   gpu_memory_budget: int | float | None = None, device: str = "cpu", model_name: str = "model",
+                   **engine_options) -> "LLM":
+        """An engine over an already built model (benchmarks: random planes, no checkpoint on disk).
+
+        With `weights`, the model's experts are replaced by pool readers; without a tokenizer, prompts must be
+        token ids and `detokenize` must be False.
+        """
+        self = cls.__new__(cls)
+        self._init_options(engine_options, device)
+        self.model_dir, self.model_name, self.tokenizer = None, model_name, tokenizer
+        if tokenizer is None and self.options.detokenize:
+            raise ValueError("without a tokenizer pass detokenize=False (and token-id prompts)")
+        self._setup(model, gpu_memory_budget, weights)
+        return self
+
+    def _init_options(self, engine_options: dict, device: str) -> None:
+        known = {f.name for f in fields(EngineOptions)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        self.options = EngineOptions(**engine_options)
+        if self.options.observe_every < 1 or self.options.block_size < 1 or self.options.max_num_seqs < 1:
+            raise ValueError("observe_every, block_size and max_num_seqs must be >= 1")
+        if self.options.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available on this machine")
+        self.dtype = parse_dtype(self.options.dtype or ("float16" if self.device.type == "cuda" else "float32"))
+
+    def _setup(self, model: MoEForCausalLM, gpu_memory_budget: int | float | None,
+               weights: APWeights | None) -> None:
+        """Pool, weights, KV cache, scheduler and runner around a loaded model."""
+        opts, cfg = self.options, model.config
+        self.model, self.config = model, cfg
+        self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
+        self.page_bytes = round_up(layer_bytes, PAGE_ALIGN)
+        outside = param_bytes(model)  # AP: experts are not parameters, so this is the non-paged rest
+        kv_block = self.page_bytes * cfg.num_hidden_layers
+        if gpu_memory_budget is None:
+            pool_bytes = opts.kv_cache_bytes
+            if weights is not None:  # room for every block at the parent width plus the mover's reserve
+                pool_bytes += sum(round_up(s.plane_bytes, self.page_bytes) * weights.parent_bits
+                                  + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
+                                  for s in weights.specs)
+        else:
+            pool_bytes = resolve_budget(gpu_memory_budget, self.device) - outside
+            if pool_bytes < kv_block:
+                raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights: "
+                                 f"not even one KV block ({kv_block} B)")
+        self.pool = PagePool(pool_bytes, self.page_bytes, device=self.device)
+        self.table = self.mover = self.planner = self.router_stats = None
+        if weights is not None:
+            self._setup_weights(model, weights)
+        self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size)
+        self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv, self.device)
+        self.sampler = Sampler()
+        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.eos_token_ids = set(tok_eos or cfg.eos_token_ids)
+        self._requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # outputs decided outside a step (abort, rejected)
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.paging = PagingStats()
+        self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
+        logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
+                    self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
+
+    def _setup_weights(self, model: MoEForCausalLM, weights: APWeights) -> None:
+        """Page table and mover over the pool; load every block at the widest uniform width that leaves the KV
+        cache room for one full step; the planner (when paging) moves widths from there."""
+        cfg, opts, P = model.config, self.options, weights.parent_bits
+        home = opts.bits or P
+        if not weights.seed_bits <= home <= P:
+            raise ValueError(f"bits={home} outside the checkpoint's widths [{weights.seed_bits}, {P}]")
+        self.table = WeightPageTable(weights.specs, cfg.num_hidden_layers, cfg.num_experts, P, self.pool)
+        if self.device.type == "cuda" and hasattr(weights.store, "pin"):
+            weights.store.pin()  # reloads copy from page-locked memory, without a second host copy
+        self.mover = PageMover(self.table, weights.store)
+        n = len(weights.specs)
+        mem = np.zeros((n, P + 1))
+        supported = np.zeros((n, P + 1), dtype=bool)
+        for i, spec in enumerate(weights.specs):
+            for b in spec.widths:
+                mem[i, b], supported[i, b] = self.table.memory(i, b), True
+        min_kv = (-(-opts.max_num_batched_tokens // opts.block_size) + 1) * self.page_bytes * cfg.num_hidden_layers
+        room = self.pool.bytes_of(self.pool.free_pages - self.pool.reserve_pages) - min_kv
+        fits = [b for b in range(weights.seed_bits, home + 1) if mem[:, b].sum() <= room]
+        if not fits or (not opts.paging and fits[-1] != home):
+            low = weights.seed_bits if opts.paging else home
+            raise ValueError(f"gpu_memory_budget too small: experts at {low} bits and one step of KV need "
+                             f"{int(mem[:, low].sum() + min_kv)} B of pool, "
+                             f"{self.pool.bytes_of(self.pool.free_pages)} B available")
+        start = fits[-1]
+        for i in range(n):
+            if not self.mover.request(i, start):
+                raise RuntimeError(f"initial load of block {i} at {start} bits failed")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every copy fence done: the first boundary commits them all
+        self.mover.boundary()
+        self._initial_bytes = self.mover.stats.bytes_copied
+        install_ap_experts(model, self.table, self.pool)
+        logger.info("experts: {} blocks at {} bits ({} B resident), home width {}, paging {}", n, start,
+                    self.table.resident_weight_bytes(), home, "on" if opts.paging else "off")
+        if not opts.paging:
+            return
+        knobs = weights.knobs
+        if opts.planner_knobs:
+            knobs = PlannerKnobs.from_dict({**knobs.to_dict(), **opts.planner_knobs})
+        tables = BlockTables(supported, mem, weights.sensitivity, cfg.num_hidden_layers, cfg.num_experts)
+        self.planner = Planner(tables, knobs, np.full(n, start), routing_prior=weights.routing_mass,
+                               home_widths=np.full(n, home))
+        self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
+
+    # ---- requests ----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = (params or SamplingParams()).validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty (zero tokens)")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        gen = None if params.greedy else make_generator(params.seed, self.device)
+        seq = Sequence(request_id, ids, params, generator=gen)
+        self._requests[request_id] = seq
+        if len(ids) >= self.max_model_len:
+            seq.finish("error", f"prompt of {len(ids)} tokens leaves no room under max_model_len "
+                                f"{self.max_model_len}")
+            self._pending.append(self._output(seq))
+        else:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its KV blocks are free when this returns. False if it is unknown or already done."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._pending.append(self._output(seq))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that advanced or finished."""
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        in_flight = self._paging_boundary()
+        batch = self.scheduler.schedule()
+        outputs += [self._output(seq) for seq in batch.failed]
+        if batch.seqs:
+            observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
+            if observe:
+                self.router_stats.reset()
+                self.router_stats.token_weights = batch_token_weights(
+                    batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
+            if self.router_stats is not None:
+                self.model.set_router_observer(self.router_stats if observe else None)
+            try:
+                to_sample, logits = self.runner.run(batch)
+                tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+            except Exception as exc:  # a failed forward must not take the other requests down with it
+                logger.exception("step {} failed; its {} requests end with an error", self.num_steps, len(batch))
+                for seq in batch.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                        outputs.append(self._output(seq))
+                to_sample, tokens = [], []
+            finally:
+                if self.mover is not None:
+                    self.mover.end_step()  # fences this step's reads of the pages it used
+            if observe:
+                self.planner.observe(self.router_stats.mass, self.router_stats.features())
+            now = time.perf_counter()
+            for seq, tok in zip(to_sample, tokens):
+                self._append(seq, tok, now)
+                outputs.append(self._output(seq))
+        self.num_steps += 1
+        if in_flight:
+            self.paging.steps_in_flight += 1
+            self.paging.time_in_flight_s += time.perf_counter() - t0
+        return outputs
+
+    # ---- the paging loop ----
+    def committed_widths(self) -> np.ndarray:
+        """q_i of every block in flat order (the staged table: what the next step reads)."""
+        return self.table.host_q.numpy().reshape(-1).astype(np.int64)
+
+    def _paging_boundary(self) -> bool:
+        """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight."""
+        if self.mover is None:
+            return False
+        wanted = self.scheduler.blocks_wanted()
+        if self.planner is not None:
+            t0 = time.perf_counter()
+            committed = self.committed_widths()
+            plan = self.planner.step(KVState(self.kv.num_free_blocks, wanted, self.kv.block_bytes), committed)
+            if plan is not None:
+                self.paging.plan_step = self.num_steps
+                if plan.kind == "release":
+                    self.paging.offload_triggers += 1
+                elif plan.kind == "reload":
+                    self.paging.reload_triggers += 1
+            self._request_moves(committed)
+            self.paging.planner_step_ms = (time.perf_counter() - t0) * 1e3
+        self.mover.boundary()
+        if self.kv.num_free_blocks < wanted and not self.mover.idle() and self.device.type == "cuda":
+            # short of KV now: wait for the copies and the last step so retired pages can be freed this boundary
+            torch.cuda.synchronize(self.device)
+            self.mover.boundary()
+            self.paging.syncs += 1
+        return not self.mover.idle()
+
+    def _request_moves(self, committed: np.ndarray) -> None:
+        """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on)."""
+        want = self.planner.desired
+        for i in set(np.flatnonzero(want != committed).tolist()) | set(self._requested):
+            b = int(want[i])
+            if self.mover.pending(i):
+                if self._requested.get(i) == b:
+                    continue
+                self.mover.cancel(i)
+            self._requested.pop(i, None)
+            if b != committed[i] and self.mover.request(i, b):
+                self._requested[i] = b
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        """Add a sampled token, extend the text, and finish the request when a stop condition holds."""
+        seq.append_token(token, now)
+        p = seq.params
+        reason = None
+        if self.options.detokenize and self._extend_text(seq) and p.stop:
+            reason = self._cut_at_stop(seq)
+        cut = reason is not None
+        if reason is None and token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        if reason is None and (seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if self.options.detokenize and not cut and seq.read_offset < seq.num_completion_tokens:
+                self._extend_text(seq, final=True)  # flush text held back for an unfinished character
+            self.scheduler.finish(seq, reason)
+
+    def _extend_text(self, seq: Sequence, final: bool = False) -> bool:
+        """Incremental detokenization; holds back text while the last tokens end inside a UTF-8 character."""
+        ids = seq.completion_token_ids
+        before = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
+        after = self.tokenizer.decode(ids[seq.prefix_offset:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return False
+        seq.text += after[len(before):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return True
+
+    def _cut_at_stop(self, seq: Sequence) -> str | None:
+        """Cut the text before the first stop string that the new text completes."""
+        new_from = seq.sent_text_len
+        hits = [i for s in seq.params.stop
+                if (i := seq.text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+        if not hits:
+            return None
+        seq.text = seq.text[:min(hits)]
+        return "stop"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        delta = seq.text[seq.sent_text_len:]
+        seq.sent_text_len = len(seq.text)
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.completion_token_ids, seq.text, delta,
+                             seq.is_finished, seq.finish_reason, seq.error)
+
+    # ---- blocking and streaming front ends ----
+    def generate(self, prompts: list[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Serve every prompt to completion (continuous batching); outputs in prompt order."""
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        for p in params:
+            p.validate()
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        wanted, done = set(ids), {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(ids) and self.has_unfinished():
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[r] for r in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as they come; closing the iterator early aborts the request."""
+        request_id = self.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished and self.has_unfinished():
+                for out in self.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- observability ----
+    def stats(self) -> dict:
+        free = self.kv.num_free_blocks
+        out = {
+            "kv_free_blocks": free,
+            "kv_total_blocks": free + self.kv.num_used_blocks,
+            "resident_weight_bytes": 0,
+            "committed_width_hist": [],
+            "bytes_offloaded": 0,
+            "bytes_reloaded": 0,
+            "pages_in_flight": 0,
+            "planner_step_ms": self.paging.planner_step_ms,
+            "plan_staleness_steps": 0,
+            "offload_triggers": self.paging.offload_triggers,
+            "reload_triggers": self.paging.reload_triggers,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+        }
+        if self.table is not None:
+            q = self.table.host_q.numpy()
+            widths = self.table.parent_bits + 1
+            in_flight = sum(self.table.slot_pages(i, what, idx) for i in range(len(self.table.rows))
+                            for what, idx, slot in self.table.slots(i) if slot.state is PageState.IN_TRANSFER)
+            out.update(
+                resident_weight_bytes=self.table.resident_weight_bytes(),
+                committed_width_hist=[np.bincount(q[l].ravel(), minlength=widths).tolist() for l in range(len(q))],
+                bytes_offloaded=self.mover.stats.bytes_freed,
+                bytes_reloaded=self.mover.stats.bytes_copied - self._initial_bytes,
+                pages_in_flight=in_flight,
+                plan_staleness_steps=(self.num_steps - self.paging.plan_step) if self._requested else 0)
+        return out
+
+
+# ---- `pagedweight run`: serve a batch of prompts under a memory budget ----
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> int | float:
+    """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory-budget {text!r}: use bytes with an optional unit (512MiB, 2GB) "
+                         "or a fraction in (0, 1]")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and "." in m.group(1):
+        return value
+    return int(value * _UNITS[unit])
+
+
+def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
+    """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir`."""
+    if (model_dir / MANIFEST).is_file():
+        return model_dir
+    from pagedweight.convert import convert
+    from pagedweight.corpus import DATA_DIR
+
+    out = cache_dir / f"{model_dir.resolve().name}-ap"
+    if not (out / MANIFEST).is_file():
+        logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
+        convert(model_dir, out, DATA_DIR / "calib.txt", device=device)
+    return out
+
+
+def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
+    """Prompts from a file (one per line; JSONL lines with a "prompt" field) or N slices of data/eval.txt."""
+    import json
+
+    if path:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    from pagedweight.corpus import load_slice
+
+    text = load_slice("eval")
+    step = max(len(text) // max(num_prompts, 1), 1)
+    starts = [text.find("\n", i * step) + 1 for i in range(num_prompts)]  # begin on a line
+    return [text[s:s + 400].rstrip() for s in starts]
+
+
+def add_parser(subparsers) -> "argparse.ArgumentParser":
+    import argparse
+
+    p = subparsers.add_parser(
+        "run", help="serve a batch of prompts with dynamic weight paging under a GPU memory budget",
+        description="Serve prompts with continuous batching; expert precision moves with KV pressure inside the "
+                    "budget (weights + KV cache). A HF checkpoint is converted to any-precision planes first "
+                    "(cached). Prints a summary: tokens/s, widths moved, KV blocks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="AP checkpoint or HF checkpoint directory")
+    p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
+                   help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
+                        "(default: every block at full width plus 64 MiB of KV)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
+    src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--bits", type=int, default=None, help="home width (default: the checkpoint's parent width)")
+    p.add_argument("--static", action="store_true", help="no paging: every block stays at --bits")
+    p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: fp16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--page-store-dir", default=None,
+                   help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
+                   help="where converted AP checkpoints are kept")
+    p.add_argument("--show", type=int, default=2, metavar="N", help="print the first N completions")
+    return p
+
+
+def run(args) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed).validate()
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: not a directory")
+    if not args.dense:
+        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, page_store_dir=args.page_store_dir)
+    start_stats = llm.stats()
+    min_free = start_stats["kv_free_blocks"]
+    for rid, prompt in enumerate(prompts):
+        llm.add_request(prompt, params, request_id=str(rid))
+    done: dict[str, RequestOutput] = {}
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), desc="run", unit="req") as bar:
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+            min_free = min(min_free, llm.kv.num_free_blocks)
+    elapsed = time.perf_counter() - t0
+    st = llm.stats()
+    gen = sum(o.completion_tokens for o in done.values())
+    reasons: dict[str, int] = {}
+    for o in done.values():
+        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    for rid in map(str, range(min(args.show, len(prompts)))):
+        print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
+
+    def mean_width(hist: list[list[int]]) -> float:
+        counts = np.asarray(hist).sum(axis=0)
+        return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
+
+    print("--- summary ---")
+    print(f"model {llm.model_name} on {llm.device}, budget {budget if budget is not None else 'unbounded'}")
+    print(f"requests {len(done)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}), "
+          f"prompt tokens {sum(o.prompt_tokens for o in done.values())}, generated {gen} in {elapsed:.2f} s "
+          f"= {gen / elapsed if elapsed > 0 else 0.0:.1f} tokens/s")
+    print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
+          f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
+    if llm.table is not None:
+        print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
+              f"{mean_width(st['committed_width_hist']):.2f} at end; offload triggers {st['offload_triggers']}, "
+              f"reload triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / 2**20:.1f} MiB out, "
+              f"{st['bytes_reloaded'] / 2**20:.1f} MiB in")
+    return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

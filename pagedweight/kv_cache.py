@@ -1,0 +1,132 @@
+"""Paged KV cache over the shared page pool: block tables per sequence, scatter of new K/V, gather for attention.
+
+A logical KV block holds `block_size` tokens of every layer. Its layer-l part is one pool KV block (one page by
+default), so a logical block is L pool blocks that need not be contiguous: the pool never has to find a long
+free run for KV, and every page that weights give back is usable by the cache at once.
+
+The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new
+token's K/V go and which cached tokens each query may see. `update` (the models' cache protocol) then writes
+and gathers per layer and returns a block-diagonal causal mask, so prefill chunks and decodes of different
+sequences share one forward pass without attending to each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedweight.models.config import ModelConfig
+from pagedweight.pool import PagePool
+from pagedweight.sequence import Sequence
+
+
+def kv_layer_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one layer's K and V for `block_size` tokens."""
+    return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StepLayout:
+    """Index tensors of one packed step (device tensors, built once and read by every layer)."""
+
+    write_pages: torch.Tensor  # [L, T] pool KV block of each new token, per layer
+    write_slots: torch.Tensor  # [T] slot inside its block
+    ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token, per layer
+    ctx_slots: torch.Tensor  # [S]
+    mask: torch.Tensor  # bool [1, 1, T, S], True = may attend
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16) -> None:
+        self.num_layers = cfg.num_hidden_layers
+        self.block_size = block_size
+        self.pool = pool
+        self.dtype = dtype
+        self.layer_bytes = kv_layer_block_bytes(cfg, block_size, dtype)
+        if self.layer_bytes > pool.kv_block_bytes:
+            raise ValueError(f"a layer's KV block needs {self.layer_bytes} B, the pool's KV block is "
+                             f"{pool.kv_block_bytes} B")
+        # pool rows [capacity, page_bytes] -> [capacity, 2 (k|v), block_size, Hkv, hd]; row id = pool KV block id
+        rows = pool.kv_blocks_view()
+        if pool.pages_per_kv != 1:
+            raise ValueError("the paged KV cache wants one page per pool KV block")
+        self.view = rows[:, :self.layer_bytes].view(dtype).view(
+            rows.shape[0], 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.block_pages: dict[int, list[int]] = {}  # logical block id -> its L pool blocks (layer order)
+        self.layout: StepLayout | None = None
+
+    # ---- block accounting (what the scheduler reads) ----
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.kv_capacity() // self.num_layers
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.block_pages)
+
+    @property
+    def block_bytes(self) -> int:
+        """Pool bytes of one logical block (all layers), the planner's B_KV."""
+        return self.num_layers * self.pool.pages_per_kv * self.pool.page_bytes
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def tokens_fit(self, seq: Sequence) -> int:
+        """New tokens seq can append with the blocks it holds plus every free block."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        n = self.blocks_needed(seq, num_new_tokens)
+        if n == 0:
+            return
+        pages = self.pool.alloc_kv_blocks(n * self.num_layers)
+        for j in range(n):
+            block = pages[j * self.num_layers:(j + 1) * self.num_layers]
+            self.block_pages[block[0]] = block
+            seq.block_table.append(block[0])
+
+    def free(self, seq: Sequence) -> None:
+        """Give every block of seq back to the pool now (finish, abort, preemption)."""
+        pages = [p for b in seq.block_table for p in self.block_pages.pop(b)]
+        if pages:
+            self.pool.free_kv_blocks(pages)
+        seq.block_table = []
+
+    # ---- one forward step ----
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
+        """Lay out one packed step: seqs[i] appends num_new_tokens[i] tokens after its computed ones."""
+        bs, device = self.block_size, self.view.device
+        w_pages, w_slot, c_pages, c_slot, q_seq, q_pos, k_seq, k_pos = ([] for _ in range(8))
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = torch.tensor([self.block_pages[b] for b in seq.block_table], dtype=torch.long)  # [nblk, L]
+            new_pos, ctx_pos = torch.arange(start, end), torch.arange(end)
+            w_pages.append(table[new_pos // bs].t())
+            w_slot.append(new_pos % bs)
+            c_pages.append(table[ctx_pos // bs].t())
+            c_slot.append(ctx_pos % bs)
+            q_seq.append(torch.full((n,), i))
+            q_pos.append(new_pos)
+            k_seq.append(torch.full((end,), i))
+            k_pos.append(ctx_pos)
+        q_seq, q_pos, k_seq, k_pos = torch.cat(q_seq), torch.cat(q_pos), torch.cat(k_seq), torch.cat(k_pos)
+        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        self.layout = StepLayout(
+            write_pages=torch.cat(w_pages, dim=1).to(device), write_slots=torch.cat(w_slot).to(device),
+            ctx_pages=torch.cat(c_pages, dim=1).to(device), ctx_slots=torch.cat(c_slot).to(device),
+            mask=mask[None, None].to(device))
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v [1, Hkv, T, hd] of the packed step -> every sequence's context [1, Hkv, S, hd] and the mask."""
+        lay = self.layout
+        if lay is None:
+            raise RuntimeError("PagedKVCache.update called before prepare()")
+        wp, cp = lay.write_pages[layer], lay.ctx_pages[layer]
+        self.view[wp, 0, lay.write_slots] = k[0].transpose(0, 1).to(self.dtype)
+        self.view[wp, 1, lay.write_slots] = v[0].transpose(0, 1).to(self.dtype)
+        k_all = self.view[cp, 0, lay.ctx_slots].transpose(0, 1)[None]
+        v_all = self.view[cp, 1, lay.ctx_slots].transpose(0, 1)[None]
+        return k_all, v_all, lay.mask

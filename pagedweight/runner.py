@@ -1,0 +1,151 @@
+"""Runs the model for one scheduled step, and installs the experts it runs with.
+
+A step's sequences are packed into one row of tokens (the paged KV cache keeps them apart with its mask);
+only the rows that end a sequence's pending tokens are sampled, so the LM head runs on those rows alone.
+Experts are either the checkpoint's dense weights (the FP16/FP32 path) or `APExperts`, which read the page
+pool at the widths the page table has committed: through the fused CUDA kernel on a GPU and through its torch
+twin elsewhere. Both see the same pool bytes and the same device tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedweight.apformat import APCheckpoint
+from pagedweight.bitplanes import lut_bytes
+from pagedweight.knobs import PlannerKnobs
+from pagedweight.kv_cache import PagedKVCache
+from pagedweight.models.model import MoEForCausalLM
+from pagedweight.page_store import PageStore, Record
+from pagedweight.page_table import BlockSpec, WeightPageTable
+from pagedweight.pool import PagePool
+from pagedweight.scheduler import ScheduledBatch
+from pagedweight.sequence import Sequence
+
+
+class PlaneSource(Protocol):
+    """Where reloads copy from (a `PageStore`; benchmarks may hand in any CPU source of the same bytes)."""
+
+    def tensor(self, block: int, what: str, idx: int) -> torch.Tensor: ...
+
+
+@dataclass
+class APWeights:
+    """What the engine needs of any-precision expert weights, wherever they come from."""
+
+    specs: list[BlockSpec]  # flat block order i = (l*E + e)*2 + u
+    seed_bits: int
+    parent_bits: int
+    store: PlaneSource
+    sensitivity: np.ndarray  # [n_blocks, P+1] s_i^b
+    routing_mass: np.ndarray  # [L, E] calibration prior
+    knobs: PlannerKnobs
+
+
+def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
+    """Open (or create, once per node) the page store of an AP checkpoint and collect its tables."""
+    records, specs = [], []
+    for i, e in enumerate(ap.blocks):
+        records += [Record(i, "plane", p, ap.plane_offset(i, p), e.plane_bytes) for p in range(ap.parent_bits)]
+        luts = {b: lut_bytes(e.n, b) for b in range(ap.seed_bits, ap.parent_bits + 1)}
+        records += [Record(i, "lut", b, ap.lut_offset(i, b), n) for b, n in luts.items()]
+        specs.append(BlockSpec(e.plane_bytes, luts))
+    store = PageStore.create(store_dir, ap.planes_file, records)
+    knobs = PlannerKnobs.from_dict(ap.planner_knobs) if ap.planner_knobs else PlannerKnobs()
+    return APWeights(specs, ap.seed_bits, ap.parent_bits, store, ap.sensitivity, ap.routing_mass, knobs)
+
+
+def planes_id(ap: APCheckpoint) -> str:
+    """Content id of the checkpoint's planes (its manifest checksum), naming the node's page store."""
+    entry = next(f for f in ap.manifest["files"] if f["name"] == ap.planes_file.name)
+    return entry["blake2b"][:16]
+
+
+def build_ap_model(ap: APCheckpoint, dtype: torch.dtype, device: torch.device) -> MoEForCausalLM:
+    """The model's dense (non-expert) weights from the checkpoint; experts are placeholders until
+    `install_ap_experts` (they are never materialised densely)."""
+    cfg = ap.config
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    for layer in range(cfg.num_hidden_layers):
+        model.set_experts(layer, nn.Identity())
+    state = {k: v.to(device=device, dtype=dtype) for k, v in ap.dense_state_dict().items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+        raise ValueError(f"{ap.dir}: dense weights do not fit the model (missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]})")
+    model.tie_weights()
+    return model.eval()
+
+
+def moe_function(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The fused kernel on CUDA, its torch reference twin anywhere else."""
+    if device.type == "cuda":
+        from pagedweight.cuda.moe_kernels import moe_forward
+        return moe_forward
+    from pagedweight.cuda.reference import moe_forward_reference
+    return moe_forward_reference
+
+
+class APExperts(nn.Module):
+    """Layer `layer`'s routed experts, read from the pool at the committed widths `table.q[layer]`."""
+
+    def __init__(self, layer: int, table: WeightPageTable, pool: PagePool, hidden: int, inter: int,
+                 fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.layer, self.table, self.pool, self.hidden, self.inter, self.fn = layer, table, pool, hidden, inter, fn
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, l = self.table, self.layer
+        return self.fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), self.pool.words,
+                       self.pool.halves, t.q[l], t.plane_off[l], t.lut_off[l], self.hidden, self.inter,
+                       t.parent_bits)
+
+
+def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool) -> None:
+    """Swap every layer's dense experts for pool readers (the dense expert weights are dropped)."""
+    cfg, fn = model.config, moe_function(pool.device)
+    for layer in range(cfg.num_hidden_layers):
+        model.set_experts(layer, APExperts(layer, table, pool, cfg.hidden_size, cfg.moe_intermediate_size, fn))
+
+
+class ModelRunner:
+    def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device) -> None:
+        self.model, self.kv, self.device = model, kv, device
+        self._rows: torch.Tensor | None = None
+        model.norm.register_forward_hook(self._keep_sampled_rows)
+
+    def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Final-norm hook: the LM head then sees only the rows that get sampled."""
+        return output if self._rows is None else output[:, self._rows]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Compute the batch's new tokens; returns the sequences to sample and their logits [n, V] (float32)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        to_sample: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if start + n == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                to_sample.append(seq)
+        self.kv.prepare(batch.seqs, batch.num_new_tokens)
+        self._rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        try:
+            logits = self.model(torch.tensor([ids], device=self.device),
+                                torch.tensor([positions], device=self.device), cache=self.kv)[0]
+        finally:
+            self._rows = None
+            self.kv.layout = None
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        return to_sample, logits

@@ -1,0 +1,83 @@
+"""Request state: one `Sequence` per request, from arrival to its finish reason.
+
+A sequence is the unit the scheduler moves between the waiting and running queues. Its KV blocks are
+listed in `block_table`; `num_computed_tokens` counts the tokens whose K/V are in those blocks, so a
+preempted sequence simply drops its blocks, resets that count, and is recomputed later (prompt and the
+tokens generated so far) without changing what it generates.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedweight.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V sit in block_table's blocks
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    text: str = ""  # detokenized completion, cut at a stop string
+    sent_text_len: int = 0  # how much of `text` earlier outputs already carried
+    prefix_offset: int = 0  # incremental detokenization: completion tokens [prefix, read) are already text
+    read_offset: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one wall time per generated token
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
