@@ -1,0 +1,296 @@
+"""EngineActor: one engine (pagedweight.engine.LLM) per GPU, or a CPU engine where there is no GPU.
+
+`AsyncEngine` runs the engine's step loop in a background thread and fans each step's outputs out to
+per-request asyncio queues, so many concurrent callers share one continuous batch. The Serve engine
+replica (openai_app.py) and the plain actor below both wrap it.
+
+Failure rules: a request whose caller goes away (cancelled task, closed stream) is aborted at the
+next step boundary, which frees its KV blocks. If a step raises, every in-flight request ends with
+finish_reason "error" and the message, and the engine refuses new work (the health check fails, so
+Serve replaces the replica). If the actor process dies, Ray restarts it (max_restarts) and the
+constructor rebuilds the engine from the node's page store; calls that were in flight fail at once
+with RayActorError (max_task_retries=0: a generation is not idempotent to replay mid-stream).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import ray
+
+from pagedweight.actors.metrics import EngineMetrics
+
+STATS_INTERVAL_S = 1.0
+
+
+@dataclass
+class EngineConfig:
+    """What an engine is built from; picklable, so Ray can rebuild the engine after a restart."""
+
+    model_dir: str
+    gpu_memory_budget: int | float | None = None
+    device: str = "auto"  # "auto" = cuda when this worker was given a GPU, else cpu
+    engine_options: dict = field(default_factory=dict)
+    use_page_store: bool = True  # map the node's shared CPU planes instead of re-reading the checkpoint
+    routing_sync_s: float | None = 5.0  # push routing mass to the cluster planner this often (None = never)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop failed; the engine takes no more work."""
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+
+
+def build_llm(cfg: EngineConfig):
+    """Construct the engine, mapping the node's page store when asked (and when running under Ray)."""
+    from pagedweight.engine import LLM
+
+    options = dict(cfg.engine_options)
+    if cfg.use_page_store and ray.is_initialized():
+        from pagedweight.actors.page_store_actor import page_store_for_node
+
+        store_dir = ray.get(page_store_for_node().ensure.remote(cfg.model_dir))
+        if store_dir is not None:
+            options.setdefault("page_store_dir", store_dir)
+    return LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=resolve_device(cfg.device),
+               **options)
+
+
+def make_engine(cfg: EngineConfig, engine_id: str) -> "AsyncEngine":
+    """The engine with its metrics and, when routing sync is on, the cluster planner."""
+    from pagedweight.actors.planner_actor import get_or_create_planner
+
+    planner = get_or_create_planner() if cfg.routing_sync_s is not None else None
+    return AsyncEngine(build_llm(cfg), engine_id, EngineMetrics(engine_id), planner, cfg.routing_sync_s)
+
+
+class AsyncEngine:
+    """Background step loop around one LLM; `generate` is an async iterator of RequestOutputs."""
+
+    def __init__(self, llm, engine_id: str, metrics: EngineMetrics | None = None, planner=None,
+                 routing_sync_s: float | None = None):
+        self.llm = llm
+        self.engine_id = engine_id
+        self._metrics = metrics
+        self._planner = planner if routing_sync_s is not None and llm.planner is not None else None
+        self._sync_s = routing_sync_s
+        self._last_sync = time.monotonic()
+        self._tokens_since_sync = 0
+        self._lock = threading.Lock()  # every LLM call happens under it
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: list[str] = []
+        self._dead: BaseException | None = None
+        self.num_aborted = 0  # requests aborted because their caller went away
+        self._stop = False
+        self._last_stats = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"engine-{engine_id}", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop thread) ----
+    async def generate(self, prompt, params, request_id: str | None = None) -> AsyncIterator:
+        """Yield the request's outputs until it finishes; closing the iterator early aborts it.
+
+        ValueError from add_request (bad prompt or params) propagates before the first output.
+        """
+        self.check_health()
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        rid = await asyncio.to_thread(self._add, prompt, params, request_id or uuid.uuid4().hex, loop, queue)
+        start, first, finished, out = time.perf_counter(), None, False, None
+        try:
+            while not finished:
+                out = await queue.get()
+                if first is None:
+                    first = time.perf_counter() - start
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._aborts.append(rid)
+                self._wake.set()
+            if self._metrics is not None:
+                reason = out.finish_reason if finished else "abort"
+                self._metrics.observe_request(time.perf_counter() - start, first, reason)
+
+    def _add(self, prompt, params, request_id, loop, queue) -> str:
+        with self._lock:
+            self.check_health()
+            rid = self.llm.add_request(prompt, params, request_id=request_id)
+            self._queues[rid] = (loop, queue)
+        self._wake.set()
+        return rid
+
+    def score(self, windows: list[list[int]]) -> tuple[float, int]:
+        """(summed next-token NLL in nats, tokens scored) of token windows, one forward each. Runs between
+        engine steps (under the lock), so the weights it reads cannot move while it runs."""
+        import torch
+        import torch.nn.functional as F
+
+        nll, count = 0.0, 0
+        for window in windows:
+            ids = torch.tensor([window], dtype=torch.long, device=self.llm.device)
+            with self._lock, torch.inference_mode():
+                logits = self.llm.model(ids[:, :-1]).float()
+            nll += F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
+            count += len(window) - 1
+        return nll, count
+
+    def stats(self) -> dict:
+        with self._lock:
+            stats = dict(self.llm.stats())
+        stats["in_flight"] = len(self._queues)
+        stats["aborted_by_caller"] = self.num_aborted
+        return stats
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine {self.engine_id} step loop failed: {self._dead!r}")
+        if not self._thread.is_alive() and not self._stop:
+            raise EngineDeadError(f"engine {self.engine_id} step loop is not running")
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- step loop (background thread) ----
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                with self._lock:
+                    while self._aborts:
+                        rid = self._aborts.pop()
+                        self.num_aborted += int(self.llm.abort(rid))
+                        self._queues.pop(rid, None)
+                    busy = self.llm.has_unfinished()
+                    outputs = self.llm.step() if busy else []
+                for out in outputs:
+                    self._deliver(out)
+                self._tokens_since_sync += len(outputs)
+                self._export_stats()
+                self._sync_routing()
+                if not busy:
+                    self._wake.wait(STATS_INTERVAL_S)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
+            from loguru import logger
+
+            logger.exception("engine {} step loop failed", self.engine_id)
+            self._dead = exc
+            self._fail_all(f"engine {self.engine_id} failed: {exc!r}")
+
+    def _deliver(self, out) -> None:
+        entry = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, message: str) -> None:
+        from pagedweight.engine import RequestOutput
+
+        for rid, (loop, queue) in list(self._queues.items()):
+            out = RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="", delta_text="",
+                                finished=True, finish_reason="error", error=message)
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        self._queues.clear()
+
+    def _sync_routing(self) -> None:
+        """Push this engine's routing mass to the cluster planner and adopt the merged mass it returns, so
+        bucket assignment follows the whole cluster's traffic. A planner that does not answer is skipped."""
+        now = time.monotonic()
+        if self._planner is None or now - self._last_sync < self._sync_s or not self._tokens_since_sync:
+            return
+        from pagedweight.actors.planner_actor import decode_reply, encode_table
+
+        self._last_sync = now
+        tokens, self._tokens_since_sync = self._tokens_since_sync, 0
+        with self._lock:
+            mass = self.llm.planner.routing.mass.copy()
+        try:
+            reply = decode_reply(ray.get(self._planner.push.remote(encode_table(self.engine_id, mass, tokens)),
+                                         timeout=10))
+        except Exception as exc:  # noqa: BLE001 - the cluster view is an optimisation, serving goes on
+            from loguru import logger
+
+            logger.warning("engine {}: routing sync with the planner failed: {!r}", self.engine_id, exc)
+            return
+        with self._lock:
+            self.llm.planner.routing.mass = reply["mass"].astype(mass.dtype)
+
+    def _export_stats(self) -> None:
+        now = time.monotonic()
+        if self._metrics is None or now - self._last_stats < STATS_INTERVAL_S:
+            return
+        self._last_stats = now
+        with self._lock:
+            stats = self.llm.stats()
+        self._metrics.update(stats)
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
+class EngineActor:
+    """One engine; create with `start_engines` (num_gpus=1 per GPU, or CPU engines)."""
+
+    def __init__(self, cfg: EngineConfig, engine_id: str | None = None):
+        ctx = ray.get_runtime_context()
+        self.engine_id = engine_id or ctx.get_actor_id()[:12]
+        self.restarted = ctx.was_current_actor_reconstructed
+        self.cfg = cfg
+        self.engine = make_engine(cfg, self.engine_id)
+
+    async def generate(self, prompt, params, request_id: str | None = None):
+        """The final RequestOutput of one request."""
+        out = None
+        async for out in self.engine.generate(prompt, params, request_id):
+            pass
+        return out
+
+    async def generate_batch(self, requests: list[tuple]) -> list:
+        """Final RequestOutputs of (prompt, params) pairs, all in the engine's batch at once."""
+        return list(await asyncio.gather(*(self.generate(prompt, params) for prompt, params in requests)))
+
+    async def stream(self, prompt, params, request_id: str | None = None):
+        """Every RequestOutput of one request (call with .options(num_returns="streaming"))."""
+        async for out in self.engine.generate(prompt, params, request_id):
+            yield out
+
+    async def score(self, windows: list[list[int]]) -> tuple[float, int]:
+        """Summed NLL and token count of token windows (perplexity evaluation)."""
+        return await asyncio.to_thread(self.engine.score, windows)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def info(self) -> dict:
+        llm = self.engine.llm
+        return {"engine_id": self.engine_id, "node_id": ray.get_runtime_context().get_node_id(),
+                "restarted": self.restarted, "pid": os.getpid(),
+                "gpu_ids": ray.get_gpu_ids(), "device": str(llm.device), "model_name": llm.model_name,
+                "max_model_len": llm.max_model_len, "page_store_dir": llm.options.page_store_dir}
+
+    def check_health(self) -> bool:
+        self.engine.check_health()
+        return True
+
+
+def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_cpu_engine: float = 1.0) -> list:
+    """One EngineActor per GPU of the cluster; without GPUs, `num_engines` (default 1) CPU engines."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus:
+        n = gpus if num_engines is None else min(num_engines, gpus)
+        return [EngineActor.options(num_gpus=1, num_cpus=1).remote(cfg, f"gpu{i}") for i in range(n)]
+    n = 1 if num_engines is None else num_engines
+    return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_cpu_engine).remote(cfg, f"cpu{i}")
+            for i in range(n)]

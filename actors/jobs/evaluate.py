@@ -1,0 +1,146 @@
+"""Cluster evaluation job: perplexity and/or greedy generation spread over every engine of the cluster.
+
+    ray job submit --working-dir . -- python -m pagedweight.actors.jobs.evaluate MODEL_DIR \\
+        --mode all --out eval.json                       # one engine per GPU
+    RAY_ADDRESS=... python -m pagedweight.actors.jobs.evaluate MODEL_DIR --num-engines 2   # CPU cluster
+
+The driver tokenizes the text into fixed windows (perplexity) or cuts prompts (generation), deals
+them out to the engines in small shards and collects them as they finish (tqdm shows progress), then
+writes one results JSON. Perplexity = exp(total NLL / total scored tokens) over all windows, the
+same number whatever the number of engines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import ray
+from tqdm import tqdm
+
+from pagedweight.actors.engine_actor import EngineConfig, start_engines
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "data" / "eval.txt"
+
+
+def token_windows(model_dir: Path, text: str, ctx: int, num_windows: int) -> list[list[int]]:
+    """Non-overlapping windows of ctx+1 tokens (ctx predictions each) from the start of `text`."""
+    from pagedweight.tokenizer import TextTokenizer
+
+    ids = TextTokenizer.from_dir(model_dir).encode(text, add_special_tokens=False)
+    windows = [ids[i:i + ctx + 1] for i in range(0, len(ids) - ctx, ctx)][:num_windows]
+    if not windows:
+        raise ValueError(f"the text has {len(ids)} tokens: not even one window of {ctx + 1}")
+    return windows
+
+
+def prompts_from(text: str, num_prompts: int, chars: int) -> list[str]:
+    step = max(len(text) // max(num_prompts, 1), 1)
+    return [text[i * step:i * step + chars] for i in range(num_prompts)]
+
+
+def run_sharded(engines: list, method: str, items: list, shard: int, desc: str) -> tuple[list, list[int]]:
+    """Call engine.<method>(shard) over `items`, keeping every engine busy.
+
+    Returns the per-shard results in item order and how many items each engine handled."""
+    shards = [(i, items[i:i + shard]) for i in range(0, len(items), shard)]
+    results: list = [None] * len(shards)
+    handled = [0] * len(engines)
+    idle, pending = list(range(len(engines))), {}
+    with tqdm(total=len(items), desc=desc, unit="item", file=sys.stdout) as bar:
+        while shards or pending:
+            while idle and shards:
+                engine, (start, chunk) = idle.pop(), shards.pop(0)
+                pending[getattr(engines[engine], method).remote(chunk)] = (engine, start, len(chunk))
+            done, _ = ray.wait(list(pending), num_returns=1)
+            engine, start, n = pending.pop(done[0])
+            results[start // shard] = ray.get(done[0])
+            handled[engine] += n
+            idle.append(engine)
+            bar.update(n)
+    return results, handled
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    model_dir = Path(args.model_dir).resolve()
+    text = Path(args.data).read_text()
+    budget = None
+    if args.gpu_memory_budget:
+        from pagedweight.engine import parse_budget
+
+        budget = parse_budget(args.gpu_memory_budget)
+    cfg = EngineConfig(str(model_dir), budget, engine_options=json.loads(args.engine_options))
+    engines = start_engines(cfg, args.num_engines, cpus_per_cpu_engine=args.engine_cpus)
+    infos = ray.get([e.info.remote() for e in engines])
+    result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
+                    "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
+    t0 = time.perf_counter()
+    if args.mode in ("ppl", "all"):
+        windows = token_windows(model_dir, text, args.ctx, args.windows)
+        parts, handled = run_sharded(engines, "score", windows, args.shard, "perplexity")
+        nll, tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        result["perplexity"] = {"ctx": args.ctx, "windows": len(windows), "tokens": tokens, "nll": nll,
+                                "ppl": math.exp(nll / tokens), "windows_per_engine": handled,
+                                "elapsed_s": time.perf_counter() - t0}
+    if args.mode in ("generate", "all"):
+        from pagedweight.sampling import SamplingParams
+
+        t1 = time.perf_counter()
+        params = SamplingParams(max_tokens=args.max_tokens).validate()
+        prompts = prompts_from(text, args.num_prompts, args.prompt_chars)
+        parts, handled = run_sharded(engines, "generate_batch", [(p, params) for p in prompts], args.shard,
+                                     "generate")
+        outs = [o for part in parts for o in part]
+        elapsed = time.perf_counter() - t1
+        generated = sum(len(o.token_ids) for o in outs)
+        result["generation"] = {
+            "prompts": len(prompts), "prompts_per_engine": handled, "max_tokens": args.max_tokens,
+            "generated_tokens": generated,
+            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0, "elapsed_s": elapsed,
+            "finish_reasons": {r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}},
+            "samples": [{"prompt": p, "text": o.text} for p, o in zip(prompts, outs)],
+        }
+    result["engine_stats"] = ray.get([e.stats.remote() for e in engines])
+    for e in engines:
+        ray.kill(e, no_restart=True)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pagedweight.actors.jobs.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="AP checkpoint or HF model directory (on every node)")
+    p.add_argument("--mode", choices=("ppl", "generate", "all"), default="all")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="evaluation text")
+    p.add_argument("--ctx", type=int, default=512, help="perplexity window (tokens predicted per window)")
+    p.add_argument("--windows", type=int, default=32, help="perplexity windows")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-chars", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--shard", type=int, default=2, help="items per engine call")
+    p.add_argument("--num-engines", type=int, default=None,
+                   help="engines (default: one per GPU of the cluster; 1 without GPUs)")
+    p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs per CPU engine")
+    p.add_argument("--gpu-memory-budget", default=None,
+                   help="per engine: bytes with unit (40GiB) or a fraction of device memory")
+    p.add_argument("--engine-options", default="{}", help="JSON dict of LLM engine options")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster)")
+    p.add_argument("--out", default="eval-results.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ray.init(address=args.address or "auto", namespace="pagedweight", log_to_driver=False)
+    result = evaluate(args)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    summary = {k: result[k][m] for k, m in (("perplexity", "ppl"), ("generation", "tokens_per_s")) if k in result}
+    print(f"results -> {args.out}: {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Engine metrics exported through ray.util.metrics (Prometheus on each node's metrics export port).
+
+Fed from `LLM.stats()` snapshots: gauges mirror the snapshot, counters advance by the growth of the
+engine's cumulative totals, and request latency is observed per finished request. Objects are
+created inside the Ray worker that owns the engine (ray.util.metrics must not be pickled).
+Prometheus names carry Ray's `ray_` prefix, e.g. `ray_pagedweight_kv_free_blocks`.
+"""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+PREFIX = "pagedweight_"
+
+# snapshot value in LLM.stats() -> (metric name, description)
+GAUGES = {
+    "kv_free_blocks": ("kv_free_blocks", "Free KV-cache blocks."),
+    "kv_total_blocks": ("kv_total_blocks", "KV-cache blocks the page pool holds now (free + used)."),
+    "resident_weight_bytes": ("resident_weight_bytes", "Bytes of expert bit-planes and LUTs resident on the device."),
+    "pages_in_flight": ("pages_in_flight", "Weight pages being copied host->device or released."),
+    "planner_step_ms": ("planner_step_ms", "Wall time of the last planner step, ms."),
+    "plan_staleness_steps": ("plan_staleness_steps", "Engine steps since the executed plan was computed."),
+    "num_running": ("running_requests", "Requests in the running batch."),
+    "num_waiting": ("waiting_requests", "Requests waiting for KV blocks."),
+}
+# cumulative total in LLM.stats() -> (metric name, description)
+COUNTERS = {
+    "bytes_offloaded": ("offloaded_bytes", "Weight bytes released from the device by precision drops."),
+    "bytes_reloaded": ("reloaded_bytes", "Weight bytes copied back to the device by precision raises."),
+    "offload_triggers": ("offload_triggers", "Times KV pressure triggered a precision drop."),
+    "reload_triggers": ("reload_triggers", "Times free KV blocks triggered a precision raise."),
+    "preemptions": ("preemptions", "Requests preempted for lack of KV blocks."),
+}
+LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+class EngineMetrics:
+    """All metrics of one engine, tagged with its id."""
+
+    def __init__(self, engine_id: str):
+        tags = {"engine": engine_id}
+        self._gauges = {}
+        for key, (name, desc) in GAUGES.items():
+            self._gauges[key] = Gauge(PREFIX + name, description=desc, tag_keys=("engine",))
+            self._gauges[key].set_default_tags(tags)
+        self._counters = {}
+        for key, (name, desc) in COUNTERS.items():
+            self._counters[key] = Counter(PREFIX + name, description=desc, tag_keys=("engine",))
+            self._counters[key].set_default_tags(tags)
+        self._width = Gauge(PREFIX + "committed_width_blocks",
+                            description="Expert linear blocks per layer at each committed bit width.",
+                            tag_keys=("engine", "layer", "width"))
+        self._width.set_default_tags(tags)
+        self._latency = Histogram(PREFIX + "request_latency_s",
+                                  description="End-to-end request latency, s (finish_reason tagged).",
+                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine", "finish_reason"))
+        self._latency.set_default_tags(tags)
+        self._ttft = Histogram(PREFIX + "time_to_first_token_s", description="Time to first token, s.",
+                               boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine",))
+        self._ttft.set_default_tags(tags)
+        self._last_totals: dict[str, float] = {}
+
+    def update(self, stats: dict) -> None:
+        """Export one LLM.stats() snapshot."""
+        for key, gauge in self._gauges.items():
+            if stats.get(key) is not None:
+                gauge.set(float(stats[key]))
+        for key, counter in self._counters.items():
+            if stats.get(key) is None:
+                continue
+            total = float(stats[key])
+            growth = total - self._last_totals.get(key, 0.0)
+            if growth < 0:  # the engine was rebuilt and its totals restarted from zero
+                growth = total
+            if growth > 0:
+                counter.inc(growth)
+            self._last_totals[key] = total
+        for layer, counts in enumerate(stats.get("committed_width_hist") or []):  # per layer, indexed by width
+            for width, count in enumerate(counts):
+                self._width.set(float(count), tags={"layer": str(layer), "width": str(width)})
+
+    def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None) -> None:
+        self._latency.observe(latency_s, tags={"finish_reason": finish_reason or "none"})
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+

@@ -1,0 +1,476 @@
+"""OpenAI-compatible HTTP ingress on Ray Serve, in front of PagedWeight engine replicas.
+
+`ray.serve.llm` needs vLLM, so the ingress is ours: /v1/models, /v1/completions,
+/v1/chat/completions, streaming (Server-Sent Events) and not, with `usage` counts.
+Every bad request is answered with a 4xx and an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` before any engine work starts; checks that need the
+tokenizer (prompt longer than the context) run in the engine replica and come back as the first
+item of its stream. A client that disconnects cancels its Serve request; the cancellation reaches
+the replica's generator, which aborts the engine request and frees its KV blocks.
+
+(No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods.)
+
+Resources: the ingress takes no CPU; an engine replica takes one GPU (or `engine_num_cpus` CPUs when
+the cluster has no GPU).
+"""
+
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedweight.actors.engine_actor import EngineConfig, make_engine
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_BODY_BYTES = 4 << 20
+MAX_STOP = 4
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------- errors
+class APIError(Exception):
+    """A request the API refuses; rendered as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+# ---------------------------------------------------------------- request validation (pure)
+@dataclass
+class GenerationJob:
+    """A validated request, as the engine replica receives it."""
+
+    prompt: str | list[int]
+    max_tokens: int | None  # None = the rest of the context
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    request_id: str
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    model: str
+    stream: bool
+    include_usage: bool
+    job: GenerationJob
+
+
+def parse_body(raw: bytes) -> dict:
+    """Bytes -> JSON object, refusing oversize bodies, invalid UTF-8 and malformed JSON."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})", code="invalid_utf8")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _bad(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+                   code="invalid_json")
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _text(value, param: str) -> str:
+    """A string that can be encoded as UTF-8 (JSON allows lone surrogates such as \\ud800; we do not)."""
+    if not isinstance(value, str):
+        raise _bad(f"'{param}' must be a string", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"'{param}' contains invalid Unicode (lone surrogate)", param, "invalid_utf8")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise _bad(f"'{name}' must be a number", name)
+    if value < low or value > high or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise _bad(f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{name}' must be an integer", name)
+    if not low <= value <= high:
+        raise _bad(f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _prompt(value) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise _bad("'prompt' must not be empty", "prompt")
+        return _text(value, "prompt")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) < 0:
+            raise _bad("'prompt' token ids must be >= 0", "prompt")
+        return value
+    if isinstance(value, list) and len(value) > 1:
+        raise _bad("batched prompts are not supported: send one request per prompt", "prompt")
+    raise _bad("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def render_chat(messages) -> str:
+    """Chat messages -> one prompt (role-prefixed turns, then the assistant's cue)."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    turns = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _bad(f"'{where}' must be an object", where)
+        role = msg.get("role")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise _bad(f"'{where}.role' must be one of system, developer, user, assistant", f"{where}.role")
+        content = msg.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise _bad(f"'{where}.content[{j}]' must be a text part", f"{where}.content")
+                parts.append(_text(part.get("text"), f"{where}.content[{j}].text"))
+            content = "".join(parts)
+        turns.append(f"{role}: {_text(content, f'{where}.content')}\n")
+    return "".join(turns) + "assistant:"
+
+
+UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "suffix": None, "best_of": 1,
+               "logit_bias": None, "tools": None, "functions": None, "presence_penalty": 0,
+               "frequency_penalty": 0}
+
+
+def validate_request(body: dict, kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
+    """Check a completions/chat body against the API and this model; raises APIError."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model")
+    if model != served_model:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
+                       "model", "model_not_found")
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != neutral and value != {} and value != []:
+            raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if body.get("n") not in (None, 1):
+        raise _bad("only n=1 is supported", "n", "unsupported_parameter")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    if kind == "chat":
+        prompt = render_chat(body.get("messages"))
+        tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        default_tokens = None
+    else:
+        prompt = _prompt(body.get("prompt"))
+        tokens_field, default_tokens = "max_tokens", 16
+    max_tokens = _integer(body, tokens_field, default_tokens, 1, max_model_len)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise _bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    stop = [_text(s, "stop") for s in stop]
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    job = GenerationJob(
+        prompt=prompt, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_integer(body, "top_k", 0, 0, 1 << 20),
+        seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
+        stop=stop, ignore_eos=ignore_eos,
+        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+    )
+    return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), job)
+
+
+# ---------------------------------------------------------------- engine replica
+def _sampling_params(job: GenerationJob, max_tokens: int):
+    from pagedweight.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
+                          seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos).validate()
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30,
+                  graceful_shutdown_timeout_s=5)
+class EngineReplica:
+    """One engine behind the ingress. `generate` streams plain dicts (cheap to ship between actors):
+    first {"prompt_tokens"} or {"error"}, then {"delta", "completion_tokens", "finish_reason"} items."""
+
+    def __init__(self, cfg: EngineConfig):
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = make_engine(cfg, replica_id)
+
+    def info(self) -> dict:
+        llm = self.engine.llm
+        return {"model_name": llm.model_name, "max_model_len": llm.max_model_len}
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def generate(self, job: GenerationJob):
+        llm = self.engine.llm
+        prompt_ids = llm.tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else job.prompt
+        room = llm.max_model_len - len(prompt_ids)
+        if room < 1:
+            yield _bad(f"This model's maximum context length is {llm.max_model_len} tokens; the prompt "
+                       f"has {len(prompt_ids)} tokens", "prompt", "context_length_exceeded").body()
+            return
+        if job.max_tokens is not None and job.max_tokens > room:
+            yield _bad(f"This model's maximum context length is {llm.max_model_len} tokens; "
+                       f"{len(prompt_ids)} in the prompt + {job.max_tokens} to generate exceed it",
+                       "max_tokens", "context_length_exceeded").body()
+            return
+        try:
+            params = _sampling_params(job, job.max_tokens or room)
+        except ValueError as exc:
+            yield _bad(str(exc)).body()
+            return
+        stream = self.engine.generate(prompt_ids, params, job.request_id)
+        try:
+            try:
+                out = await anext(stream)
+            except ValueError as exc:  # the engine refused the request (add_request)
+                yield _bad(str(exc)).body()
+                return
+            yield {"prompt_tokens": len(prompt_ids)}
+            while True:
+                if out.finish_reason == "error":
+                    yield APIError(500, out.error or "engine error", type="server_error").body()
+                    return
+                yield {"delta": out.delta_text, "completion_tokens": len(out.token_ids),
+                       "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished:
+                    return
+                out = await anext(stream)
+        finally:
+            await stream.aclose()  # aborts the engine request (frees its KV blocks) unless it finished
+
+
+# ---------------------------------------------------------------- response bodies
+def _status(chunk: dict) -> int:
+    err = chunk["error"]
+    if err["code"] == "engine_unavailable":
+        return 503
+    return 500 if err["type"] == "server_error" else 400
+
+
+async def _guarded(chunks):
+    """The replica's chunks; a replica that fails or dies mid-request ends the stream with an error chunk
+    (503) instead of an exception, so the client always gets an answer."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - RayActorError, an error raised in the replica, ...
+        yield APIError(503, f"engine unavailable: {type(exc).__name__}: {exc}"[:1000], type="server_error",
+                       code="engine_unavailable").body()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _final_body(req: ParsedRequest, text: str, finish: str | None, usage: dict) -> dict:
+    base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        return {**base, "object": "chat.completion", "choices": [choice]}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {**base, "object": "text_completion", "choices": [choice]}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
+    """Server-Sent Events: one chunk per engine step, a usage chunk when asked, then [DONE]."""
+    chat = req.kind == "chat"
+    base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model,
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    if chat:
+        yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+    completion_tokens = 0
+    async for chunk in chunks:
+        if "error" in chunk:
+            yield _event(chunk)
+            break
+        completion_tokens = chunk["completion_tokens"]
+        if chat:
+            delta = {"content": chunk["delta"]} if chunk["delta"] else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": chunk["delta"], "logprobs": None, "finish_reason": chunk["finish_reason"]}
+        yield _event({**base, "choices": [choice]})
+    if req.include_usage:
+        yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- ingress
+app = FastAPI(title="PagedWeight OpenAI-compatible API")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, api_key: str | None = None):
+        self.engine = engine
+        self.api_key = api_key
+        self._info: dict | None = None
+
+    async def _model_info(self) -> dict:
+        if self._info is None:
+            self._info = await self.engine.info.remote()
+        return self._info
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except APIError as exc:
+            return exc.response()
+        info = await self._model_info()
+        return {"object": "list", "data": [{"id": info["model_name"], "object": "model", "created": 0,
+                                            "owned_by": "pagedweight", "max_model_len": info["max_model_len"]}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, "chat")
+
+    async def _handle(self, request: Request, kind: str):
+        try:
+            self._authorize(request)
+            info = await self._model_info()
+            req = validate_request(parse_body(await request.body()), kind, info["model_name"],
+                                   info["max_model_len"])
+        except APIError as exc:
+            return exc.response()
+        chunks = _guarded(self.engine.options(stream=True).generate.remote(req.job))
+        head = await anext(chunks)
+        if "error" in head:
+            return JSONResponse(head, status_code=_status(head))
+        if req.stream:
+            return StreamingResponse(_sse(req, head["prompt_tokens"], chunks), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        text, usage, finish = [], None, None
+        async for chunk in chunks:
+            if "error" in chunk:
+                return JSONResponse(chunk, status_code=_status(chunk))
+            text.append(chunk["delta"])
+            usage, finish = _usage(head["prompt_tokens"], chunk["completion_tokens"]), chunk["finish_reason"]
+        return _final_body(req, "".join(text), finish, usage)
+
+
+# ---------------------------------------------------------------- application builder
+class AppArgs(BaseModel):
+    """Arguments of `build_app` (the `args:` of a Serve config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: str
+    num_replicas: int = 1
+    gpu_memory_budget: int | float | None = None
+    api_key: str | None = None
+    num_gpus_per_replica: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    engine_num_cpus: float = 1.0  # CPUs of a CPU-only engine replica
+    engine_options: dict = {}
+
+
+def _cluster_has_gpus() -> bool:
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_model_dir(path: str) -> str:
+    """Absolute path of a model directory; a relative one is looked up in the current directory, then in
+    the repository root (where models/ ships the bundled model), so `serve run clusters/serve.yaml` works
+    from anywhere with an in-tree install."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_dir():
+            return str(candidate.resolve())
+    raise FileNotFoundError(f"model directory {path!r} not found (cwd {Path.cwd()}, repository {REPO_ROOT})")
+
+
+def build_app(args: AppArgs) -> serve.Application:
+    """The Serve application: engine replicas behind the OpenAI ingress."""
+    gpus = args.num_gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if _cluster_has_gpus() else 0.0
+    cfg = EngineConfig(resolve_model_dir(args.model_dir), args.gpu_memory_budget, "cuda" if gpus else "cpu",
+                       dict(args.engine_options))
+    actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
+    engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options).bind(cfg)
+    return OpenAIIngress.bind(engine, args.api_key)
+

@@ -1,0 +1,90 @@
+"""Cluster-wide routing mass: engines push their tables, the planner actor merges and buckets them.
+
+Each engine measures routing mass m_{l,e} on the requests it served. One engine sees a biased slice
+of the traffic, so the routing buckets (damage multiplier and bitwidth floor of each expert) come
+from the cluster-wide mass instead: the token-weighted mean of the latest table of every engine,
+bucketed with the same rule the engine's own planner uses (pagedweight.signals). KV pressure stays
+local to each engine; only this table crosses actors.
+
+Wire format (msgpack maps, arrays as raw little-endian bytes):
+  push:  {"engine_id": str, "tokens": float, "shape": [L, E], "mass": float32 bytes}
+  reply: {"version": int, "engines": [engine ids], "tokens": float, "shape": [L, E],
+          "mass": float32 bytes, "buckets": int8 bytes}   (bucket 0 = hottest)
+"""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import ray
+
+from pagedweight.signals import bucket_experts, merge_routing_mass
+
+PLANNER_NAME = "pagedweight-planner"
+NAMESPACE = "pagedweight"
+
+
+def encode_table(engine_id: str, mass: np.ndarray, tokens: float) -> bytes:
+    """An engine's push message."""
+    mass = np.ascontiguousarray(mass, dtype="<f4")
+    return msgpack.packb({"engine_id": engine_id, "tokens": float(tokens),
+                          "shape": list(mass.shape), "mass": mass.tobytes()})
+
+
+def decode_reply(payload: bytes) -> dict:
+    """The planner's reply with "mass" float32 [L, E] and "buckets" int8 [L, E] arrays."""
+    reply = msgpack.unpackb(payload)
+    shape = tuple(reply["shape"])
+    reply["mass"] = np.frombuffer(reply["mass"], dtype="<f4").reshape(shape)
+    reply["buckets"] = np.frombuffer(reply["buckets"], dtype=np.int8).reshape(shape)
+    return reply
+
+
+@ray.remote(num_cpus=0)
+class PlannerActor:
+    """One per cluster (named, detached): the latest table of every engine, merged on demand."""
+
+    def __init__(self, n_buckets: int = 4):
+        self._n_buckets = n_buckets
+        self._tables: dict[str, tuple[np.ndarray, float]] = {}  # engine id -> (mass [L, E], tokens)
+        self._version = 0
+
+    def push(self, payload: bytes) -> bytes:
+        """Store an engine's table (msgpack) and return the merged cluster table (msgpack)."""
+        msg = msgpack.unpackb(payload)
+        engine = msg["engine_id"]
+        mass = np.frombuffer(msg["mass"], dtype="<f4").reshape(msg["shape"]).astype(np.float64)
+        if mass.ndim != 2:
+            raise ValueError(f"engine {engine} pushed a {mass.ndim}-d table, want [layers, experts]")
+        others = [m.shape for e, (m, _) in self._tables.items() if e != engine]
+        if others and mass.shape != others[0]:
+            raise ValueError(f"engine {engine} pushed a {mass.shape} table, the cluster has {others[0]}")
+        tokens = float(msg["tokens"])
+        if not np.all(np.isfinite(mass)) or (mass < 0).any() or not tokens >= 0:
+            raise ValueError(f"engine {engine} pushed negative or non-finite routing mass or tokens")
+        self._tables[engine] = (mass, tokens)
+        self._version += 1
+        return self.merged()
+
+    def merged(self) -> bytes:
+        if not self._tables:
+            raise ValueError("no routing-mass table pushed yet")
+        masses = np.stack([m for m, _ in self._tables.values()])
+        tokens = np.array([t for _, t in self._tables.values()])
+        mass = merge_routing_mass(masses, tokens)
+        return msgpack.packb({
+            "version": self._version, "engines": sorted(self._tables), "tokens": float(tokens.sum()),
+            "shape": list(mass.shape), "mass": mass.astype("<f4").tobytes(),
+            "buckets": bucket_experts(mass, self._n_buckets).astype(np.int8).tobytes(),
+        })
+
+    def forget(self, engine_id: str) -> bool:
+        """Drop a retired engine's table."""
+        removed = self._tables.pop(engine_id, None) is not None
+        self._version += int(removed)
+        return removed
+
+
+def get_or_create_planner(n_buckets: int = 4):
+    """The cluster's planner actor (created detached on first use)."""
+    return PlannerActor.options(name=PLANNER_NAME, namespace=NAMESPACE, lifetime="detached",
+                                get_if_exists=True).remote(n_buckets)

@@ -1,0 +1,82 @@
+"""`pagedweight serve MODEL_DIR`: the OpenAI-compatible Ray Serve app on a local or existing Ray cluster.
+
+Binds 127.0.0.1 unless --host says otherwise. A HF checkpoint is converted to any-precision planes
+first (cached, as `pagedweight run` does) unless --dense. One engine replica per GPU by default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
+        description="Start (or join, with --address) a Ray cluster and run the OpenAI-compatible app: "
+                    "/v1/models, /v1/completions, /v1/chat/completions (streaming and not). Blocks until Ctrl-C.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="AP checkpoint or HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDWEIGHT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $PAGEDWEIGHT_API_KEY; none = open)")
+    p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
+                   help="per engine, weights + KV cache: bytes with unit (40GiB) or a fraction of device memory")
+    p.add_argument("--num-replicas", type=int, default=None,
+                   help="engine replicas (default: one per GPU of the cluster, 1 without GPUs)")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a new local one)")
+    p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
+                   help="where converted AP checkpoints are kept")
+    p.add_argument("--engine-options", default="{}", metavar="JSON", help="extra LLM engine options")
+    return p
+
+
+def run(args) -> int:
+    import ray
+    import torch
+    from loguru import logger
+    from ray import serve
+
+    from pagedweight.actors.openai_app import AppArgs, build_app
+    from pagedweight.engine import ap_checkpoint_for, parse_budget
+
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: not a directory")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port}: not a TCP port")
+    if args.num_replicas is not None and args.num_replicas < 1:
+        raise ValueError("--num-replicas must be >= 1")
+    options = json.loads(args.engine_options)
+    if not isinstance(options, dict):
+        raise ValueError("--engine-options must be a JSON object")
+    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
+    if args.host not in LOOPBACK and not args.api_key:
+        logger.warning("serving on {} without an API key: anyone who can reach the port can use it", args.host)
+    if not args.dense:
+        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), "cuda" if torch.cuda.is_available() else "cpu")
+    own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
+    ray.init(address=args.address, namespace="pagedweight")
+    replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
+                            api_key=args.api_key, engine_options=options))
+    serve.run(app, name="pagedweight", route_prefix="/")
+    print(f"serving {model_dir.name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
+          "- Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        serve.shutdown()
+        if own_cluster:  # nobody else maps this cluster's page stores: give /dev/shm back
+            from pagedweight.actors.page_store_actor import page_store_for_node
+
+            ray.get(page_store_for_node().destroy.remote())
+    return 0

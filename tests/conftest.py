@@ -1,0 +1,101 @@
+"""Shared fixtures: ONE local Ray cluster and ONE Serve app per test session.
+
+Starting Ray costs ~3 s and the Serve app ~5 s on a 2-core box, so every Ray test file shares these
+session-scoped fixtures instead of starting its own. The cluster runs without the dashboard; the
+per-node metrics agent still starts and exports Prometheus text on `metrics_port`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path(os.environ.get("PAGEDWEIGHT_TEST_MODEL", ROOT / "models" / "pw-tiny-moe"))
+API_KEY = "pw-test-key"
+# A CPU engine takes half a CPU so the serve replica, an engine actor and a job's engine fit on 2 CPUs.
+ENGINE_CPUS = 0.5
+ENGINE_OPTIONS = {"kv_cache_bytes": 16 << 20, "max_num_seqs": 32}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    address: str
+    metrics_port: int
+
+
+@dataclass
+class ServeApp:
+    base_url: str  # http://127.0.0.1:PORT
+    model: str  # the served model name
+    api_key: str
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The bundled HF model directory."""
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"bundled model missing: {MODEL_DIR} (set PAGEDWEIGHT_TEST_MODEL to another model dir)")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def ap_model_dir(model_dir, tmp_path_factory) -> Path:
+    """The bundled model converted once per session to an any-precision checkpoint (short calibration),
+    so the Ray tests serve the paged runtime: page store, page table, planner. Same directory name as
+    the HF model, so it is served under the same model name."""
+    import torch
+
+    from pagedweight.convert import convert
+    from pagedweight.corpus import DATA_DIR
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("ap") / model_dir.name
+    convert(model_dir, out, DATA_DIR / "calib.txt", device="cpu", num_seqs=8, seq_len=128)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every worker process
+    import ray
+
+    port = free_port()
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=port,
+                   logging_level="WARNING", log_to_driver=False)
+    yield RayCluster(ctx.address_info["gcs_address"], port)
+    from ray import serve
+
+    from pagedweight.actors.page_store_actor import NAMESPACE, page_store_name
+
+    serve.shutdown()
+    try:  # remove the /dev/shm stores the session wrote
+        store = ray.get_actor(page_store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
+        ray.get(store.destroy.remote())
+    except ValueError:  # no engine asked for a page store
+        pass
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster, ap_model_dir) -> ServeApp:
+    from ray import serve
+
+    from pagedweight.actors.openai_app import AppArgs, build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = AppArgs(model_dir=str(ap_model_dir), num_replicas=1, api_key=API_KEY, engine_num_cpus=ENGINE_CPUS,
+                   engine_options=ENGINE_OPTIONS)
+    serve.run(build_app(args), name="pagedweight", route_prefix="/")
+    return ServeApp(f"http://127.0.0.1:{port}", ap_model_dir.name, API_KEY)

@@ -1,0 +1,167 @@
+"""Ray actors on the session's local cluster: planner merge, engine actor restart, evaluation job."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import ray
+
+from conftest import ENGINE_CPUS, ENGINE_OPTIONS, ROOT
+from pagedweight.actors.engine_actor import EngineActor, EngineConfig
+from pagedweight.actors.page_store_actor import page_store_for_node
+from pagedweight.actors.planner_actor import PlannerActor, decode_reply, encode_table, get_or_create_planner
+from pagedweight.sampling import SamplingParams
+
+# ---------------------------------------------------------------- planner
+
+
+def test_planner_merges_token_weighted_and_buckets_by_rank(ray_cluster):
+    rng = np.random.default_rng(0)
+    L, E = 3, 8
+    a = rng.random((L, E)) + 0.01
+    b = rng.random((L, E)) + 0.01
+    a /= a.sum(1, keepdims=True)
+    b /= b.sum(1, keepdims=True)
+    planner = PlannerActor.remote(n_buckets=4)
+    first = decode_reply(ray.get(planner.push.remote(encode_table("e0", a, tokens=300))))
+    assert first["engines"] == ["e0"] and np.allclose(first["mass"], a, atol=1e-6)
+    merged = decode_reply(ray.get(planner.push.remote(encode_table("e1", b, tokens=100))))
+    want = (300 * a + 100 * b) / 400  # rows of a and b sum to 1, so this one does too
+    assert merged["engines"] == ["e0", "e1"] and merged["tokens"] == 400 and merged["version"] == 2
+    np.testing.assert_allclose(merged["mass"], want, rtol=1e-5)
+    for layer in range(L):  # bucket = rank // (E / n_buckets), hottest expert first
+        order = np.argsort(-want[layer], kind="stable")
+        assert [int(merged["buckets"][layer, e]) for e in order] == [r * 4 // E for r in range(E)]
+
+    # a re-push replaces that engine's table; forget drops it
+    again = decode_reply(ray.get(planner.push.remote(encode_table("e1", a, tokens=100))))
+    np.testing.assert_allclose(again["mass"], a, rtol=1e-5)
+    assert ray.get(planner.forget.remote("e1")) and not ray.get(planner.forget.remote("e1"))
+    assert decode_reply(ray.get(planner.merged.remote()))["engines"] == ["e0"]
+
+    with pytest.raises(ValueError, match="table"):  # wrong shape for this cluster
+        ray.get(planner.push.remote(encode_table("e2", np.ones((L, E + 1)) / (E + 1), tokens=1)))
+    bad = msgpack.packb({"engine_id": "e3", "tokens": 1.0, "shape": [L, E],
+                         "mass": (-np.ones((L, E), "<f4")).tobytes()})
+    with pytest.raises(ValueError, match="negative"):
+        ray.get(planner.push.remote(bad))
+    ray.kill(planner)
+
+
+# ---------------------------------------------------------------- engine actor
+
+
+def _long_params(max_model_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_model_len - 16, ignore_eos=True)
+
+
+def test_engine_actor_restart_fails_in_flight_and_rebuilds(ray_cluster, ap_model_dir):
+    cfg = EngineConfig(str(ap_model_dir), engine_options=ENGINE_OPTIONS, routing_sync_s=0.2)
+    actor = EngineActor.options(num_cpus=ENGINE_CPUS).remote(cfg, "restart-test")
+    info = ray.get(actor.info.remote(), timeout=120)
+    assert info["restarted"] is False and info["device"] == "cpu"
+    assert info["page_store_dir"] and os.path.isfile(os.path.join(info["page_store_dir"], "index.msgpack"))
+    stores = ray.get(page_store_for_node(info["node_id"]).stores.remote())  # the node's store actor owns it
+    assert stores[str(ap_model_dir.resolve())] == info["page_store_dir"]
+    short = SamplingParams(max_tokens=8)
+    before = ray.get(actor.generate.remote("def main():\n", short), timeout=60)
+    assert before.finished and before.finish_reason in ("stop", "length")
+
+    stream = actor.stream.options(num_returns="streaming").remote("import os\n", _long_params(info["max_model_len"]))
+    blocking = actor.generate.remote("class A:\n", _long_params(info["max_model_len"]))
+    first = ray.get(next(stream), timeout=60)
+    assert not first.finished
+    ray.kill(actor, no_restart=False)  # the process dies; Ray restarts the actor
+
+    t0 = time.monotonic()
+    with pytest.raises(ray.exceptions.RayActorError):
+        for ref in stream:  # in-flight stream fails with a clear error, it does not hang
+            ray.get(ref, timeout=60)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(blocking, timeout=60)
+    assert time.monotonic() - t0 < 60
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            after_info = ray.get(actor.info.remote(), timeout=120)
+            break
+        except ray.exceptions.RayActorError:  # still restarting
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert after_info["restarted"] is True and after_info["pid"] != info["pid"]
+    assert after_info["page_store_dir"] == info["page_store_dir"]  # rebuilt from the same node store
+    after = ray.get(actor.generate.remote("def main():\n", short), timeout=60)
+    assert after.token_ids == before.token_ids and after.text == before.text  # same greedy output
+    stats = ray.get(actor.stats.remote())
+    assert stats["in_flight"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+    # the engine pushed its routing mass to the cluster planner (after serving, at most 0.2 s apart)
+    planner = get_or_create_planner()
+
+    def cluster_table():
+        try:
+            return decode_reply(ray.get(planner.merged.remote()))
+        except ValueError:  # nothing pushed yet
+            return {"engines": []}
+
+    deadline = time.monotonic() + 30
+    while "restart-test" not in (reply := cluster_table())["engines"]:
+        assert time.monotonic() < deadline, reply["engines"]
+        ray.get(actor.generate.remote("x = 1\n", short))
+    hf = json.loads((ap_model_dir / "config.json").read_text())
+    assert reply["mass"].shape == (hf["num_hidden_layers"], hf["num_experts"])
+    assert np.allclose(reply["mass"].sum(1), 1, atol=1e-5)
+    ray.kill(actor, no_restart=True)
+
+
+# ---------------------------------------------------------------- job entrypoint
+
+
+def _reference_ppl(ap_dir, ctx: int, windows: int) -> float:
+    """Perplexity of the same windows with a dense model whose experts are the checkpoint's planes
+    dequantized at the parent width (apformat.load_ap_model), loaded here: no engine, pool or actor."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedweight.actors.jobs.evaluate import token_windows
+    from pagedweight.apformat import load_ap, load_ap_model
+
+    torch.set_num_threads(1)
+    model = load_ap_model(ap_dir, load_ap(ap_dir, verify=False).parent_bits).eval()
+    nll, n = 0.0, 0
+    for w in token_windows(ap_dir, (ROOT / "data" / "eval.txt").read_text(), ctx, windows):
+        ids = torch.tensor([w])
+        with torch.inference_mode():
+            nll += F.cross_entropy(model(ids[:, :-1])[0].float(), ids[0, 1:], reduction="sum").item()
+        n += len(w) - 1
+    return math.exp(nll / n)
+
+
+def test_evaluation_job_spreads_over_engines(ray_cluster, ap_model_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pagedweight.actors.jobs.evaluate", str(ap_model_dir), "--mode", "all",
+           "--ctx", "64", "--windows", "6", "--num-prompts", "4", "--max-tokens", "8", "--shard", "1",
+           "--num-engines", "2", "--engine-cpus", "0.25", "--engine-options", json.dumps(ENGINE_OPTIONS),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "perplexity" in proc.stdout + proc.stderr  # tqdm progress was shown
+    result = json.loads(out.read_text())
+    assert len({e["engine_id"] for e in result["engines"]}) == 2
+    ppl = result["perplexity"]
+    assert ppl["windows"] == 6 and ppl["tokens"] == 6 * 64
+    assert sum(ppl["windows_per_engine"]) == 6 and min(ppl["windows_per_engine"]) >= 1  # both engines worked
+    assert ppl["ppl"] == pytest.approx(_reference_ppl(ap_model_dir, 64, 6), rel=1e-3)
+    gen = result["generation"]
+    assert gen["prompts"] == 4 and len(gen["samples"]) == 4
+    assert 4 <= gen["generated_tokens"] <= 4 * 8 and gen["tokens_per_s"] > 0
+    assert sum(gen["finish_reasons"].values()) == 4 and set(gen["finish_reasons"]) <= {"stop", "length"}

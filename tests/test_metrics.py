@@ -1,0 +1,130 @@
+"""Engine metrics reach Prometheus: scrape the node's metrics export port of the session cluster.
+
+The session cluster runs without the dashboard; the per-node metrics agent still starts (it ships
+with ray[default]) and serves Prometheus text on `_metrics_export_port`, so no extra process is
+needed. Two sources are checked: a probe actor feeding EngineMetrics known stats snapshots (exact
+values, counters accumulating across snapshots and an engine restart), and the live Serve engine
+replica (values equal to its own stats(), latency histogram counting the requests just served).
+"""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from pagedweight.actors.metrics import EngineMetrics
+
+SNAPSHOTS = [
+    {"kv_free_blocks": 40, "kv_total_blocks": 64, "resident_weight_bytes": 123456, "pages_in_flight": 3,
+     "planner_step_ms": 0.25, "plan_staleness_steps": 2, "num_running": 5, "num_waiting": 1,
+     "bytes_offloaded": 1000, "bytes_reloaded": 0, "offload_triggers": 1, "reload_triggers": 0, "preemptions": 0,
+     "committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]]},
+    {"kv_free_blocks": 60, "kv_total_blocks": 70, "resident_weight_bytes": 100000, "pages_in_flight": 0,
+     "planner_step_ms": 0.5, "plan_staleness_steps": 0, "num_running": 0, "num_waiting": 0,
+     "bytes_offloaded": 5000, "bytes_reloaded": 700, "offload_triggers": 3, "reload_triggers": 1, "preemptions": 2,
+     "committed_width_hist": [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 4, 0, 0, 0, 12]]},
+    # the engine was rebuilt: its totals restart from zero, the exported counters keep growing
+    {"kv_free_blocks": 70, "kv_total_blocks": 70, "bytes_offloaded": 200, "bytes_reloaded": 0,
+     "offload_triggers": 1, "reload_triggers": 0, "preemptions": 0, "committed_width_hist": []},
+]
+
+
+@ray.remote(num_cpus=0)
+class MetricsProbe:
+    def __init__(self):
+        self.metrics = EngineMetrics("probe")
+
+    def feed(self, snapshots: list[dict]) -> None:
+        for s in snapshots:
+            self.metrics.update(s)
+        self.metrics.observe_request(0.3, 0.02, "length")
+        self.metrics.observe_request(2.0, None, "stop")
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(ray_pagedweight_\w+)(?:\{(.*)\})? ([-+0-9.eE]+|NaN|\+Inf)$", line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float | None:
+    """The single sample of `name` whose labels include `labels` (None if absent)."""
+    want = set(labels.items())
+    hits = [v for (n, lab), v in samples.items() if n == name and want <= set(lab)]
+    assert len(hits) <= 1, (name, labels, hits)
+    return hits[0] if hits else None
+
+
+def scrape_until(port: int, ready, timeout: float = 45.0) -> dict:
+    """Metrics reach the agent every few seconds: poll until `ready(samples)` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(port)
+        if ready(samples):
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(f"metrics not exported within {timeout} s; have {sorted({n for n, _ in samples})}")
+        time.sleep(1.0)
+
+
+def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
+    from ray import serve
+
+    from conftest import API_KEY
+
+    probe = MetricsProbe.remote()
+    ray.get(probe.feed.remote(SNAPSHOTS))
+    import httpx
+
+    with httpx.Client(base_url=serve_app.base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"model": serve_app.model, "prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200
+    live = serve.get_deployment_handle("EngineReplica", app_name="pagedweight").stats.remote().result()
+
+    def ready(s):
+        served = sum(v for (n, lab), v in s.items() if n == "ray_pagedweight_request_latency_s_count"
+                     and ("finish_reason", "length") in lab and ("engine", "probe") not in lab)
+        return value(s, "ray_pagedweight_preemptions_total", engine="probe") == 2 and served >= 2
+
+    s = scrape_until(ray_cluster.metrics_port, ready)
+    probe_v = lambda name, **kw: value(s, f"ray_pagedweight_{name}", engine="probe", **kw)  # noqa: E731
+    # gauges: the last snapshot that carried them
+    assert probe_v("kv_free_blocks") == 70 and probe_v("kv_total_blocks") == 70
+    assert probe_v("resident_weight_bytes") == 100000 and probe_v("pages_in_flight") == 0
+    assert probe_v("planner_step_ms") == 0.5 and probe_v("plan_staleness_steps") == 0
+    # counters: growth summed over snapshots; after the restart the new totals are added on top
+    assert probe_v("offloaded_bytes_total") == 5000 + 200
+    assert probe_v("reloaded_bytes_total") == 700
+    assert probe_v("offload_triggers_total") == 3 + 1 and probe_v("reload_triggers_total") == 1
+    # committed-width histogram per layer (last non-empty snapshot)
+    assert probe_v("committed_width_blocks", layer="0", width="8") == 16
+    assert probe_v("committed_width_blocks", layer="0", width="3") == 0
+    assert probe_v("committed_width_blocks", layer="1", width="4") == 4
+    # request latency histogram
+    assert probe_v("request_latency_s_count", finish_reason="length") == 1
+    assert probe_v("request_latency_s_bucket", finish_reason="stop", le="2.5") == 1
+    assert probe_v("request_latency_s_bucket", finish_reason="stop", le="1.0") == 0
+    assert probe_v("time_to_first_token_s_count") == 1
+
+    # the live engine replica: same numbers as its own stats(), and the requests above were timed
+    engines = {dict(lab)["engine"] for (n, lab) in s if n == "ray_pagedweight_kv_total_blocks"} - {"probe"}
+    assert len(engines) == 1
+    (engine,) = engines
+    assert value(s, "ray_pagedweight_kv_total_blocks", engine=engine) == live["kv_total_blocks"] > 0
+    assert 0 <= value(s, "ray_pagedweight_kv_free_blocks", engine=engine) <= live["kv_total_blocks"]
+    assert value(s, "ray_pagedweight_resident_weight_bytes", engine=engine) == live["resident_weight_bytes"] > 0
+    for layer, counts in enumerate(live["committed_width_hist"]):  # every expert block of the layer, by width
+        exported = [value(s, "ray_pagedweight_committed_width_blocks", engine=engine, layer=str(layer),
+                          width=str(w)) for w in range(len(counts))]
+        assert exported == counts and sum(counts) > 0
+    assert value(s, "ray_pagedweight_request_latency_s_count", engine=engine, finish_reason="length") >= 2
+    assert value(s, "ray_pagedweight_request_latency_s_sum", engine=engine, finish_reason="length") > 0
