@@ -52,16 +52,13 @@ class PageStore:
             raise ValueError(f"page store format {index['version']} != {FORMAT_VERSION}")
         self.nbytes = index["nbytes"]
         self._entries = {(b, w, i): (off, n) for b, w, i, off, n in index["entries"]}
-        fd = os.open(self.path / "pages.bin", os.O_RDONLY)
-        try:
-            self._mm = mmap.mmap(fd, max(self.nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)  # read-only view
-        with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, by design
-            warnings.simplefilter("ignore", UserWarning)
-            self._tensor = torch.from_numpy(self.array)
-        self.pinned = False
+        self._mapping = _Mapping.acquire(self.path / "pages.bin", self.nbytes)
+        self.array, self._tensor = self._mapping.array, self._mapping.tensor
+        self._closed = False
+
+    @property
+    def pinned(self) -> bool:
+        return self._mapping.pinned
 
     # ---- creation (once per node) ----
     @classmethod
@@ -134,28 +131,79 @@ class PageStore:
     def arrow(self, block: int, what: str, idx: int) -> pa.Buffer:
         """Zero-copy Arrow buffer."""
         off, n = self._entries[(block, what, idx)]
-        return pa.py_buffer(self._mm)[off:off + n]
+        return pa.py_buffer(self._mapping.mm)[off:off + n]
 
     # ---- pinning ----
     def pin(self) -> bool:
         """Page-lock the mapping in place (ReadOnly flag: the mapping is PROT_READ); False without CUDA."""
+        return self._mapping.pin()
+
+    def close(self) -> None:
+        """Drop this reader's hold; the process mapping is unpinned and unmapped with its last reader.
+
+        The store itself stays."""
+        if not self._closed:
+            self._closed = True
+            del self._tensor, self.array
+            self._mapping.release()
+
+
+class _Mapping:
+    """One read-only mapping of a store file per process, shared by every PageStore opened on it.
+
+    Why: pinning is tied to virtual addresses. Two mappings of one file would pin twice, and a mapping unmapped
+    while still registered leaves the driver a stale registration that a later mapping at the same address
+    collides with (cudaErrorHostMemoryAlreadyRegistered) — or worse, copies from. So a process maps each store
+    once, pins it once, and unregisters before it unmaps.
+    """
+
+    _open: dict[tuple[int, ...], "_Mapping"] = {}
+
+    def __init__(self, key: tuple[int, ...], file: Path, nbytes: int) -> None:
+        self.key, self.nbytes, self.readers, self.pinned = key, nbytes, 0, False
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            self.mm = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8, count=nbytes)  # read-only view
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, by design
+            warnings.simplefilter("ignore", UserWarning)
+            self.tensor = torch.from_numpy(self.array)
+
+    @classmethod
+    def acquire(cls, file: Path, nbytes: int) -> "_Mapping":
+        st = os.stat(file)
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)  # a re-created store never matches an old one
+        mapping = cls._open.get(key)
+        if mapping is None:
+            mapping = cls._open[key] = cls(key, file, nbytes)
+        mapping.readers += 1
+        return mapping
+
+    def pin(self) -> bool:
         if self.pinned or not torch.cuda.is_available() or self.nbytes == 0:
             return self.pinned
-        err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.nbytes, CUDA_HOST_REGISTER_READ_ONLY)
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.array.ctypes.data, self.nbytes, CUDA_HOST_REGISTER_READ_ONLY)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister(ReadOnly) failed: {err}")
+            cudart.cudaGetLastError()  # clear it, so the next torch CUDA call does not inherit it
+            raise RuntimeError(f"cudaHostRegister(ReadOnly) of {self.nbytes} B failed: error {int(err)}")
         self.pinned = True
         return True
 
-    def close(self) -> None:
-        """Unpin and unmap; views still alive keep the mapping until they go. The store itself stays."""
+    def release(self) -> None:
+        self.readers -= 1
+        if self.readers > 0:
+            return
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
             self.pinned = False
-        del self._tensor, self.array
+        del _Mapping._open[self.key]
+        del self.tensor, self.array
         try:
-            self._mm.close()
-        except BufferError:
+            self.mm.close()
+        except BufferError:  # views still alive keep the mapping until they go (unpinned by now)
             pass
 
 

@@ -127,3 +127,19 @@ def test_two_processes_share_pages_and_reader_exit_keeps_store(store_dir):
             if r.poll() is None:
                 r.communicate("\n\n", timeout=30)
     assert data.exists()
+
+
+def test_one_mapping_per_process_outlives_a_closed_reader(store_dir):
+    """Two engines of one process share one mapping (pinned once); closing one leaves the other readable."""
+    path, src, records = store_dir
+    a = PageStore.create(path, src, records)
+    b = PageStore(path)
+    assert a.array.ctypes.data == b.array.ctypes.data, "a second mapping would be pinned twice"
+    r = records[0]
+    expected = bytes(b.view(r.block, r.what, r.idx))
+    a.close()
+    assert bytes(b.view(r.block, r.what, r.idx)) == expected
+    b.close()
+    c = PageStore(path)  # the last close unmapped it: a new reader maps afresh
+    assert bytes(c.view(r.block, r.what, r.idx)) == expected
+    c.close()
