@@ -217,7 +217,7 @@ class AsyncEngine:
         self._last_sync = now
         tokens, self._tokens_since_sync = self._tokens_since_sync, 0
         with self._lock:
-            mass = self.llm.planner.routing.mass.copy()
+            mass = self.llm.routing_mass()
         try:
             reply = decode_reply(ray.get(self._planner.push.remote(encode_table(self.engine_id, mass, tokens)),
                                          timeout=10))
@@ -227,7 +227,7 @@ class AsyncEngine:
             logger.warning("engine {}: routing sync with the planner failed: {!r}", self.engine_id, exc)
             return
         with self._lock:
-            self.llm.planner.routing.mass = reply["mass"].astype(mass.dtype)
+            self.llm.set_routing_mass(reply["mass"])
 
     def _export_stats(self) -> None:
         now = time.monotonic()

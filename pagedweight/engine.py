@@ -37,7 +37,7 @@ from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_mod
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
-from pagedweight.signals import RouterStats, batch_token_weights
+from pagedweight.signals import RouterStats, RoutingTracker, batch_token_weights, normalize_mass
 from pagedweight.tokenizer import TextTokenizer
 
 
@@ -78,7 +78,7 @@ class EngineOptions:
     page_store_dir: str | None = None  # default: /dev/shm/pagedweight-<checkpoint id> (shared by the node)
     verify_checkpoint: bool = False  # blake2b of every checkpoint file at load (slow for large models)
     planner_knobs: dict | None = None  # overrides of the checkpoint's PlannerKnobs
-    observe_every: int = 4  # routing statistics from every n-th step (the observer synchronises per layer)
+    observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
 
 
 @dataclass
@@ -318,6 +318,23 @@ class LLM:
         return outputs
 
     # ---- the paging loop ----
+    def routing_mass(self) -> np.ndarray:
+        """The planner's decayed routing mass [L, E] (rows sum to 1), a copy: what a cluster planner merges."""
+        return self._routing().mass.copy()
+
+    def set_routing_mass(self, mass: np.ndarray) -> None:
+        """Adopt a routing mass [L, E] (e.g. merged across engines); rows are normalised, a zero row is uniform."""
+        routing = self._routing()
+        mass = np.asarray(mass, dtype=np.float64)
+        if mass.shape != routing.mass.shape:
+            raise ValueError(f"routing mass of shape {mass.shape}, this model wants {routing.mass.shape}")
+        routing.mass = normalize_mass(mass)
+
+    def _routing(self) -> RoutingTracker:
+        if self.planner is None:
+            raise RuntimeError("this engine has no planner (dense or static weights): no routing mass")
+        return self.planner.routing
+
     def committed_widths(self) -> np.ndarray:
         """q_i of every block in flat order (the staged table: what the next step reads)."""
         return self.table.host_q.numpy().reshape(-1).astype(np.int64)

@@ -1,6 +1,7 @@
 """Dense generate loop (no paging): prefill once into a DenseKVCache, then one token per step.
 
-Also the `pagedweight generate` subcommand (add_parser / run), the first user-facing command.
+Also the `pagedweight generate` subcommand (add_parser / run), served by `pagedweight.engine.LLM` (the same
+engine as `pagedweight run`, one request); the loop here stays as the simple reference the tests compare with.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from pagedweight.models import DenseKVCache, MoEForCausalLM, load_model, parse_dtype
+from pagedweight.models import DenseKVCache, MoEForCausalLM, parse_dtype
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
 
 
@@ -53,7 +54,7 @@ def generate(model: MoEForCausalLM, prompt_ids: list[list[int]], params: Samplin
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "generate", help="generate text from a prompt with a local HF MoE checkpoint (dense path, no paging)",
+        "generate", help="generate text from a prompt with a local HF MoE checkpoint (dense weights, no paging)",
         description="Load a Hugging Face MoE checkpoint directory (qwen2_moe, mixtral, qwen3_moe, olmoe) and "
                     "continue a prompt. The completion goes to stdout, logs to stderr.")
     p.add_argument("--model", required=True, metavar="DIR",
@@ -78,7 +79,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the options (ValueError = bad input), load, generate, print the completion."""
+    """Validate the options (ValueError = bad input), serve the prompt with the engine, print the completion."""
+    from pagedweight.checkpoint import read_config
+    from pagedweight.engine import LLM, round_up
+    from pagedweight.kv_cache import kv_layer_block_bytes
+    from pagedweight.pool import PAGE_ALIGN
     from pagedweight.tokenizer import TextTokenizer
 
     if not Path(args.model).is_dir():
@@ -94,16 +99,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {args.device!r} is not a torch device") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    tokenizer = TextTokenizer.from_dir(args.model)
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = TextTokenizer.from_dir(args.model).encode(args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to zero tokens")
-    model = load_model(args.model, dtype=dtype, device=device)
-    eos = tokenizer.eos_token_ids or model.config.eos_token_ids
+    cfg = read_config(args.model)
+    total = len(prompt_ids) + params.max_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    block = 16  # KV cache sized to this one request (plus a block of slack), the only one served
+    page = round_up(kv_layer_block_bytes(cfg, block, dtype), PAGE_ALIGN)
+    kv_bytes = (-(-total // block) + 1) * page * cfg.num_hidden_layers
+    llm = LLM(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), block_size=block,
+              max_num_seqs=1, max_model_len=total, kv_cache_bytes=kv_bytes)
     start = time.perf_counter()
-    new = generate(model, [prompt_ids], params, eos)[0]
+    out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - start
-    logger.info("{} prompt tokens, {} new tokens in {:.2f} s ({:.1f} tokens/s)", len(prompt_ids), len(new),
-                elapsed, len(new) / elapsed if elapsed > 0 else 0.0)
-    sys.stdout.write(tokenizer.decode(new) + "\n")
+    if out.finish_reason == "error":
+        raise ValueError(out.error)
+    logger.info("{} prompt tokens, {} new tokens in {:.2f} s ({:.1f} tokens/s)", len(prompt_ids),
+                out.completion_tokens, elapsed, out.completion_tokens / elapsed if elapsed > 0 else 0.0)
+    sys.stdout.write(llm.tokenizer.decode(out.token_ids) + "\n")
     return 0

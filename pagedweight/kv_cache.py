@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedweight.models.config import ModelConfig
@@ -33,7 +34,7 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] slot inside its block
     ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token, per layer
     ctx_slots: torch.Tensor  # [S]
-    mask: torch.Tensor  # bool [1, 1, T, S], True = may attend
+    mask: torch.Tensor | None  # bool [1, 1, T, S], True = may attend; None = everything (one decode token)
 
 
 class PagedKVCache:
@@ -96,37 +97,46 @@ class PagedKVCache:
 
     # ---- one forward step ----
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
-        """Lay out one packed step: seqs[i] appends num_new_tokens[i] tokens after its computed ones."""
-        bs, device = self.block_size, self.view.device
+        """Lay out one packed step: seqs[i] appends num_new_tokens[i] tokens after its computed ones.
+
+        Index arrays are built in numpy and reach the device as one int64 copy (plus the mask, when one is
+        needed: a lone sequence decoding one token may see its whole context, so it gets none).
+        """
+        bs, L = self.block_size, self.num_layers
         w_pages, w_slot, c_pages, c_slot, q_seq, q_pos, k_seq, k_pos = ([] for _ in range(8))
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = torch.tensor([self.block_pages[b] for b in seq.block_table], dtype=torch.long)  # [nblk, L]
-            new_pos, ctx_pos = torch.arange(start, end), torch.arange(end)
-            w_pages.append(table[new_pos // bs].t())
+            table = np.array([self.block_pages[b] for b in seq.block_table], dtype=np.int64).reshape(-1, L)
+            new_pos, ctx_pos = np.arange(start, end), np.arange(end)
+            w_pages.append(table[new_pos // bs])
             w_slot.append(new_pos % bs)
-            c_pages.append(table[ctx_pos // bs].t())
+            c_pages.append(table[ctx_pos // bs])
             c_slot.append(ctx_pos % bs)
-            q_seq.append(torch.full((n,), i))
+            q_seq.append(np.full(n, i))
             q_pos.append(new_pos)
-            k_seq.append(torch.full((end,), i))
+            k_seq.append(np.full(end, i))
             k_pos.append(ctx_pos)
-        q_seq, q_pos, k_seq, k_pos = torch.cat(q_seq), torch.cat(q_pos), torch.cat(k_seq), torch.cat(k_pos)
-        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        w_pages, c_pages = np.concatenate(w_pages), np.concatenate(c_pages)  # [T, L], [S, L]
+        t, s = len(w_pages), len(c_pages)
+        packed = np.concatenate([w_pages.T.ravel(), np.concatenate(w_slot), c_pages.T.ravel(), np.concatenate(c_slot)])
+        dev = torch.from_numpy(packed).to(self.view.device)
+        mask = None
+        if len(seqs) > 1 or t > 1:
+            q_seq, q_pos, k_seq, k_pos = (np.concatenate(a) for a in (q_seq, q_pos, k_seq, k_pos))
+            mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            mask = torch.from_numpy(mask)[None, None].to(self.view.device)
         self.layout = StepLayout(
-            write_pages=torch.cat(w_pages, dim=1).to(device), write_slots=torch.cat(w_slot).to(device),
-            ctx_pages=torch.cat(c_pages, dim=1).to(device), ctx_slots=torch.cat(c_slot).to(device),
-            mask=mask[None, None].to(device))
+            write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
+            ctx_pages=dev[L * t + t:L * (t + s) + t].view(L, s), ctx_slots=dev[L * (t + s) + t:], mask=mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """k, v [1, Hkv, T, hd] of the packed step -> every sequence's context [1, Hkv, S, hd] and the mask."""
         lay = self.layout
         if lay is None:
             raise RuntimeError("PagedKVCache.update called before prepare()")
-        wp, cp = lay.write_pages[layer], lay.ctx_pages[layer]
-        self.view[wp, 0, lay.write_slots] = k[0].transpose(0, 1).to(self.dtype)
-        self.view[wp, 1, lay.write_slots] = v[0].transpose(0, 1).to(self.dtype)
-        k_all = self.view[cp, 0, lay.ctx_slots].transpose(0, 1)[None]
-        v_all = self.view[cp, 1, lay.ctx_slots].transpose(0, 1)[None]
-        return k_all, v_all, lay.mask
+        # view[pages, :, slots] is [tokens, 2 (k|v), Hkv, hd]: one scatter and one gather per layer
+        new = torch.stack((k[0], v[0])).permute(2, 0, 1, 3)  # [T, 2, Hkv, hd]
+        self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
+        kv = self.view[lay.ctx_pages[layer], :, lay.ctx_slots].permute(1, 2, 0, 3)  # [2, Hkv, S, hd]
+        return kv[0:1], kv[1:2], lay.mask

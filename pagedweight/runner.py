@@ -93,18 +93,21 @@ def moe_function(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 class APExperts(nn.Module):
-    """Layer `layer`'s routed experts, read from the pool at the committed widths `table.q[layer]`."""
+    """Layer `layer`'s routed experts, read from the pool at the committed widths `table.q[layer]`.
+
+    The layer's table rows are views taken once: commits update the device tables in place, so a forward is the
+    kernel call alone (no per-layer indexing, casts or host reads; the kernel converts ids and weights itself).
+    """
 
     def __init__(self, layer: int, table: WeightPageTable, pool: PagePool, hidden: int, inter: int,
                  fn: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.layer, self.table, self.pool, self.hidden, self.inter, self.fn = layer, table, pool, hidden, inter, fn
+        self._rows = (table.q[layer], table.plane_off[layer], table.lut_off[layer])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        t, l = self.table, self.layer
-        return self.fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), self.pool.words,
-                       self.pool.halves, t.q[l], t.plane_off[l], t.lut_off[l], self.hidden, self.inter,
-                       t.parent_bits)
+        return self.fn(x, topk_ids, topk_weights, self.pool.words, self.pool.halves, *self._rows, self.hidden,
+                       self.inter, self.table.parent_bits)
 
 
 def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool) -> None:
@@ -139,10 +142,12 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 to_sample.append(seq)
         self.kv.prepare(batch.seqs, batch.num_new_tokens)
-        self._rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        t = len(ids)
+        every_row = len(rows) == t  # all decodes: the LM head needs every row, no selection
+        packed = torch.tensor(ids + positions + ([] if every_row else rows), dtype=torch.long).to(self.device)
+        self._rows = None if every_row else packed[2 * t:]
         try:
-            logits = self.model(torch.tensor([ids], device=self.device),
-                                torch.tensor([positions], device=self.device), cache=self.kv)[0]
+            logits = self.model(packed[None, :t], packed[None, t:2 * t], cache=self.kv)[0]
         finally:
             self._rows = None
             self.kv.layout = None

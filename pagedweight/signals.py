@@ -101,47 +101,107 @@ class RouterStats:
     The observer sees the expert input x, so both blocks of an expert get features of x (the down block's input
     is a function of it; residual heads are per block type and learn their own map). Set `token_weights` before a
     batched forward to weight each token by its request's KV blocks (see `batch_token_weights`).
+    Each call only queues a few device ops (no host read inside the layer loop); the first read of `mass`,
+    `norm_sum`, `norm2_sum`, `norm_max`, `routing_mass()` or `features()` reduces everything queued with two
+    scatters and one copy to the host. Calls without reads fold into a device accumulator every 4L calls.
     """
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.token_weights: torch.Tensor | None = None
+        self._token_weights: torch.Tensor | None = None
+        self._device_weights: torch.Tensor | None = None  # token_weights on the device of the last call
         self.reset()
 
+    @property
+    def token_weights(self) -> torch.Tensor | None:
+        return self._token_weights
+
+    @token_weights.setter
+    def token_weights(self, w: torch.Tensor | None) -> None:
+        self._token_weights, self._device_weights = w, None
+
     def reset(self) -> None:
-        shape = (self.num_layers, self.num_experts)
-        self.mass = np.zeros(shape)  # sum of routing weights
-        self.norm_sum = np.zeros(shape)  # sum of r * |x|
-        self.norm2_sum = np.zeros(shape)  # sum of r * |x|^2
-        self.norm_max = np.zeros(shape)  # max |x| over tokens routed to the expert
+        self._host = np.zeros((4, self.num_layers, self.num_experts))  # mass, sum r|x|, sum r|x|^2, max |x|
+        self._ids: list[torch.Tensor] = []  # per call: flat block row layer*E + expert of every (token, slot)
+        self._r: list[torch.Tensor] = []  # its routing weight (times the token weight)
+        self._norm: list[torch.Tensor] = []  # |x| per token
+        self._k: list[int] = []
+        self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        ids = topk_ids.reshape(-1).long()
         r = topk_weights.float()
-        if self.token_weights is not None:
-            r = r * self.token_weights.to(r.device, r.dtype)[:, None]
-        r = r.reshape(-1)
-        norm = x.float().norm(dim=-1).repeat_interleave(topk_ids.shape[1])
-        e = self.num_experts
-        sums = torch.zeros(3, e, device=x.device)
-        sums[0].index_add_(0, ids, r)
-        sums[1].index_add_(0, ids, r * norm)
-        sums[2].index_add_(0, ids, r * norm * norm)
-        mx = torch.zeros(e, device=x.device).scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
-        sums = sums.cpu().numpy()
-        self.mass[layer] += sums[0]
-        self.norm_sum[layer] += sums[1]
-        self.norm2_sum[layer] += sums[2]
-        self.norm_max[layer] = np.maximum(self.norm_max[layer], mx.cpu().numpy())
+        if self._token_weights is not None:
+            if self._device_weights is None or self._device_weights.device != r.device:
+                self._device_weights = self._token_weights.to(r.device, torch.float32)[:, None]
+            r = r * self._device_weights
+        self._ids.append(topk_ids.reshape(-1) + layer * self.num_experts)
+        self._r.append(r.reshape(-1))
+        self._norm.append(torch.linalg.vector_norm(x.float(), dim=-1))
+        self._k.append(topk_ids.shape[1])
+        if len(self._ids) >= 4 * self.num_layers:  # many forwards without a read: bound the queue
+            self._reduce()
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        """Fold the queued calls into the device accumulator (device ops only, no host read)."""
+        if not self._ids:
+            return
+        ids = torch.cat(self._ids).long()
+        r = torch.cat(self._r)
+        if len(set(self._k)) == 1:
+            norm = torch.cat(self._norm).repeat_interleave(self._k[0])
+        else:
+            norm = torch.cat([n.repeat_interleave(k) for n, k in zip(self._norm, self._k)])
+        if self._acc is None:
+            self._acc = torch.zeros(4, self.num_layers * self.num_experts, device=r.device)
+        rn = r * norm
+        self._acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
+        self._acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
+        self._ids, self._r, self._norm, self._k = [], [], [], []
+
+    def _flush(self) -> None:
+        """Everything observed so far into the host sums: the one device-to-host copy."""
+        self._reduce()
+        if self._acc is None:
+            return
+        sums = self._acc.cpu().numpy().reshape(self._host.shape)
+        self._host[:3] += sums[:3]
+        np.maximum(self._host[3], sums[3], out=self._host[3])
+        self._acc = None
+
+    def _stat(self, i: int) -> np.ndarray:
+        self._flush()
+        return self._host[i]
+
+    @property
+    def mass(self) -> np.ndarray:
+        """[L, E] sum of routing weights."""
+        return self._stat(0)
+
+    @property
+    def norm_sum(self) -> np.ndarray:
+        """[L, E] sum of r * |x|."""
+        return self._stat(1)
+
+    @property
+    def norm2_sum(self) -> np.ndarray:
+        """[L, E] sum of r * |x|^2."""
+        return self._stat(2)
+
+    @property
+    def norm_max(self) -> np.ndarray:
+        """[L, E] max |x| over tokens routed to the expert."""
+        return self._stat(3)
 
     def routing_mass(self) -> np.ndarray:
         return normalize_mass(self.mass)
 
     def features(self) -> np.ndarray:
         """phi [n_blocks, 3] = (routing-weighted mean |x|, routing-weighted RMS |x|, max |x|); 0 for unrouted."""
-        denom = np.where(self.mass > 0, self.mass, 1.0)
-        phi = np.stack([self.norm_sum / denom, np.sqrt(self.norm2_sum / denom), self.norm_max], axis=-1)
+        mass, norm_sum, norm2_sum, norm_max = (self._stat(i) for i in range(4))
+        denom = np.where(mass > 0, mass, 1.0)
+        phi = np.stack([norm_sum / denom, np.sqrt(norm2_sum / denom), norm_max], axis=-1)
         return np.repeat(phi.reshape(-1, N_FEATURES), 2, axis=0)
 
 

@@ -264,3 +264,97 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert parse_budget("2GiB") == 2 << 30 and parse_budget("0.5") == 0.5 and parse_budget("1000") == 1000
     with pytest.raises(ValueError):
         parse_budget("lots")
+
+
+# ---------------------------------------------------------------- host overhead of a step
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_consecutive",
+            "aten::unique_dim", "aten::masked_select"}
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts Python-level reads of tensor data (.item/.tolist/.cpu/.numpy) from here on."""
+    from collections import Counter
+
+    counts = Counter()
+    for name in ("item", "tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(t, *a, _name=name, _original=original, **kw):
+            counts[_name] += 1
+            return _original(t, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def test_decode_step_reads_the_device_once(hf_dir, host_reads):
+    """Batch-1 decode with the experts' accelerator dispatch: no syncing op in the layers, and the one host read
+    of the step is the sampled token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(hf_dir[0], block_size=4)
+    for layer in llm.model.layers:
+        layer.mlp.experts.gather_max_pairs = llm.config.num_experts
+    llm.add_request(PROMPTS[0], greedy(8))
+    for _ in range(3):
+        llm.step()
+    host_reads.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outs = llm.step()
+    assert len(outs) == 1 and outs[0].completion_tokens == 4
+    names = [e.name for e in prof.events()]
+    assert not SYNC_OPS & set(names)
+    assert sum(host_reads.values()) == 1, host_reads
+    # the packed step is one row through the model: one attention call per layer
+    assert names.count("aten::scaled_dot_product_attention") == llm.config.num_hidden_layers
+    while llm.has_unfinished():
+        outs += llm.step()
+    grouped = LLM(hf_dir[0], block_size=4).generate([PROMPTS[0]], greedy(8), use_tqdm=False)[0]
+    assert outs[-1].token_ids == grouped.token_ids  # both expert formulations generate the same tokens
+
+
+def test_router_stats_read_back_once(host_reads):
+    """The observer queues device work per layer; the first read of the statistics is the one host copy."""
+    from pagedweight.signals import RouterStats
+
+    L, E = 3, 6
+    stats = RouterStats(L, E)
+    torch.manual_seed(0)
+    want = np.zeros((L, E))
+    inputs = []
+    for layer in range(L):
+        w, ids = torch.softmax(torch.randn(4, E), -1).topk(2)
+        np.add.at(want[layer], ids.flatten().tolist(), w.flatten().tolist())
+        inputs.append((layer, torch.randn(4, 8), ids, w))
+    host_reads.clear()  # the reference above read its own tensors
+    for args in inputs:
+        stats(*args)
+    assert sum(host_reads.values()) == 0
+    mass = stats.mass
+    reads = sum(host_reads.values())
+    assert reads == 2  # acc.cpu().numpy()
+    assert np.allclose(mass, want, rtol=1e-6)
+    stats.features()
+    assert sum(host_reads.values()) == reads
+
+
+def test_routing_mass_accessors(pressure_run, hf_dir):
+    llm = pressure_run[0]
+    L, E = llm.config.num_hidden_layers, llm.config.num_experts
+    before = llm.routing_mass()
+    assert before.shape == (L, E) and np.allclose(before.sum(axis=1), 1.0)
+    mass = np.arange(L * E, dtype=np.float64).reshape(L, E)
+    mass[1] = 0.0
+    try:
+        llm.set_routing_mass(mass)
+        got = llm.routing_mass()
+        assert np.allclose(got[0], mass[0] / mass[0].sum()) and np.allclose(got[1], 1.0 / E)
+        got[0] = 0.0
+        assert llm.routing_mass()[0].sum() == pytest.approx(1.0)  # a copy, not the planner's array
+        with pytest.raises(ValueError):
+            llm.set_routing_mass(mass[:1])
+    finally:
+        llm.set_routing_mass(before)
+    assert np.allclose(llm.routing_mass(), before)
+    with pytest.raises(RuntimeError):
+        LLM(hf_dir[0]).routing_mass()

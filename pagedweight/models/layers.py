@@ -124,22 +124,54 @@ class DenseExperts(nn.Module):
     """E routed SwiGLU experts as two stacked weights; the paged any-precision experts replace this module.
 
     gate_up [E, 2F, D]: rows 0..F-1 are gate_proj, F..2F-1 up_proj; down [E, D, F].
+    Two formulations, neither loops over all E experts:
+    - gathered (few pairs on an accelerator, decode): the routed experts' weights are gathered per (token, slot)
+      pair and run as one batched matmul per projection: a fixed handful of ops, no host synchronisation;
+    - grouped (prefill, and the CPU, where reading back is free but copying weights is not): pairs sorted by
+      expert, one matmul per routed expert; the per-expert counts are the layer's one host read.
+    `gather_max_pairs` picks: None = up to E pairs gathered on an accelerator, none on the CPU.
     """
 
     def __init__(self, num_experts: int, d: int, f: int) -> None:
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * f, d))
         self.down = nn.Parameter(torch.empty(num_experts, d, f))
+        self.gather_max_pairs: int | None = None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], topk_ids [N, k], topk_weights [N, k] -> sum_k w * expert_k(x), [N, D] in x's dtype."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(topk_ids).tolist():
-            tok, slot = torch.where(topk_ids == e)
-            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
-            out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(x.dtype))
-        return out
+        limit = self.gather_max_pairs
+        if limit is None:
+            limit = 0 if x.device.type == "cpu" else self.gate_up.shape[0]
+        if topk_ids.numel() <= limit:
+            return self._gathered(x, topk_ids, topk_weights)
+        return self._grouped(x, topk_ids, topk_weights)
+
+    def _gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Per (token, slot) pair: bmm with that pair's expert weights; no host synchronisation."""
+        n, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, -1, 1)
+        gate, up = torch.bmm(self.gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).view(n, k, -1)
+        return (y * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert, one matmul per routed expert; the counts are the layer's one host read."""
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        tok = order // k
+        xs = x[tok]
+        ys, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                gate, up = F.linear(xs[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.down[e]))
+                start += c
+        y = torch.cat(ys) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
 
 class MoEBlock(nn.Module):
