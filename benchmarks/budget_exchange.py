@@ -58,8 +58,13 @@ def _store_dir(specs, parent_bits: int) -> str | None:
 
 
 def make_rig(device: str, budget: int, page_bytes: int, layers: int, experts: int, hidden: int, inter: int,
-             parent_bits: int, seed_bits: int, lut_reserve_pages: int | None = None) -> Rig:
+             parent_bits: int, seed_bits: int, reserve_seed_luts: bool = False) -> Rig:
+    """`reserve_seed_luts`: the pool's reserve holds every block's seed LUT, so every offload can start at once and
+    the offloads' LUT copies all land in the reserve instead of in the holes the released planes leave (the
+    reload then finds those holes whole; with the mover's default reserve, best-fit puts seed LUTs inside the
+    holes and a reload of the same bytes can stall on fragments, as it did at the 8 GiB default)."""
     specs = expert_block_specs(layers, experts, hidden, inter, parent_bits, seed_bits)
+    lut_reserve_pages = sum(-(-s.lut_bytes[seed_bits] // page_bytes) for s in specs) if reserve_seed_luts else None
     tmp = Path(tempfile.mkdtemp(prefix=f"pw-bench-{uuid.uuid4().hex[:6]}-", dir=_store_dir(specs, parent_bits)))
     records = write_planes_file(tmp / "planes.bin", [(s.plane_bytes, s.lut_bytes) for s in specs], parent_bits)
     store = PageStore.create(tmp / "store", tmp / "planes.bin", records)
@@ -75,15 +80,22 @@ def make_rig(device: str, budget: int, page_bytes: int, layers: int, experts: in
 
 
 def drive(mover: PageMover, targets: dict[int, int], step: Callable[[], None] | None = None,
-          until: Callable[[], bool] | None = None, timeout_s: float = 300.0) -> int:
+          until: Callable[[], bool] | None = None, timeout_s: float = 120.0) -> int:
     """Run steps (boundary, optional work, end_step), re-requesting moves the pool refused, until every target is
-    committed and every retired page freed (or `until()` holds). Returns the number of steps."""
+    committed and every retired page freed (or `until()` holds). Returns the number of steps.
+
+    Raises at once when no move is pending or retiring and the pool still refuses the rest: nothing can change
+    any more (the free pages are too fragmented for the runs the remaining moves need)."""
     rows = mover.table.rows
     deadline, n = time.perf_counter() + timeout_s, 0
     while time.perf_counter() < deadline:
         for i, b in targets.items():
             if rows[i].q != b and not mover.pending(i):
                 mover.request(i, b)
+        if mover.idle() and any(rows[i].q != b for i, b in targets.items()):
+            left = sum(rows[i].q != b for i, b in targets.items())
+            raise RuntimeError(f"{left} moves refused with nothing in flight ({mover.pool.free_pages} free pages, "
+                               f"reserve {mover.pool.reserve_pages}): pool too small or too fragmented")
         mover.boundary()
         if until() if until is not None else (mover.idle() and all(rows[i].q == b for i, b in targets.items())):
             return n
@@ -103,14 +115,32 @@ def _reserved() -> int:
 
 
 def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts: int, hidden: int, inter: int,
-                 parent_bits: int, seed_bits: int, offload_frac: float = 0.5) -> list[dict]:
-    """Load all blocks at P, fill KV, offload a fraction to the seed width, refill KV, reload: one row per phase."""
-    rig = make_rig(device, budget, page_bytes, layers, experts, hidden, inter, parent_bits, seed_bits)
+                 parent_bits: int, seed_bits: int, offload_frac: float = 0.5,
+                 on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Load all blocks at P, fill KV, offload a fraction to the seed width, refill KV, reload: one row per phase.
+
+    `on_row(rows)` runs after each row is added (before its checks), so a caller can save partial results.
+    """
+    t0 = time.perf_counter()
+    rig = make_rig(device, budget, page_bytes, layers, experts, hidden, inter, parent_bits, seed_bits,
+                   reserve_seed_luts=True)
+    setup_ms = (time.perf_counter() - t0) * 1e3
     pool, table, mover = rig.pool, rig.table, rig.mover
     n = len(table.rows)
     rows: list[dict] = []
+
+    def add(r: dict) -> dict:
+        rows.append(r)
+        if on_row is not None:
+            on_row(rows)
+        return r
+
     try:
+        t = time.perf_counter()
         drive(mover, {i: parent_bits for i in range(n)})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        load_ms = (time.perf_counter() - t) * 1e3
         kv = pool.alloc_kv_blocks(pool.kv_capacity())
         _kv_write(pool, kv, 1)  # KV writes: the blocks are real memory
         reserved0 = _reserved()
@@ -119,9 +149,9 @@ def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts
             return {"phase": phase, "weight_bytes": pool.bytes_of(pool.weight_pages), "kv_blocks": len(kv),
                     "kv_block_bytes": pool.kv_block_bytes, "freed_bytes": freed, "expected_new_kv_blocks": expected,
                     "new_kv_blocks": got, "max_reserved_gib": _reserved() / GIB,
-                    "reserved_growth_bytes": _reserved() - reserved0, "ms": ms}
+                    "reserved_growth_bytes": _reserved() - reserved0, "reserve_pages": pool.reserve_pages, "ms": ms}
 
-        rows.append(row("loaded", 0, 0, 0, 0.0))
+        add(dict(row("loaded", 0, 0, 0, load_ms), setup_ms=setup_ms))
         chosen = sorted(random.Random(0).sample(range(n), max(1, int(n * offload_frac))))  # gate_up and down
         w0 = pool.weight_pages
         t = time.perf_counter()
@@ -135,7 +165,7 @@ def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts
         new = pool.alloc_kv_blocks(got)
         _kv_write(pool, new, 2)
         kv += new
-        rows.append(row("offload", freed, expected, got, ms))
+        add(row("offload", freed, expected, got, ms))
         assert got == expected and _reserved() == reserved0, rows[-1]
 
         pool.free_kv_blocks(new)
@@ -147,7 +177,7 @@ def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t) * 1e3
         taken = pool.bytes_of(pool.weight_pages - w1)
-        rows.append(row("reload", -taken, -(taken // pool.kv_block_bytes), -len(new), ms))
+        add(row("reload", -taken, -(taken // pool.kv_block_bytes), -len(new), ms))
         assert taken == freed and pool.kv_capacity() == 0 and _reserved() == reserved0, rows[-1]
         for i in chosen[:8]:  # reloaded bytes equal the store's
             for p in range(parent_bits):
@@ -165,18 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--page-kib", type=int, default=64, help="page = one KV block")
+    ap.add_argument("--layers", type=int, default=4, help="Qwen1.5-MoE layers of experts (0.5 GiB of planes each)")
     args = ap.parse_args(argv)
     if args.tiny:
         shape = dict(layers=2, experts=4, hidden=64, inter=32, parent_bits=4, seed_bits=2)
         budget, page = 160 * 1024, 1024
-    else:  # Qwen1.5-MoE-A2.7B expert shapes, 4 layers (2.0 GiB of planes at 8 bits)
-        shape = dict(layers=4, experts=60, hidden=2048, inter=1408, parent_bits=8, seed_bits=3)
+    else:  # Qwen1.5-MoE-A2.7B expert shapes, 4 layers by default (2.0 GiB of planes at 8 bits)
+        shape = dict(layers=args.layers, experts=60, hidden=2048, inter=1408, parent_bits=8, seed_bits=3)
         budget, page = int(args.budget_gib * GIB), args.page_kib * 1024
-    rows = run_exchange(args.device, budget, page, **shape)
-    for r in rows:
-        print(r)
-    print(write_result("budget_exchange", rows, ceilings={}, extra={"shape": shape, "budget_bytes": budget,
-                                                                      "page_bytes": page}))
+    extra = {"shape": shape, "budget_bytes": budget, "page_bytes": page}
+
+    def save(rows: list[dict], complete: bool = False) -> None:
+        """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
+        if rows and not complete:
+            print(rows[-1], flush=True)
+        path = write_result("budget_exchange", rows, ceilings={}, extra={**extra, "complete": complete})
+        if complete:
+            print(path)
+
+    save([])
+    save(run_exchange(args.device, budget, page, **shape, on_row=save), complete=True)
     return 0
 
 

@@ -63,5 +63,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
     target = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
     target.mkdir(parents=True, exist_ok=True)
     path = target / f"{benchmark}-{_slug(machine)}-{now:%Y%m%d}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    tmp = path.with_suffix(".json.tmp")  # a run killed mid-write leaves the previous complete file
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
     return path

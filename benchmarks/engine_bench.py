@@ -16,8 +16,11 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
+
 import numpy as np
 import torch
+from loguru import logger
 from torch import nn
 
 from benchmarks.common import write_result
@@ -143,6 +146,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
 
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
                gen: int, args: argparse.Namespace, **options) -> dict:
+    t0 = time.perf_counter()
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     gc.collect()
     if args.device == "cuda":
@@ -164,7 +168,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
            "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
-           "preemptions": st["preemptions"]}
+           "preemptions": st["preemptions"], "config_s": time.perf_counter() - t0}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row
@@ -177,20 +181,36 @@ def _mean(hist: list) -> float | None:
     return float((counts * np.arange(len(counts))).sum() / counts.sum())
 
 
+def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None]]:
+    """(batch, kind, bits) in priority order: a round per width of `--bits` (FP16 joins the first), each round over
+    every batch, so a time budget that cuts the run keeps the most important comparisons."""
+    batches = [int(b) for b in args.batches.split(",")]
+    configs = []
+    for n, b in enumerate(int(x) for x in args.bits.split(",")):
+        for batch in batches:
+            if n == 0 and not args.skip_fp16:
+                configs.append((batch, "fp16", None))
+            configs += [(batch, "uniform", b), (batch, "paged", b)]
+    return configs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--gen", type=int, default=128, help="generated tokens per request (inside seq-len)")
+    p.add_argument("--gen", type=int, default=32, help="generated tokens per request (inside seq-len)")
     p.add_argument("--batches", default="1,4")
-    p.add_argument("--bits", default="3,4,5,6", help="uniform AP widths")
+    p.add_argument("--bits", default="4,3,6,5", help="uniform AP widths, most important first")
     p.add_argument("--parent-bits", type=int, default=6)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=512, help="token budget per step (prefill chunk)")
     p.add_argument("--skip-fp16", action="store_true")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new configuration once this many seconds have passed (default: no limit)")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = model_config(args.tiny)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
@@ -199,23 +219,37 @@ def main(argv: list[str] | None = None) -> int:
     outside = param_bytes(random_model(cfg, False, dtype, "meta"))
     element = torch.empty((), dtype=dtype).element_size()
     expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    rows: list[dict] = []
+    skipped: list[str] = []
+    extra = {"model": "Qwen1.5-MoE-A2.7B shape, random planes" if not args.tiny else "tiny", "page_bytes": page,
+             "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
+             "time_budget_s": args.time_budget_s}
+
+    def save(complete: bool = False) -> Path:
+        """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
+        return write_result("engine_bench", rows, out_dir=args.out_dir,
+                            extra={**extra, "complete": complete, "skipped_configs": skipped})
+
+    save()
+    for batch, kind, b in plan(args):
+        name = {"fp16": "fp16-dense", "uniform": f"ap{b}-uniform", "paged": f"pagedweight@ap{b}-memory"}[kind]
+        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+            skipped.append(f"{name}/b{batch}")
+            continue
         kv = kv_bytes(cfg, batch, args.seq_len, args.block_size, page, args.chunk)
-        if not args.skip_fp16:
-            rows.append(run_config("fp16-dense", cfg, None, outside + expert_dense + kv, batch, args.seq_len,
-                                   args.gen, args))
-        for b in [int(x) for x in args.bits.split(",")]:
-            budget = outside + expert_pool_bytes(weights, b, page) + kv
-            rows.append(run_config(f"ap{b}-uniform", cfg, weights, budget, batch, args.seq_len, args.gen, args,
-                                   bits=b, paging=False))
-            rows.append(run_config(f"pagedweight@ap{b}-memory", cfg, weights, budget, batch, args.seq_len,
-                                   args.gen, args, bits=args.parent_bits, paging=True))
-    lut_note = {"lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits)}
-    path = write_result("engine_bench", rows, out_dir=args.out_dir,
-                        extra={"model": "Qwen1.5-MoE-A2.7B shape, random planes" if not args.tiny else "tiny",
-                               "page_bytes": page, **lut_note})
-    print(path)
+        try:
+            if kind == "fp16":
+                row = run_config(name, cfg, None, outside + expert_dense + kv, batch, args.seq_len, args.gen, args)
+            else:
+                budget = outside + expert_pool_bytes(weights, b, page) + kv
+                options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=args.parent_bits, paging=True)
+                row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
+        except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
+            logger.exception("{} batch {} failed", name, batch)
+            row = {"config": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rows.append(row)
+        save()
+    print(save(complete=True))
     return 0
 
 

@@ -14,9 +14,11 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+from loguru import logger
 
 from benchmarks.common import write_result
 from benchmarks.engine_bench import ap_weights, expert_pool_bytes, model_config, page_bytes, random_model
@@ -41,15 +43,23 @@ def reversals(series: np.ndarray) -> int:
     return int((d[1:] != d[:-1]).sum()) if d.size > 1 else 0
 
 
-def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int) -> dict:
-    """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times."""
+def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline: float | None = None) -> dict:
+    """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times.
+
+    Past `deadline` (a perf_counter time) the replay stops: unfinished requests are aborted, later arrivals
+    never sent, and the row says so (cut_short, requests_done)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
-    finished, failed, nxt, steps0 = 0, 0, 0, llm.num_steps
+    finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
     t0 = time.perf_counter()
     while finished < len(requests):
+        if deadline is not None and time.perf_counter() > deadline:
+            cut = True
+            for rid in arrival:
+                llm.abort(rid)
+            break
         now = time.perf_counter() - t0
         while nxt < len(requests) and requests[nxt][0] <= now:
             rid = llm.add_request(requests[nxt][1], params, request_id=str(nxt))
@@ -83,10 +93,11 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int) -> dict:
     pct = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None  # noqa: E731
     block_rev = [reversals(col) for col in np.asarray(widths).T] if widths else [0]
     return {
-        "requests": len(requests), "elapsed_s": elapsed, "steps": llm.num_steps - steps0,
+        "requests": len(requests), "cut_short": cut, "requests_done": finished - failed,
+        "elapsed_s": elapsed, "steps": llm.num_steps - steps0,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-        "tokens_per_s": (len(requests) - failed) * gen / elapsed,
+        "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],
         "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
         "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
@@ -105,25 +116,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--num-requests", type=int, default=None, help="default 32 (tiny: 10)")
-    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 2; tiny: 4)")
-    p.add_argument("--prompt-len", default=None, help="lo,hi prompt tokens (default 1024,3072; tiny: 48,160)")
-    p.add_argument("--gen", type=int, default=None, help="generated tokens per request (default 64; tiny: 12)")
+    p.add_argument("--num-requests", type=int, default=None, help="default 12 (tiny: 10)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 1; tiny: 4)")
+    p.add_argument("--prompt-len", default=None, help="lo,hi prompt tokens (default 256,1024; tiny: 48,160)")
+    p.add_argument("--gen", type=int, default=None, help="generated tokens per request (default 16; tiny: 12)")
     p.add_argument("--kv-room-blocks", type=int, default=None,
-                   help="KV blocks the budget leaves with every expert at the parent width (default 256; tiny: 6)")
+                   help="KV blocks the budget leaves with every expert at the parent width (default 128; tiny: 6)")
     p.add_argument("--parent-bits", type=int, default=6)
     p.add_argument("--static-bits", default=None, help="static uniform widths to compare (default: parent,4)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="wall-time budget: each mode's replay gets an equal share of what is left and is cut "
+                        "short past it; no mode starts once the budget is spent (default: no limit)")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
     tiny = args.tiny
-    n = args.num_requests or (10 if tiny else 32)
-    rate = args.rate or (4.0 if tiny else 2.0)
-    lo, hi = (int(x) for x in (args.prompt_len or ("48,160" if tiny else "1024,3072")).split(","))
-    gen = args.gen or (12 if tiny else 64)
-    room = args.kv_room_blocks or (6 if tiny else 256)
+    n = args.num_requests or (10 if tiny else 12)
+    rate = args.rate or (4.0 if tiny else 1.0)
+    lo, hi = (int(x) for x in (args.prompt_len or ("48,160" if tiny else "256,1024")).split(","))
+    gen = args.gen or (12 if tiny else 16)
+    room = args.kv_room_blocks or (6 if tiny else 128)
     chunk = args.chunk or (64 if tiny else 1024)
     static_bits = [int(b) for b in (args.static_bits or f"{args.parent_bits},4").split(",")]
 
@@ -139,27 +154,46 @@ def main(argv: list[str] | None = None) -> int:
                    max_model_len=hi + gen + 16)
     modes = [("pagedweight", dict(bits=args.parent_bits, paging=True))]
     modes += [(f"static-ap{b}", dict(bits=b, paging=False)) for b in static_bits]
-    rows = []
-    for name, extra in modes:
+    rows: list[dict] = []
+    skipped: list[str] = []
+    meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
+            "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s}
+
+    def save(complete: bool = False) -> Path:
+        """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
+        return write_result("kv_pressure", rows, out_dir=args.out_dir,
+                            extra={**meta, "complete": complete, "skipped_modes": skipped})
+
+    save()
+    for m, (name, extra) in enumerate(modes):
+        deadline = None
+        if args.time_budget_s is not None:
+            left = t_start + args.time_budget_s - time.perf_counter()
+            if left <= 0:
+                skipped.append(name)
+                continue
+            deadline = time.perf_counter() + left / (len(modes) - m)  # an equal share of what is left
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        model = random_model(cfg, False, dtype, args.device, seed=args.seed)
-        llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
-        drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
-        llm.scheduler.num_preemptions = 0
-        row = {"mode": name, "budget_gib": budget / 2**30, "kv_blocks_at_start": llm.kv.num_free_blocks,
-               "rate_req_per_s": rate, "prompt_lo": lo, "prompt_hi": hi, "gen_tokens": gen,
-               **drive(llm, requests, gen),
-               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
+        try:
+            model = random_model(cfg, False, dtype, args.device, seed=args.seed)
+            llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
+            drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
+            llm.scheduler.num_preemptions = 0
+            row = {"mode": name, "budget_gib": budget / 2**30, "kv_blocks_at_start": llm.kv.num_free_blocks,
+                   "rate_req_per_s": rate, "prompt_lo": lo, "prompt_hi": hi, "gen_tokens": gen,
+                   **drive(llm, requests, gen, deadline),
+                   "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
+        except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others
+            logger.exception("mode {} failed", name)
+            row = {"mode": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        llm = model = None  # free this mode's pool before the next one allocates its own
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
         rows.append(row)
-        del llm, model
-    path = write_result("kv_pressure", rows, out_dir=args.out_dir,
-                        extra={"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes",
-                               "page_bytes": page, "kv_block_bytes": kv_block})
-    print(path)
+        save()
+    print(save(complete=True))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Fused bit-plane MoE kernels on the GPU: correctness vs the torch twin, CUDA-graph table updates, and speed.
 
-Sections (each appends rows; the JSON is rewritten after each so a cut-short run still leaves its results):
+Sections (each appends rows; the JSON is rewritten after every row, `complete` false until the end, so a
+cut-short run still leaves a valid partial result):
   correctness  moe_forward vs moe_forward_reference on fresh random inputs, random mixed widths, fp16 and bf16,
                decode (T <= 64) and prefill (T > 64) paths.
   graph        one capture; q, plane offsets and LUT offsets rewritten in the device tables between replays;
@@ -14,7 +15,6 @@ Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -47,8 +47,13 @@ def log(msg: str) -> None:
     print(f"[{time.time() - STATE['t0']:7.1f}s] {msg}", flush=True)
 
 
-def save(cmd: str) -> None:
-    write_result("moe_kernel_bench", ROWS, command=cmd, ceilings=CEIL)
+def save(complete: bool = False) -> None:
+    write_result("moe_kernel_bench", ROWS, command=CMD, ceilings=CEIL, extra={"complete": complete})
+
+
+def add(row: dict) -> None:
+    ROWS.append(row)
+    save()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,7 +111,7 @@ def correctness(quick: bool) -> None:
             ref = moe_forward_reference(*args)
             err = rel(out, ref)
             ok = bool(torch.isfinite(out).all()) and out.dtype == dtype and err <= 1e-2
-            ROWS.append(dict(section="correctness", T=T, k=k, D=D, F=F, dtype=str(dtype).split(".")[-1],
+            add(dict(section="correctness", T=T, k=k, D=D, F=F, dtype=str(dtype).split(".")[-1],
                              path="decode" if T <= 64 else "prefill", rel_err=err, passed=ok))
             log(f"correctness T={T} {dtype}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
 
@@ -149,7 +154,7 @@ def graph_test() -> None:
         ref = moe_forward_reference(*args)
         err = rel(out, ref)
         ok = bool(torch.isfinite(out).all()) and err <= 1e-2
-        ROWS.append(dict(section="graph", step=step, T=T, rel_err=err, passed=ok,
+        add(dict(section="graph", step=step, T=T, rel_err=err, passed=ok,
                          q_hist=torch.bincount(q_dev.flatten().long().cpu(), minlength=P + 1).tolist()))
         log(f"graph replay {step}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
 
@@ -221,10 +226,9 @@ def speed(quick: bool, shapes: list[str]) -> None:
         try:
             speed_shape(name, *shape, plans=plans, quick=quick)
         except Exception as exc:  # noqa: BLE001 - one shape failing must not hide the others
-            ROWS.append(dict(section="speed", shape=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            add(dict(section="speed", shape=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             log(f"{name}: FAILED {type(exc).__name__}: {exc}")
         torch.cuda.empty_cache()
-        save(CMD)
 
 
 def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: bool) -> None:
@@ -269,7 +273,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
                        fp16_frac_of_copy_ceiling=fp16_bytes / (us_fp16 * 1e-6) / 1e12 / CEIL["copy_tb_per_s"],
                        speedup_vs_fp16=us_fp16 / us, us_grouped_mm_bf16_graph=us_grouped,
                        speedup_vs_grouped=(us_grouped / us) if us_grouped else None, grouped_error=grouped_err)
-            ROWS.append(row)
+            add(row)
             log(f"{name} T={T} {plan}: {us:.1f} us, {tbs:.2f} TB/s ({row['frac_of_copy_ceiling']:.0%}), "
                 f"fp16 {us_fp16:.1f} us (x{us_fp16 / us:.2f}), grouped {us_grouped}")
         del graphs, fp16
@@ -283,7 +287,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
         from pagedweight.cuda import moe_kernels as mk
         us_pre = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
         us_dec = time_cycle([lambda: moe_forward(*args)], reps=5, warm=1) if T <= 64 else None
-        ROWS.append(dict(section="prefill", shape=name, T=T, plan="w4", us_prefill_path_eager=us_pre,
+        add(dict(section="prefill", shape=name, T=T, plan="w4", us_prefill_path_eager=us_pre,
                          us_decode_kernel_eager=us_dec))
         log(f"{name} prefill T={T}: dequant+GEMM {us_pre:.0f} us, decode kernel {us_dec} us (eager)")
     del moe, wgu, wd
@@ -331,12 +335,11 @@ def main() -> int:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - recorded as a failed check
-                ROWS.append(dict(section=sec, passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                add(dict(section=sec, passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
                 log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
-            save(CMD)
     if "speed" in sections:
         speed(a.quick, a.shapes.split(","))
-    save(CMD)
+    save(complete=True)
     table()
     return 0 if all(r.get("passed", True) for r in ROWS) else 1
 

@@ -93,21 +93,34 @@ def main(argv: list[str] | None = None) -> int:
         budget, page, gemv, n_w, offload = 8 * GIB, 64 << 10, (14336, 4096), 8, int(args.offload_gib * GIB)
     P, S = shape["parent_bits"], shape["seed_bits"]
     n_blocks = shape["layers"] * shape["experts"] * 2
-    rig = make_rig(args.device, budget, page, **shape)
-    pool, table, mover = rig.pool, rig.table, rig.mover
     # reserve pages for every block's seed LUT: all offloads of a pressure event can start in the same step
-    pool.set_reserve(sum(table.slot_pages(i, "lut", S) for i in range(n_blocks)))
+    rig = make_rig(args.device, budget, page, **shape, reserve_seed_luts=True)
+    pool, table, mover = rig.pool, rig.table, rig.mover
     ceilings = {"pinned_h2d_gb_per_s": copy_ceiling_gb_per_s(device, 1 * GIB if not args.tiny else 1 << 20),
                 "store_pinned": rig.store.pinned}
     rows: list[dict] = []
+    extra = {"shape": shape, "budget_bytes": budget, "page_bytes": page}
+
+    def save(complete: bool = False) -> None:
+        """Rewrite the JSON with every row so far: a run cut short still leaves its measurements."""
+        path = write_result("page_mover", rows, ceilings=ceilings, extra={**extra, "complete": complete})
+        if complete:
+            print(path)
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(row, flush=True)
+        save()
+
+    save()
     try:
         drive(mover, {i: S for i in range(n_blocks)})  # engine start: everything at the seed width
         # (1) reload bandwidth S -> P from the pinned store
         for trial in range(args.trials):
             nbytes, wall, gpu = reload_all(rig, P)
-            rows.append({"test": "reload_bandwidth", "trial": trial, "bytes": nbytes, "wall_ms": wall, "copy_ms": gpu,
-                         "gb_per_s": nbytes / gpu / 1e6, "wall_gb_per_s": nbytes / wall / 1e6,
-                         "frac_of_copy_ceiling": nbytes / gpu / 1e6 / ceilings["pinned_h2d_gb_per_s"]})
+            add({"test": "reload_bandwidth", "trial": trial, "bytes": nbytes, "wall_ms": wall, "copy_ms": gpu,
+                 "gb_per_s": nbytes / gpu / 1e6, "wall_gb_per_s": nbytes / wall / 1e6,
+                 "frac_of_copy_ceiling": nbytes / gpu / 1e6 / ceilings["pinned_h2d_gb_per_s"]})
             drive(mover, {i: S for i in range(n_blocks)})
 
         # (2) decode-like loop alone vs with reloads beside it
@@ -147,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             with_copy = statistics.median(timed_steps(n_overlap))
             overlapped = any(mover.pending(i) for i in range(n_blocks))  # copies outlasted the timed steps
             drive(mover, {i: P for i in range(n_blocks)})
-            rows.append({"test": "decode_slowdown", "trial": trial, "steps": n_overlap, "step_alone_us": alone * 1e3,
-                         "step_with_reload_us": with_copy * 1e3, "slowdown_frac": with_copy / alone - 1, "copies_outlasted_steps": overlapped,
-                         "weight_bytes_per_step": sum(w.numel() * w.element_size() for w in ws),
-                         "step_tb_per_s": sum(w.numel() * w.element_size() for w in ws) / (alone * 1e-3) / 1e12})
+            step_bytes = sum(w.numel() * w.element_size() for w in ws)
+            add({"test": "decode_slowdown", "trial": trial, "steps": n_overlap, "step_alone_us": alone * 1e3,
+                 "step_with_reload_us": with_copy * 1e3, "slowdown_frac": with_copy / alone - 1,
+                 "copies_outlasted_steps": overlapped, "weight_bytes_per_step": step_bytes,
+                 "step_tb_per_s": step_bytes / (alone * 1e-3) / 1e12})
             drive(mover, {i: S for i in range(n_blocks)})
 
         # (3) pressure -> KV blocks available, for an offload of >= `offload` bytes, decode steps running
@@ -168,18 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             steps = drive(mover, targets, step=decode_step, until=lambda: pool.kv_capacity() >= need)
             new = pool.alloc_kv_blocks(need)
             ms = (time.perf_counter() - t) * 1e3
-            rows.append({"test": "pressure_to_kv", "trial": trial, "offload_bytes": freed, "kv_blocks": need,
-                         "kv_block_bytes": pool.kv_block_bytes, "blocks_offloaded": len(targets), "steps": steps,
-                         "step_alone_us": alone * 1e3, "ms": ms})
+            add({"test": "pressure_to_kv", "trial": trial, "offload_bytes": freed, "kv_blocks": need,
+                 "kv_block_bytes": pool.kv_block_bytes, "blocks_offloaded": len(targets), "steps": steps,
+                 "step_alone_us": alone * 1e3, "ms": ms})
             pool.free_kv_blocks(new)
             drive(mover, {i: P for i in targets})
         pool.free_kv_blocks(kv)
     finally:
         rig.close()
-    for r in rows:
-        print(r)
-    print(write_result("page_mover", rows, ceilings=ceilings, extra={"shape": shape, "budget_bytes": budget,
-                                                                      "page_bytes": page}))
+    save(complete=True)
     return 0
 
 

@@ -45,6 +45,12 @@ def main() -> int:
           "num_experts": E}
     writer = APWriter(work, hf, "qwen2_moe", L, E, args.seed_bits, args.parent_bits)
     quant_s = write_s = 0.0
+    rows: list[dict] = []
+
+    def save(complete: bool = False):
+        """Rewrite the JSON with every row so far (one per layer, then the total): a cut run keeps its layers."""
+        return write_result("quantize_speed", rows, extra={"complete": complete})
+
     t_start = time.perf_counter()
     for l in range(L):
         gate_up = torch.randn(E, 2 * Fi, D, device=device) * 0.02
@@ -56,20 +62,23 @@ def main() -> int:
         q, w = quantize_layer(writer, l, gate_up, down, lambda e, kind: sens[kind][e], device, batch)
         quant_s, write_s = quant_s + q, write_s + w
         print(f"layer {l + 1}/{L}: quantize {q:.1f} s, write {w:.1f} s", flush=True)
+        rows.append({"section": "layer", "layer": l, "quantize_s": round(q, 2), "write_s": round(w, 2)})
+        save()
     writer.finish(np.full((L, E), 1.0 / E), {}, None)
     total_s = time.perf_counter() - t_start
     planes_bytes = (work / "planes.bin").stat().st_size
     if args.work_dir is None:
         shutil.rmtree(work)
     weights = L * E * 3 * Fi * D
-    row = {"layers": L, "experts": E, "hidden": D, "inter": Fi, "seed_bits": args.seed_bits,
+    row = {"section": "total", "layers": L, "experts": E, "hidden": D, "inter": Fi, "seed_bits": args.seed_bits,
            "parent_bits": args.parent_bits, "device": str(device), "weights": weights,
            "batch_weights": batch, "quantize_s": round(quant_s, 2), "write_s": round(write_s, 2),
            "total_s": round(total_s, 2), "total_min": round(total_s / 60, 3),
            "quantize_ns_per_weight": round(quant_s / weights * 1e9, 2), "planes_bin_bytes": planes_bytes,
            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None}
     print(row)
-    print(write_result("quantize_speed", [row]))
+    rows.append(row)
+    print(save(complete=True))
     return 0
 
 
