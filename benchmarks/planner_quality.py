@@ -12,12 +12,19 @@ Variants (each an ablation of one signal):
   online-buckets     + routing buckets from each evaluation window's own routing mass (per-window plan)
   online+residual    + prompt residual heads on the window's features (per-window plan)
   ..., one stage     the same without depth stages (at a footprint equal to a stage floor, stages force uniform)
+  measured, one stage  damage table = measured single-block NLL increase on calibration windows (no Fisher proxy)
+  uniform-interp     (midpoints only) byte-linear interpolation of the two neighbouring uniform widths' NLL: a
+                     stricter reference than the realisable lower uniform width, reported next to it
+
+Every eval row carries the paired difference to the uniform row of its budget (nll_diff_vs_uniform_per_token) and
+its standard error over the evaluation windows (se_diff_per_token); "eval-uniform" rows give uniform width 3..P
+against the parent width, which shows where quantization stops costing anything measurable (saturation).
 
 Item 4 (knob search) runs first on one half of data/calib.txt, the residual heads are fitted on the other half
 (target: log of the window's measured output error of a block's drop over its mean across windows), and the
 evaluation uses data/eval.txt only.
 
-    python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512]
+    python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512] [--measured-cache NPY]
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,13 +86,19 @@ def token_windows(tok, path: Path, context: int, limit: int, skip: int = 0) -> t
 
 
 @torch.no_grad()
-def nll(model, wins: torch.Tensor, batch: int = 16) -> float:
-    total = 0.0
+def nll_windows(model, wins: torch.Tensor, batch: int = 16) -> np.ndarray:
+    """Summed NLL of each window [len(wins)] (per-window values give paired standard errors between configs)."""
+    out = []
     for s in range(0, len(wins), batch):
         x = wins[s:s + batch]
         logits = model(x[:, :-1])
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
-    return total
+        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
+        out.append(tok.reshape(len(x), -1).sum(1).double().numpy())
+    return np.concatenate(out)
+
+
+def nll(model, wins: torch.Tensor, batch: int = 16) -> float:
+    return float(nll_windows(model, wins, batch).sum())
 
 
 class Capture:
@@ -146,6 +160,41 @@ def fit_heads(tables: BlockTables, samples: list[tuple[np.ndarray, np.ndarray]])
                              np.concatenate(phi), np.concatenate(y))
 
 
+def measured_sensitivity(model, widths: Widths, wins: torch.Tensor, cache: Path | None) -> np.ndarray:
+    """s_i^b measured [n, P+1]: NLL increase (nats summed over `wins`) when block i alone drops from P to b bits.
+
+    The damage table the planner would use if every drop could be measured directly: n_blocks * (P - s) forward
+    passes over the calibration windows, affordable for the bundled model only (a large model keeps the Fisher
+    table). Block interactions are ignored as in the Fisher table; a drop that lowers the calibration loss gets
+    g = 0 (global_damage clips), so it is taken first. Cached in `cache` (keyed by the caller) when given.
+    """
+    if cache is not None and cache.exists():
+        return np.load(cache)
+    n, P = widths.L * widths.E * 2, widths.parent
+    widths.apply(np.full(n, P))
+    base = nll(model, wins)
+    out = np.zeros((n, P + 1))
+    with torch.no_grad():
+        for i in tqdm(range(n), desc="measured sensitivity", unit="block"):
+            l, e, u = i // (2 * widths.E), (i // 2) % widths.E, i % 2
+            kind = ("gate_up", "down")[u]
+            param = getattr(model.layers[l].mlp.experts, kind)
+            for b in range(widths.seed, P):
+                param[e] = widths.w[b, kind][l, e]
+                out[i, b] = nll(model, wins) - base
+            param[e] = widths.w[P, kind][l, e]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, out)
+    return out
+
+
+def paired_se(a: np.ndarray, b: np.ndarray, tokens: int) -> float:
+    """Standard error (per token) of the summed NLL difference a - b over windows, from per-window differences."""
+    d = np.asarray(a) - np.asarray(b)
+    return float(d.std(ddof=1) * math.sqrt(len(d)) / tokens) if len(d) > 1 else float("nan")
+
+
 def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, phi=None, sens_free=False):
     """Widths after releasing from the parent width down to `budget` bytes."""
     n, p = tables.n_blocks, tables.parent_bits
@@ -194,6 +243,9 @@ def main() -> int:
     ap_.add_argument("--eval-windows", type=int, default=32)
     ap_.add_argument("--calib-windows", type=int, default=16, help="per half of data/calib.txt")
     ap_.add_argument("--search-windows", type=int, default=8)
+    ap_.add_argument("--measure-windows", type=int, default=12,
+                     help="calibration windows (after the search windows) of the measured-sensitivity table")
+    ap_.add_argument("--measured-cache", type=Path, default=None, help=".npy of that table (read if present)")
     args = ap_.parse_args()
     torch.set_num_threads(1)
     from tokenizers import Tokenizer
@@ -287,8 +339,33 @@ def main() -> int:
         mass, phi, _ = window_signals(model, widths, win, measure=False)
         sigs.append((mass, phi))
     one_stage = replace(best, stage_floors=(s,))  # no depth stages: a stage floor at a footprint forces uniform
+    # measured damage table (single-block NLL increase on calibration windows after the search windows)
+    meas_wins = token_windows(tok, calib, args.context, args.measure_windows, skip=args.search_windows)
+    measured = BlockTables(sup, ap.raw_bytes, measured_sensitivity(model, widths, meas_wins, args.measured_cache),
+                           widths.L, widths.E)
+    # uniform at every width: where quantization stops costing anything measurable (saturation)
+    per_window = {}
+    for b in range(s, P + 1):
+        widths.apply(np.full(n, b))
+        per_window[b] = nll_windows(model, ev)
+    for b in range(s, P + 1):
+        rows.append({"phase": "eval-uniform", "width_bits": b, "weight_bytes": foot[b],
+                     "nll_per_token": round(float(per_window[b].sum()) / ev_tokens, 5),
+                     "ppl": round(math.exp(float(per_window[b].sum()) / ev_tokens), 4),
+                     "nll_diff_vs_8bit_per_token": round(float((per_window[b] - per_window[P]).sum()) / ev_tokens, 6),
+                     "se_diff_per_token": round(paired_se(per_window[b], per_window[P], ev_tokens), 6)})
+        print(rows[-1], flush=True)
     for label, budget in budgets:
         uni = uniform_width(budget)
+        base = per_window[uni]
+        if foot[uni] < budget - 0.5 and uni < P:  # between footprints: byte-linear interpolation of uniform NLL
+            f = (budget - foot[uni]) / (foot[uni + 1] - foot[uni])
+            interp = float(((1 - f) * base + f * per_window[uni + 1]).sum())
+            rows.append({"phase": "eval", "budget": label, "budget_bytes": budget, "variant": "uniform-interp",
+                         "note": f"byte-linear interpolation between uniform {uni} and {uni + 1} bits (not realisable)",
+                         "nll_per_token": round(interp / ev_tokens, 5), "ppl": round(math.exp(interp / ev_tokens), 4),
+                         "tokens": ev_tokens})
+            print(rows[-1], flush=True)
         configs = {
             "uniform": lambda: [np.full(n, uni)],
             "bytes-only": lambda: [planned(tables, best, budget, sens_free=True)],
@@ -298,29 +375,34 @@ def main() -> int:
             "online+residual": lambda: [planned(tables, best, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
             "online+residual, one stage": lambda: [planned(tables, one_stage, budget, mass=m, heads=heads, phi=f)
                                                    for m, f in sigs],
+            "measured, one stage": lambda: [planned(measured, one_stage, budget)],
         }
         for variant, make in configs.items():
             ws = make()
             if len(ws) == 1:
-                total, used = ppl(ev, ws[0]), [tables.bytes_at(ws[0]).sum()]
+                widths.apply(ws[0])
+                pw, used = nll_windows(model, ev), [tables.bytes_at(ws[0]).sum()]
             else:
-                total = sum(ppl(win[None], w) for win, w in zip(ev, ws))
+                pw = np.array([ppl(win[None], w) for win, w in zip(ev, ws)])
                 used = [tables.bytes_at(w).sum() for w in ws]
+            total = float(pw.sum())
             row = {"phase": "eval", "budget": label, "budget_bytes": budget, "variant": variant,
                    "weight_bytes_max": float(max(used)), "mean_bits": round(float(np.mean([w.mean() for w in ws])), 3),
                    "nll_per_token": round(total / ev_tokens, 5), "ppl": round(math.exp(total / ev_tokens), 4),
-                   "tokens": ev_tokens}
+                   "nll_diff_vs_uniform_per_token": round(float((pw - base).sum()) / ev_tokens, 6),
+                   "se_diff_per_token": round(paired_se(pw, base, ev_tokens), 6), "tokens": ev_tokens}
             rows.append(row)
             print(row, flush=True)
     evals = [r for r in rows if r["phase"] == "eval"]
-    beats = {}
-    for variant in ("online+residual", "online+residual, one stage"):
+    beats, beats_2se = {}, {}
+    for variant in ("online+residual", "online+residual, one stage", "global", "measured, one stage"):
         for label, _ in budgets:
-            by = {r["variant"]: r["ppl"] for r in evals if r["budget"] == label}
-            beats[f"{variant} @ {label}"] = by[variant] < by["uniform"]
+            r = next(r for r in evals if r["budget"] == label and r["variant"] == variant)
+            beats[f"{variant} @ {label}"] = r["nll_diff_vs_uniform_per_token"] < 0
+            beats_2se[f"{variant} @ {label}"] = r["nll_diff_vs_uniform_per_token"] < -2 * r["se_diff_per_token"]
     path = write_result("planner-quality", rows, extra={
         "chosen_knobs": best.to_dict(), "residual_head_confidence": conf.tolist(),
-        "checks": {"planner_beats_uniform_at": beats},
+        "checks": {"planner_beats_uniform_at": beats, "planner_beats_uniform_by_2se_at": beats_2se},
         "wall_s": round(time.perf_counter() - t0, 1), "context": args.context, "eval_windows": args.eval_windows,
         "model_sha256": hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]})
     print(path)
