@@ -593,8 +593,13 @@ def run(args) -> int:
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, page_store_dir=args.page_store_dir)
+    def mean_width(hist: list[list[int]]) -> float:
+        counts = np.asarray(hist).sum(axis=0)
+        return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
+
     start_stats = llm.stats()
     min_free = start_stats["kv_free_blocks"]
+    min_width = mean_width(start_stats["committed_width_hist"]) if llm.table is not None else None
     for rid, prompt in enumerate(prompts):
         llm.add_request(prompt, params, request_id=str(rid))
     done: dict[str, RequestOutput] = {}
@@ -606,6 +611,8 @@ def run(args) -> int:
                     done[out.request_id] = out
                     bar.update(1)
             min_free = min(min_free, llm.kv.num_free_blocks)
+            if min_width is not None:
+                min_width = min(min_width, mean_width(llm.stats()["committed_width_hist"]))
     elapsed = time.perf_counter() - t0
     st = llm.stats()
     gen = sum(o.completion_tokens for o in done.values())
@@ -614,10 +621,6 @@ def run(args) -> int:
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
     for rid in map(str, range(min(args.show, len(prompts)))):
         print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
-
-    def mean_width(hist: list[list[int]]) -> float:
-        counts = np.asarray(hist).sum(axis=0)
-        return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
 
     print("--- summary ---")
     print(f"model {llm.model_name} on {llm.device}, budget {budget if budget is not None else 'unbounded'}")
@@ -628,7 +631,7 @@ def run(args) -> int:
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
     if llm.table is not None:
         print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
-              f"{mean_width(st['committed_width_hist']):.2f} at end; offload triggers {st['offload_triggers']}, "
+              f"{min_width:.2f} at the lowest step, {mean_width(st['committed_width_hist']):.2f} at end; offload triggers {st['offload_triggers']}, "
               f"reload triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / 2**20:.1f} MiB out, "
               f"{st['bytes_reloaded'] / 2**20:.1f} MiB in")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1
