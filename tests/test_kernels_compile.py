@@ -9,17 +9,13 @@ The child keeps the launcher patch, the device patch and numba state out of this
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_child_json
+
 KERNELS = ("_route_kernel", "_gemv_kernel", "_dequant_kernel")
 
 CHILD = textwrap.dedent(r"""
@@ -83,11 +79,7 @@ CHILD = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child_json(CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
 
 
 @pytest.mark.parametrize("name", KERNELS)

@@ -5,16 +5,11 @@ NUMBA_ENABLE_CUDASIM=1 and the rest of the test session keeps the real CUDA targ
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_child_json
 
 CHILD = textwrap.dedent(r"""
     import json, sys
@@ -61,11 +56,7 @@ CHILD = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def sim_results() -> dict:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child_json(CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
 
 
 @pytest.mark.parametrize("case", ["case0", "case1", "case2", "case3"])
