@@ -13,7 +13,10 @@ within the same memory. Rows: tokens/s (decode and end to end) and torch.cuda.ma
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -158,7 +161,13 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
     serve(llm, batch, min(64, seq_len - gen), 4, cfg.vocab_size, seed=1)  # warm-up: kernels compile here
     start_hist = llm.stats()["committed_width_hist"]
+    prof = cProfile.Profile() if args.profile else None
+    if prof:
+        prof.enable()
     res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
+    if prof:
+        prof.disable()
+        _append_profile(args.profile, f"{name} batch {batch}", prof)
     st = llm.stats()
     row = {"config": name, "batch": batch, "seq_len": seq_len, "prompt_tokens": seq_len - gen, "gen_tokens": gen,
            **res, "budget_gib": budget / 2**30,
@@ -172,6 +181,16 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row
+
+
+def _append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
+    """Host-time profile of one timed batch (where a host-bound step spends its time), appended as text."""
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    with open(path, "a") as f:
+        f.write(f"===== {title}\n{buf.getvalue()}\n")
 
 
 def _mean(hist: list) -> float | None:
@@ -209,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new configuration once this many seconds have passed (default: no limit)")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))

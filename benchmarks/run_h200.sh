@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 batch of this session's GPU measurements, in one device call (device time is scarce).
+# The H200 measurements, in as few device calls as possible (device time is scarce): named steps, run in order.
+#   bash benchmarks/run_h200.sh [STEP ...]      (no STEP: the default batch below)
 # Run from the repo root on the GPU box after the gpu-wheels install line; every JSON lands in $OUT.
-# Each step has its own time limit so one slow step cannot starve the others; the limits add up to < 8 min.
+# Each step has its own time limit so one slow step cannot starve the others.
 # A step past its limit gets SIGINT (cleanup runs: the page store leaves /dev/shm), SIGKILL 5 s later.
 # Every benchmark rewrites its JSON after each row ("complete": false until it ends), so a cut step keeps
 # what it measured; engine_bench and kv_pressure also stop starting configurations past --time-budget-s.
@@ -16,12 +17,24 @@ step() { local limit=$1; shift; echo "== $* (limit ${limit}s)" | tee -a "$log";
          local t0=$SECONDS; timeout -k 5 -s INT "$limit" "$@" >>"$log" 2>&1
          echo "rc=$? wall=$((SECONDS - t0))s" | tee -a "$log"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
-step 40  python3 -m benchmarks.budget_exchange
-step 40  python3 -m benchmarks.page_mover_bench --trials 3
-# compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
-step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k "ap_ or pressure or preempts"
-step 155 python3 -m benchmarks.engine_bench --bits 4,3,6 --gen 32 --time-budget-s 110
-step 95  python3 -m benchmarks.kv_pressure --time-budget-s 70
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(exchange mover enginetest engine pressure)
+for s in "${steps[@]}"; do case $s in
+  exchange) step 40 python3 -m benchmarks.budget_exchange ;;
+  mover) step 40 python3 -m benchmarks.page_mover_bench --trials 3 ;;
+  # ncu's stall reasons and DRAM figures for the decode kernel (Mixtral 4-bit T=1), first launches skipped
+  ncu) step 150 ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
+         --set full -o "$OUT/ncu_gemv" python3 -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
+       ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv.txt" 2>&1 ;;
+  kernels) step 300 python3 -m benchmarks.moe_kernel_bench ;;
+  quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
+  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
+  enginetest) step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \
+                tests/test_engine.py -k "ap_ or pressure or preempts" ;;
+  engine) step "${ENGINE_LIMIT:-155}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6 --time-budget-s 110} \
+            --profile "$OUT/engine_profile.txt" ;;
+  pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ;;
+  *) echo "unknown step $s" | tee -a "$log" ;;
+esac; done
 grep -E "^(==|rc=)|passed|failed|Error|error" "$log" | tail -40
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
