@@ -164,7 +164,13 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
+    if args.torch_profile and args.device == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tprof:
+            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
+        _append_torch_profile(args.torch_profile, f"{name} batch {batch}", tprof)
+    else:
+        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
     if prof:
         prof.disable()
         _append_profile(args.profile, f"{name} batch {batch}", prof)
@@ -191,6 +197,18 @@ def _append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
     stats.sort_stats("cumulative").print_stats(30)
     with open(path, "a") as f:
         f.write(f"===== {title}\n{buf.getvalue()}\n")
+
+
+def _append_torch_profile(path: str, title: str, prof) -> None:
+    """Device-time breakdown of one timed batch (which kernels the GPU spends the step in), appended as text."""
+    avg = prof.key_averages()
+    with open(path, "a") as f:
+        f.write(f"===== {title}\n")
+        for key in ("self_cuda_time_total", "cpu_time_total"):
+            try:
+                f.write(avg.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n")
+            except (KeyError, AttributeError, RuntimeError) as exc:
+                f.write(f"(no table sorted by {key}: {exc})\n")
 
 
 def _mean(hist: list) -> float | None:
@@ -230,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
+    p.add_argument("--torch-profile", default=None, metavar="FILE",
+                   help="append torch.profiler tables (device time per kernel) of each timed batch to FILE (CUDA)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -3,6 +3,7 @@
 Needs a running cluster with its dashboard (job API), e.g. on one box:
     RAY_AUTH_MODE=disabled PATH=$PWD/.venv/bin:$PATH ray start --head --num-cpus 2 --dashboard-host 127.0.0.1
     python -m benchmarks.eval_job_scaling MODEL_DIR --engines 1,2
+    python -m benchmarks.eval_job_scaling MODEL_DIR --engines 1,2,4,8 --gpus-per-engine 1   # an 8-GPU node
 Each engine count runs `ray job submit -- python -m pagedweight.actors.jobs.evaluate ...`; the rows compare
 throughput and check that perplexity and greedy samples are identical whatever the engine count.
 """
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--engines", default="1,2")
     ap.add_argument("--address", default="http://127.0.0.1:8265")
     ap.add_argument("--engine-cpus", type=float, default=1)
+    ap.add_argument("--gpus-per-engine", type=float, default=1, help="0.5: two engines per GPU; 0: CPU engines")
     ap.add_argument("--job-args", default="--mode all --windows 16 --ctx 256 --num-prompts 8 --max-tokens 16")
     args = ap.parse_args()
     rows, first = [], None
@@ -31,7 +33,8 @@ def main() -> None:
             out = Path(tmp) / f"eval-{n}.json"
             cmd = ["ray", "job", "submit", "--address", args.address, "--", "python", "-m",
                    "pagedweight.actors.jobs.evaluate", args.model_dir, *args.job_args.split(),
-                   "--num-engines", str(n), "--engine-cpus", str(args.engine_cpus), "--out", str(out)]
+                   "--num-engines", str(n), "--engine-cpus", str(args.engine_cpus),
+                   "--gpus-per-engine", str(args.gpus_per_engine), "--out", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True)
             res = json.loads(out.read_text())
             samples = [s["text"] for s in res["generation"]["samples"]]

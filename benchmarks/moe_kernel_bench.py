@@ -244,8 +244,6 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
     for T in ([1, 4, 16] if quick else [1, 4, 16, 64]):
         sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
         hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
-        graphs = [capture(lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
-                                                        po_dev, lo_dev, D, F, P)) for h, s in zip(hiddens, sets)]
         fp16 = [capture(fp16_expert_step(h, s[0], s[1], wgu, wd, F)) for h, s in zip(hiddens, sets)]
         us_fp16 = time_cycle([g.replay for g in fp16])
         active = [torch.unique(s[0]).tolist() for s in sets]
@@ -263,10 +261,16 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
         for plan, width in plans.items():
             q = mixed_q if width is None else torch.full((E, 2), width)
             moe.write_tables(q, q_dev, lo_dev)
+            lut_width = int(q.max())  # shared memory sized for the plan's widest block (as the engine does)
+            graphs = [capture(lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
+                                                            po_dev, lo_dev, D, F, P, lut_width))
+                      for h, s in zip(hiddens, sets)]
             us = time_cycle([g.replay for g in graphs])
+            del graphs
             nbytes = statistics.mean(sum(block_bytes(D, F, int(q[e, 0]), int(q[e, 1])) for e in a) for a in active)
             tbs = nbytes / (us * 1e-6) / 1e12
             row = dict(section="speed", shape=name, E=E, D=D, F=F, top_k=k, T=T, plan=plan, dtype="float16",
+                       lut_width=lut_width,
                        active_experts=statistics.mean(len(a) for a in active), us=us, bytes_read=nbytes,
                        tb_per_s=tbs, frac_of_copy_ceiling=tbs / CEIL["copy_tb_per_s"],
                        us_fp16_cublas_graph=us_fp16, fp16_bytes=fp16_bytes,
@@ -276,7 +280,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
             add(row)
             log(f"{name} T={T} {plan}: {us:.1f} us, {tbs:.2f} TB/s ({row['frac_of_copy_ceiling']:.0%}), "
                 f"fp16 {us_fp16:.1f} us (x{us_fp16 / us:.2f}), grouped {us_grouped}")
-        del graphs, fp16
+        del fp16
         _KEEP.clear()
     # prefill: dequantize + tensor-core GEMMs vs the decode kernel at T = 64, and T = 256 (prefill only)
     moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)

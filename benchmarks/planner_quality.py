@@ -21,8 +21,9 @@ its standard error over the evaluation windows (se_diff_per_token); "eval-unifor
 against the parent width, which shows where quantization stops costing anything measurable (saturation).
 
 Item 4 (knob search) runs first on one half of data/calib.txt, the residual heads are fitted on the other half
-(target: log of the window's measured output error of a block's drop over its mean across windows), and the
-evaluation uses data/eval.txt only.
+exactly as `pagedweight convert` fits them (calibrate.DamageProbe; target: log of the window's measured output
+error of a block's drop over its mean across windows; features centred per block, including the expert's routing
+share), and the evaluation uses data/eval.txt only.
 
     python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512] [--measured-cache NPY]
 """
@@ -51,6 +52,7 @@ from benchmarks.common import write_result  # noqa: E402
 from pagedweight.apformat import load_ap, load_ap_model  # noqa: E402
 from pagedweight.knobs import PlannerKnobs  # noqa: E402
 from pagedweight.planner import BlockTables, damage_rows, eta_rows, plan_release  # noqa: E402
+from pagedweight.calibrate import DamageProbe  # noqa: E402
 from pagedweight.signals import ResidualHeads, RouterStats, block_bucket_signals  # noqa: E402
 
 
@@ -101,63 +103,27 @@ def nll(model, wins: torch.Tensor, batch: int = 16) -> float:
     return float(nll_windows(model, wins, batch).sum())
 
 
-class Capture:
-    """Router observer keeping each layer's expert input and routing of one forward (for measured damage)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, layer, x, ids, w) -> None:
-        self.seen[layer] = (x.detach().float(), ids.detach(), w.detach().float())
-
-
 @torch.no_grad()
-def window_signals(model, widths: Widths, win: torch.Tensor, measure: bool):
-    """(routing mass [L,E], features [n,3], measured damage [n, P+1] or None) of one window at 8 bits.
-
-    Measured damage of block i at row b: sum_t r_t |(W^{prev} - W^b) in_t|^2 over the window's tokens routed to
-    the expert, in_t = x_t (gate_up) or silu(gate) * up at full width (down); 0 where the expert got no token.
-    """
-    stats, cap = RouterStats(widths.L, widths.E), Capture()
-    model.set_router_observer(lambda *a: (stats(*a), cap(*a)))
+def window_signals(model, widths: Widths, win: torch.Tensor):
+    """(routing mass [L,E], features [n,4]) of one window, as the engine's router observer sees them."""
+    stats = RouterStats(widths.L, widths.E)
+    model.set_router_observer(stats)
     try:
         model(win[None, :-1])
     finally:
         model.set_router_observer(None)
-    if not measure:
-        return stats.routing_mass(), stats.features(), None
-    n, P = widths.L * widths.E * 2, widths.parent
-    dmg = np.zeros((n, P + 1))
-    for l, (x, ids, w) in cap.seen.items():
+    return stats.routing_mass(), stats.features()
+
+
+def fit_heads(model, widths: Widths, wins: torch.Tensor) -> ResidualHeads:
+    """Residual heads as `convert` fits them (calibrate.DamageProbe), on these windows at the parent width."""
+    widths.apply(np.full(widths.L * widths.E * 2, widths.parent))
+    probe = DamageProbe(model, widths.seed, widths.parent).capture(wins[:, :-1])
+    for l in range(widths.L):
         for e in range(widths.E):
-            tok_i, slot = torch.nonzero(ids == e, as_tuple=True)
-            if not len(tok_i):
-                continue
-            xe, r = x[tok_i], w[tok_i, slot]
-            gu = widths.w[P, "gate_up"][l, e]
-            g, up = (xe @ gu.T).chunk(2, dim=-1)
-            inputs = {"gate_up": xe, "down": F.silu(g) * up}
-            for u, kind in enumerate(("gate_up", "down")):
-                for b in range(widths.seed, P):
-                    delta = widths.w[b + 1, kind][l, e] - widths.w[b, kind][l, e]
-                    dmg[(l * widths.E + e) * 2 + u, b] = float((r[:, None] * (inputs[kind] @ delta.T) ** 2).sum())
-    return stats.routing_mass(), stats.features(), dmg
-
-
-def fit_heads(tables: BlockTables, samples: list[tuple[np.ndarray, np.ndarray]]) -> ResidualHeads:
-    """Residual heads on log(window damage / mean damage over the windows where the expert was routed)."""
-    dm = np.stack([d for _, d in samples])  # [W, n, P+1]
-    routed = dm > 0
-    mean = dm.sum(0) / np.maximum(routed.sum(0), 1)
-    kinds, bf, bt, phi, y = [], [], [], [], []
-    lo, p = tables.low, tables.parent_bits
-    for (f, d), r in zip(samples, routed):
-        i, b = np.nonzero(r[:, lo:p])
-        b = b + lo
-        kinds.append(i % 2), bf.append(tables.prev_rows[b, i]), bt.append(b), phi.append(f[i])
-        y.append(np.log(d[i, b] / mean[i, b]))
-    return ResidualHeads.fit(p, np.concatenate(kinds), np.concatenate(bf), np.concatenate(bt),
-                             np.concatenate(phi), np.concatenate(y))
+            for kind in ("gate_up", "down"):
+                probe.measure(l, e, kind, lambda b, l=l, e=e, kind=kind: widths.w[b, kind][l, e])
+    return probe.fit()
 
 
 def measured_sensitivity(model, widths: Widths, wins: torch.Tensor, cache: Path | None) -> np.ndarray:
@@ -299,12 +265,7 @@ def main() -> int:
 
     # ---- residual heads: fit on the second half of the calibration slice
     heads_wins = token_windows(tok, calib, args.context, args.calib_windows, skip=args.search_windows)
-    widths.apply(np.full(n, P))
-    samples = []
-    for win in heads_wins:
-        _, phi, dmg = window_signals(model, widths, win, measure=True)
-        samples.append((phi, dmg))
-    heads = fit_heads(tables, samples)
+    heads = fit_heads(model, widths, heads_wins)
     conf = heads.confidence[:, np.arange(s + 1, P + 1), np.arange(s, P)]
     print("head confidence [kind, transition]", conf.round(3), flush=True)
 
@@ -313,7 +274,7 @@ def main() -> int:
         total = 0.0
         for win in wins:
             widths.apply(np.full(n, P))
-            mass, phi, _ = window_signals(model, widths, win, measure=False)
+            mass, phi = window_signals(model, widths, win)
             total += ppl(win[None], planned(tables, knobs, budget, mass=mass, heads=heads if use_heads else None,
                                             phi=phi))
         return total
@@ -336,7 +297,7 @@ def main() -> int:
     sigs = []
     widths.apply(np.full(n, P))
     for win in ev:
-        mass, phi, _ = window_signals(model, widths, win, measure=False)
+        mass, phi = window_signals(model, widths, win)
         sigs.append((mass, phi))
     one_stage = replace(best, stage_floors=(s,))  # no depth stages: a stage floor at a footprint forces uniform
     # measured damage table (single-block NLL increase on calibration windows after the search windows)

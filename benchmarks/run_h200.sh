@@ -23,9 +23,11 @@ for s in "${steps[@]}"; do case $s in
   mover) step 40 python3 -m benchmarks.page_mover_bench --trials 3 ;;
   # ncu's stall reasons and DRAM figures for the decode kernel (Mixtral 4-bit T=1), first launches skipped
   ncu) step 150 ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
-         --set full -o "$OUT/ncu_gemv" python3 -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
-       ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv.txt" 2>&1 ;;
-  kernels) step 300 python3 -m benchmarks.moe_kernel_bench ;;
+         ${NCU_ARGS:---set full} -o "$OUT/ncu_gemv" python3 -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
+       ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv.txt" 2>&1
+       ncu --import "$OUT/ncu_gemv.ncu-rep" --page raw --csv 2>&1 | python3 benchmarks/ncu_stalls.py > "$OUT/ncu_stalls.txt"
+       rm -f "$OUT/ncu_gemv.ncu-rep" ;;
+  kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
   enginetest) step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \

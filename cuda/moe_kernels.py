@@ -59,18 +59,18 @@ def _silu_mul(g, u):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_x(kind, x_sh, src, pair_tok, pair0, rem, K, F, col0, tt, tid):
-    """x_sh[t*XS + c] = input of pair (pair0 + t) at column col0 + c; 0 past K and past the slot's tokens."""
-    for i in range(tid, tt * XS, ROWS):
-        t = i // XS
-        col = col0 + (i - t * XS)
-        v = float32(0.0)
-        if t < rem and col < K:
-            if kind == 0:
-                v = src[pair_tok[pair0 + t], col]
-            else:
-                v = _silu_mul(src[pair0 + t, col], src[pair0 + t, F + col])
-        x_sh[i] = v
+def _x_value(kind, src, pair_tok, pair0, rem, K, F, col0, i):
+    """Element i of a staged sub-chunk: input of pair (pair0 + i // XS) at column col0 + i % XS; 0 past K and
+    past the slot's tokens. gate_up reads the token's hidden row, down reads silu(gate) * up of the pair."""
+    t = i // XS
+    col = col0 + (i - t * XS)
+    v = float32(0.0)
+    if t < rem and col < K:
+        if kind == 0:
+            v = src[pair_tok[pair0 + t], col]
+        else:
+            v = _silu_mul(src[pair0 + t, col], src[pair0 + t, F + col])
+    return v
 
 
 def prefetch_words(b: int) -> int:
@@ -107,11 +107,18 @@ def _body_source(b: int, tt: int) -> str:
         a("    else:")
         for p in range(b):
             a(f"        r{j}_{p} = U0")
+    nx = tt * XS // ROWS  # x values each thread stages per sub-chunk
+    xargs = "kind, src, pair_tok, pair0, rem, K, F"
+    # x of sub-chunk w is in x_sh; the next sub-chunk's x is loaded into registers before the decode of this one
+    # and stored after it, so its global-load latency hides behind the decode (one barrier pair per sub-chunk)
+    a("    cuda.syncthreads()  # the previous token tile's last reads of x_sh are done")
+    for j in range(nx):
+        a(f"    x_sh[tid + {j * ROWS}] = _x_value({xargs}, w0 * 32, tid + {j * ROWS})")
     a("    w = w0")
     a("    while w < w1:")
-    a("        cuda.syncthreads()")
-    a(f"        _stage_x(kind, x_sh, src, pair_tok, pair0, rem, K, F, w * 32, {tt}, tid)")
-    a("        cuda.syncthreads()")
+    a("        cuda.syncthreads()  # x_sh holds sub-chunk w (and, the first time, the LUT is staged)")
+    for j in range(nx):
+        a(f"        xn{j} = _x_value({xargs}, (w + {WS}) * 32, tid + {j * ROWS})")
     a(f"        for i in range({WS}):")
     a("            wi = w + i")
     a("            if wi < w1:")
@@ -152,18 +159,23 @@ def _body_source(b: int, tt: int) -> str:
             a(f"                    wv = float32(lut16[{e}])")
         a(f"                    for t in range({tt}):")
         a(f"                        acc[t] += wv * x_sh[xm + uint32(t * {XS} + {g})]")
+    a("        cuda.syncthreads()  # every read of sub-chunk w is done")
+    for j in range(nx):
+        a(f"        x_sh[tid + {j * ROWS}] = xn{j}")
     a(f"        w += {WS}")
+    # constant trip count: a loop bounded by rem would index acc dynamically and push it to local memory
     a("    if n < N:")
-    a(f"        for t in range(min(rem, {tt})):")
-    a("            if kind == 0:")
-    a("                cuda.atomic.add(dst, (pair0 + t, n), acc[t])")
-    a("            else:")
-    a("                cuda.atomic.add(dst, (pair_tok[pair0 + t], n), pair_w[pair0 + t] * acc[t])")
+    a(f"        for t in range({tt}):")
+    a("            if t < rem:")
+    a("                if kind == 0:")
+    a("                    cuda.atomic.add(dst, (pair0 + t, n), acc[t])")
+    a("                else:")
+    a("                    cuda.atomic.add(dst, (pair_tok[pair0 + t], n), pair_w[pair0 + t] * acc[t])")
     return "\n".join(L) + "\n"
 
 
 def _make_work(b: int, tt: int):
-    scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_stage_x": _stage_x,
+    scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_x_value": _x_value,
              "DT_F32": DT_F32}
     exec(compile(_body_source(b, tt), f"<moe_kernels:_work_{b}_{tt}>", "exec"), scope)
     return cuda.jit(device=True, inline=True)(scope[f"_work_{b}_{tt}"])
@@ -306,8 +318,9 @@ def _dev(t: torch.Tensor):
 
 
 def lut_shared_bytes(P: int) -> int:
-    """Dynamic shared memory of one block: LUT_q of ROWS rows, fp32 up to LUT32_MAX_WIDTH, fp16 above."""
-    return max((1 << min(P, LUT32_MAX_WIDTH)) * ROWS * 4, (1 << P) * ROWS * 2)
+    """Dynamic shared memory of one block for widths up to P: LUT_q of ROWS rows, fp32 up to LUT32_MAX_WIDTH,
+    fp16 above."""
+    return max((1 << min(P, LUT32_MAX_WIDTH)) * ROWS * 4, (1 << P) * ROWS * 2 if P > LUT32_MAX_WIDTH else 0)
 
 
 def _words_per_split(W: int, row_tiles: int, slots: int) -> int:
@@ -325,9 +338,13 @@ def _stream():
 
 def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool_words: torch.Tensor,
                 pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor, lut_off: torch.Tensor,
-                D: int, F: int, P: int) -> torch.Tensor:
+                D: int, F: int, P: int, lut_width: int | None = None) -> torch.Tensor:
     """Routed experts of one layer on T tokens (SPEC.md "Fused MoE kernel contract"); returns [T, D] in
-    hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable."""
+    hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
+
+    `lut_width` (default P) bounds the widths in `q`: it sizes each block's LUT in shared memory, so a layer
+    whose blocks all sit at 7 bits or less gets half the shared memory of an 8-bit one (more blocks per SM).
+    A graph that must survive any width change is captured with the default."""
     T, k = topk_ids.shape
     if T > DECODE_MAX_T:
         return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P)
@@ -350,7 +367,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words, pool_halves=pool_halves,
         q=q, plane_off=plane_off, lut_off=lut_off).items()}
     stream = _stream()
-    shmem = lut_shared_bytes(P)
+    shmem = lut_shared_bytes(P if lut_width is None else lut_width)
     _route_kernel[1, ROUTE_THREADS, stream](a["ids"], a["tw"], E, a["slot_expert"], a["slot_start"],
                                             a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
     tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],

@@ -19,8 +19,11 @@ def block_weight(pool_words: torch.Tensor, pool_halves: torch.Tensor, b: int, po
 
 def moe_forward_reference(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           pool_words: torch.Tensor, pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor,
-                          lut_off: torch.Tensor, D: int, F: int, P: int) -> torch.Tensor:
-    """Twin of `moe_forward`: out[t] = sum_k w[t,k] * down_e @ (silu(gate_e @ x) * up_e @ x), e = ids[t,k]."""
+                          lut_off: torch.Tensor, D: int, F: int, P: int, lut_width: int | None = None) -> torch.Tensor:
+    """Twin of `moe_forward`: out[t] = sum_k w[t,k] * down_e @ (silu(gate_e @ x) * up_e @ x), e = ids[t,k].
+    Checks what the kernel assumes (and cannot check without a host read): every width is at most lut_width."""
+    if lut_width is not None and int(q.max()) > lut_width:
+        raise ValueError(f"a committed width {int(q.max())} exceeds lut_width {lut_width}")
     T, k = topk_ids.shape
     x = hidden.float()
     out = torch.zeros(T, D, dtype=torch.float32, device=hidden.device)

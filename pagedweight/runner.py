@@ -106,8 +106,10 @@ class APExperts(nn.Module):
         self._rows = (table.q[layer], table.plane_off[layer], table.lut_off[layer])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        # the widest committed block of the layer sizes the kernel's LUT staging (host copy, no device read)
+        lut_width = int(self.table.host_q[self.layer].max())
         return self.fn(x, topk_ids, topk_weights, self.pool.words, self.pool.halves, *self._rows, self.hidden,
-                       self.inter, self.table.parent_bits)
+                       self.inter, self.table.parent_bits, lut_width)
 
 
 def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool) -> None:
