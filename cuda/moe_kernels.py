@@ -20,8 +20,9 @@ Compile time grows faster than linearly with the number of specialised bodies (2
 Each block reads its committed width q and plane/LUT offsets from the device tables, so changing the tables
 between graph replays changes what is read without recapture.
 
-Prefill path (T > DECODE_MAX_T): per active expert a dequantize kernel writes the block at its width into a
-scratch matrix in the activation dtype and torch's tensor-core matmul does the rest.
+Prefill path (T > DECODE_MAX_T): the routed blocks of a group of experts are dequantized at their committed widths
+by one kernel launch per kind into a bounded scratch (written as W^T so that stores coalesce), and torch's
+tensor-core matmuls do the rest, one per expert.
 """
 from __future__ import annotations
 
@@ -109,16 +110,14 @@ def _body_source(b: int, tt: int) -> str:
             a(f"        r{j}_{p} = U0")
     nx = tt * XS // ROWS  # x values each thread stages per sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
-    # x of sub-chunk w is in x_sh; the next sub-chunk's x is loaded into registers before the decode of this one
-    # and stored after it, so its global-load latency hides behind the decode (one barrier pair per sub-chunk)
-    a("    cuda.syncthreads()  # the previous token tile's last reads of x_sh are done")
-    for j in range(nx):
-        a(f"    x_sh[tid + {j * ROWS}] = _x_value({xargs}, w0 * 32, tid + {j * ROWS})")
+    # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
+    # occupancy than it hid: x is staged straight into shared memory between one barrier pair per sub-chunk.
     a("    w = w0")
     a("    while w < w1:")
-    a("        cuda.syncthreads()  # x_sh holds sub-chunk w (and, the first time, the LUT is staged)")
+    a("        cuda.syncthreads()  # the previous sub-chunk's reads of x_sh are done (the first time: LUT staged)")
     for j in range(nx):
-        a(f"        xn{j} = _x_value({xargs}, (w + {WS}) * 32, tid + {j * ROWS})")
+        a(f"        x_sh[tid + {j * ROWS}] = _x_value({xargs}, w * 32, tid + {j * ROWS})")
+    a("        cuda.syncthreads()")
     a(f"        for i in range({WS}):")
     a("            wi = w + i")
     a("            if wi < w1:")
@@ -159,9 +158,6 @@ def _body_source(b: int, tt: int) -> str:
             a(f"                    wv = float32(lut16[{e}])")
         a(f"                    for t in range({tt}):")
         a(f"                        acc[t] += wv * x_sh[xm + uint32(t * {XS} + {g})]")
-    a("        cuda.syncthreads()  # every read of sub-chunk w is done")
-    for j in range(nx):
-        a(f"        x_sh[tid + {j * ROWS}] = xn{j}")
     a(f"        w += {WS}")
     # constant trip count: a loop bounded by rem would index acc dynamically and push it to local memory
     a("    if n < N:")
@@ -288,20 +284,26 @@ def _route_kernel(topk_ids, topk_w, n_experts, slot_expert, slot_start, slot_cou
 
 
 @cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
-def _dequant_kernel(pool_words, pool_halves, b, poff, lo, N, K, out):
-    """out[n, k] = LUT_b[idx_b[n, k], n] for one block (prefill); grid (ceil(N/ROWS), W), block ROWS."""
+def _dequant_kernel(pool_words, pool_halves, q_tab, plane_off, lut_off, experts, kind, N, K, out):
+    """out[j, k, n] = LUT_b[idx_b[n, k], n] of block (experts[j], kind) at its committed width b (prefill).
+
+    Written transposed, [K, N] per block, so that the threads of a warp (consecutive rows n) store consecutive
+    halves; the matmul then reads it as W^T. grid (ceil(N/ROWS), W, len(experts)), block ROWS."""
     n = cuda.blockIdx.x * ROWS + cuda.threadIdx.x
     w = cuda.blockIdx.y
     if n >= N:
         return
+    e = experts[cuda.blockIdx.z]
+    b = q_tab[e, kind]
+    lo = lut_off[e, kind]
     words = cuda.local.array(MAX_WIDTH, dtype=DT_U32)
     for p in range(b):
-        words[p] = uint32(pool_words[poff[p] + np.int64(w) * N + n])
+        words[p] = uint32(pool_words[plane_off[e, kind, p] + np.int64(w) * N + n])
     for j in range(min(32, K - w * 32)):
         c = uint32(0)
         for p in range(b):
             c = (c << uint32(1)) | ((words[p] >> uint32(j)) & uint32(1))
-        out[n, w * 32 + j] = pool_halves[lo + np.int64(c) * N + n]
+        out[cuda.blockIdx.z, w * 32 + j, n] = pool_halves[lo + np.int64(c) * N + n]
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -381,35 +383,41 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return out.to(hidden.dtype)
 
 
-def dequantize_block(pool_words: torch.Tensor, pool_halves: torch.Tensor, b: int, poff: torch.Tensor, lo: int,
-                     N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """One block at width b as an [N, K] matrix in `dtype` (fp16 LUT values, exact in fp16; bf16 rounds)."""
-    out = torch.empty(N, K, dtype=torch.float16, device=pool_words.device)
-    grid = (-(-N // ROWS), (K + 31) // 32)
-    _dequant_kernel[grid, ROWS, _stream()](_dev(pool_words), _dev(pool_halves), b, _dev(poff), lo, N, K, _dev(out))
+PREFILL_SCRATCH_BYTES = 128 << 20  # dequantized blocks in flight during prefill (outside the pool's budget)
+
+
+def _dequantize(pool_words, pool_halves, q, plane_off, lut_off, experts: torch.Tensor, kind: int, N: int, K: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The blocks (experts[j], kind) at their committed widths as W^T, [len(experts), K, N] in `dtype`."""
+    out = torch.empty(experts.numel(), K, N, dtype=torch.float16, device=pool_words.device)
+    grid = (-(-N // ROWS), (K + 31) // 32, experts.numel())
+    _dequant_kernel[grid, ROWS, _stream()](_dev(pool_words), _dev(pool_halves), _dev(q), _dev(plane_off),
+                                           _dev(lut_off), _dev(experts), kind, N, K, _dev(out))
     return out if dtype == torch.float16 else out.to(dtype)
 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P):
-    """Large T: group tokens by expert on the host (synchronises), dequantize each routed block, tensor-core GEMMs."""
+    """Large T: group tokens by expert (one host read), dequantize the routed blocks a group of experts at a time
+    (one launch per kind and group, at most PREFILL_SCRATCH_BYTES of scratch), tensor-core GEMMs per expert."""
     T, k = topk_ids.shape
     out = torch.zeros(T, D, dtype=torch.float32, device=hidden.device)
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    q_h, lo_h = q.cpu(), lut_off.cpu()
+    counts_h = counts.tolist()
+    ex32 = experts.to(torch.int32)
+    group = max(1, PREFILL_SCRATCH_BYTES // (3 * F * D * 2))
+    weights = topk_weights.reshape(-1)[order].float().unsqueeze(1)
     start = 0
-    for e, c in zip(experts.tolist(), counts.tolist()):
-        pairs = order[start:start + c]
-        start += c
-        tok = pairs // k
-        x = hidden[tok]
-        w_gu = dequantize_block(pool_words, pool_halves, int(q_h[e, 0]), plane_off[e, 0], int(lo_h[e, 0]),
-                                2 * F, D, hidden.dtype)
-        hg = (x @ w_gu.t()).float()
-        act = (torch.nn.functional.silu(hg[:, :F]) * hg[:, F:]).to(hidden.dtype)
-        w_d = dequantize_block(pool_words, pool_halves, int(q_h[e, 1]), plane_off[e, 1], int(lo_h[e, 1]),
-                               D, F, hidden.dtype)
-        y = (act @ w_d.t()).float() * topk_weights.reshape(-1)[pairs].float().unsqueeze(1)
-        out.index_add_(0, tok, y)
+    for g0 in range(0, len(counts_h), group):
+        ids = ex32[g0:g0 + group]
+        w_gu = _dequantize(pool_words, pool_halves, q, plane_off, lut_off, ids, 0, 2 * F, D, hidden.dtype)
+        w_d = _dequantize(pool_words, pool_halves, q, plane_off, lut_off, ids, 1, D, F, hidden.dtype)
+        for j, c in enumerate(counts_h[g0:g0 + group]):
+            pairs = order[start:start + c]
+            tok = pairs // k
+            hg = (hidden[tok] @ w_gu[j]).float()
+            act = (torch.nn.functional.silu(hg[:, :F]) * hg[:, F:]).to(hidden.dtype)
+            out.index_add_(0, tok, (act @ w_d[j]).float() * weights[start:start + c])
+            start += c
     return out.to(hidden.dtype)
