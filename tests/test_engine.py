@@ -191,6 +191,21 @@ def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
     llm.table.check()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+def test_cuda_graph_decode_equals_eager(ap_dir):
+    """Decode MoE calls replayed from CUDA graphs give the tokens of eager launches, and graphs were replayed."""
+    from pagedweight.runner import APExperts
+
+    kw = dict(device=DEVICE, block_size=4, bits=6, paging=False, page_store_dir=str(ap_dir / "store"))
+    eager = LLM(ap_dir, cuda_graphs=False, **kw)
+    ref = [o.token_ids for o in eager.generate(PROMPTS, greedy(12), use_tqdm=False)]
+    graphed = LLM(ap_dir, **kw)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, greedy(12), use_tqdm=False)] == ref
+    experts = [m for m in graphed.model.modules() if isinstance(m, APExperts)]
+    assert experts and all(m._graphs for m in experts)
+    assert not any(m._graphs for m in eager.model.modules() if isinstance(m, APExperts))
+
+
 def _mean_width(llm: LLM) -> float:
     return float(llm.committed_widths().mean())
 
