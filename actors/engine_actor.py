@@ -14,6 +14,7 @@ with RayActorError (max_task_retries=0: a generation is not idempotent to replay
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -37,7 +38,16 @@ class EngineConfig:
     device: str = "auto"  # "auto" = cuda when this worker was given a GPU, else cpu
     engine_options: dict = field(default_factory=dict)
     use_page_store: bool = True  # map the node's shared CPU planes instead of re-reading the checkpoint
-    routing_sync_s: float | None = 5.0  # push routing mass to the cluster planner this often (None = never)
+    store_root: str = "/dev/shm"  # where the node's page store writes the planes (a tmpfs: shared pages)
+    # push routing mass to the cluster planner this often; None = never, math.inf = only on `sync_routing`
+    routing_sync_s: float | None = 5.0
+    # "auto": the fused Numba kernel on CUDA, its torch twin elsewhere; "reference": the torch twin everywhere
+    # (no kernel compile: for runs about actor plumbing, where ~1 min of first-compile would dominate)
+    expert_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.expert_impl not in ("auto", "reference"):
+            raise ValueError(f"expert_impl {self.expert_impl!r}: use 'auto' or 'reference'")
 
 
 class EngineDeadError(RuntimeError):
@@ -60,19 +70,30 @@ def build_llm(cfg: EngineConfig):
     if cfg.use_page_store and ray.is_initialized():
         from pagedweight.actors.page_store_actor import page_store_for_node
 
-        store_dir = ray.get(page_store_for_node().ensure.remote(cfg.model_dir))
+        store_dir = ray.get(page_store_for_node(root=cfg.store_root).ensure.remote(cfg.model_dir))
         if store_dir is not None:
             options.setdefault("page_store_dir", store_dir)
-    return LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=resolve_device(cfg.device),
-               **options)
+    llm = LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=resolve_device(cfg.device),
+              **options)
+    if cfg.expert_impl == "reference":
+        from pagedweight.cuda.reference import moe_forward_reference
+        from pagedweight.runner import APExperts
+
+        for module in llm.model.modules():  # the same pool and tables, read through the twin
+            if isinstance(module, APExperts):
+                module.fn = moe_forward_reference
+    return llm
 
 
 def make_engine(cfg: EngineConfig, engine_id: str) -> "AsyncEngine":
     """The engine with its metrics and, when routing sync is on, the cluster planner."""
     from pagedweight.actors.planner_actor import get_or_create_planner
 
-    planner = get_or_create_planner() if cfg.routing_sync_s is not None else None
-    return AsyncEngine(build_llm(cfg), engine_id, EngineMetrics(engine_id), planner, cfg.routing_sync_s)
+    llm = build_llm(cfg)
+    planner = None
+    if cfg.routing_sync_s is not None and llm.planner is not None:  # buckets cut as this engine's planner cuts them
+        planner = get_or_create_planner(llm.planner.knobs.n_buckets)
+    return AsyncEngine(llm, engine_id, EngineMetrics(engine_id), planner, cfg.routing_sync_s)
 
 
 class AsyncEngine:
@@ -142,10 +163,18 @@ class AsyncEngine:
         for window in windows:
             ids = torch.tensor([window], dtype=torch.long, device=self.llm.device)
             with self._lock, torch.inference_mode():
+                # the last step's router observer expects that step's batch; every step installs its own again
+                self.llm.model.set_router_observer(None)
                 logits = self.llm.model(ids[:, :-1]).float()
             nll += F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
             count += len(window) - 1
         return nll, count
+
+    def call(self, fn, *args):
+        """fn(llm, *args) between engine steps (under the lock): benchmarks and diagnostics that need the
+        engine's own process (its pinned store mapping, its device, its mover) without a step racing them."""
+        with self._lock:
+            return fn(self.llm, *args)
 
     def stats(self) -> dict:
         with self._lock:
@@ -207,27 +236,42 @@ class AsyncEngine:
         self._queues.clear()
 
     def _sync_routing(self) -> None:
-        """Push this engine's routing mass to the cluster planner and adopt the merged mass it returns, so
-        bucket assignment follows the whole cluster's traffic. A planner that does not answer is skipped."""
+        """Periodic `sync_routing`; a planner that does not answer is skipped (serving goes on)."""
         now = time.monotonic()
         if self._planner is None or now - self._last_sync < self._sync_s or not self._tokens_since_sync:
             return
-        from pagedweight.actors.planner_actor import decode_reply, encode_table
-
-        self._last_sync = now
-        tokens, self._tokens_since_sync = self._tokens_since_sync, 0
-        with self._lock:
-            mass = self.llm.routing_mass()
         try:
-            reply = decode_reply(ray.get(self._planner.push.remote(encode_table(self.engine_id, mass, tokens)),
-                                         timeout=10))
+            self.sync_routing()
         except Exception as exc:  # noqa: BLE001 - the cluster view is an optimisation, serving goes on
             from loguru import logger
 
             logger.warning("engine {}: routing sync with the planner failed: {!r}", self.engine_id, exc)
-            return
+
+    def sync_routing(self, push: bool = True) -> dict:
+        """Push this engine's routing mass (weighted by the tokens since the last push) to the cluster planner
+        and adopt the merged mass it returns, so bucket assignment follows the whole cluster's traffic;
+        push=False only adopts the planner's current merge. Returns the planner's reply plus what was pushed
+        ("pushed_mass", "pushed_tokens") and the buckets this engine's planner now cuts ("engine_buckets")."""
+        from pagedweight.actors.planner_actor import decode_reply, encode_table
+        from pagedweight.signals import bucket_experts
+
+        if self._planner is None:
+            raise RuntimeError(f"engine {self.engine_id} has no cluster planner (routing_sync_s=None or no planner)")
+        self._last_sync = time.monotonic()
+        if push:
+            tokens, self._tokens_since_sync = self._tokens_since_sync, 0
+            with self._lock:
+                mass = self.llm.routing_mass()
+            ref = self._planner.push.remote(encode_table(self.engine_id, mass, tokens))
+        else:
+            mass, tokens, ref = None, 0, self._planner.merged.remote()
+        reply = decode_reply(ray.get(ref, timeout=10))
         with self._lock:
             self.llm.set_routing_mass(reply["mass"])
+            adopted = self.llm.routing_mass()
+        reply.update(pushed_mass=mass, pushed_tokens=tokens,
+                     engine_buckets=bucket_experts(adopted, self.llm.planner.knobs.n_buckets))
+        return reply
 
     def _export_stats(self) -> None:
         now = time.monotonic()
@@ -241,7 +285,7 @@ class AsyncEngine:
 
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
 class EngineActor:
-    """One engine; create with `start_engines` (num_gpus=1 per GPU, or CPU engines)."""
+    """One engine; create with `start_engines` (a GPU or a fraction of one per engine, or CPU engines)."""
 
     def __init__(self, cfg: EngineConfig, engine_id: str | None = None):
         ctx = ray.get_runtime_context()
@@ -270,6 +314,14 @@ class EngineActor:
         """Summed NLL and token count of token windows (perplexity evaluation)."""
         return await asyncio.to_thread(self.engine.score, windows)
 
+    async def call(self, fn, *args):
+        """fn(llm, *args) in this engine's process between steps (see AsyncEngine.call)."""
+        return await asyncio.to_thread(self.engine.call, fn, *args)
+
+    async def sync_routing(self, push: bool = True) -> dict:
+        """Routing sync with the cluster planner now (see AsyncEngine.sync_routing)."""
+        return await asyncio.to_thread(self.engine.sync_routing, push)
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -285,12 +337,24 @@ class EngineActor:
         return True
 
 
-def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_cpu_engine: float = 1.0) -> list:
-    """One EngineActor per GPU of the cluster; without GPUs, `num_engines` (default 1) CPU engines."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus:
-        n = gpus if num_engines is None else min(num_engines, gpus)
-        return [EngineActor.options(num_gpus=1, num_cpus=1).remote(cfg, f"gpu{i}") for i in range(n)]
+def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_engine: float = 1.0,
+                  gpus_per_engine: float = 1.0) -> list:
+    """EngineActors over the cluster's GPUs, `gpus_per_engine` each (1 = one engine per GPU; 0.5 = two engines
+    share a GPU); `num_engines` defaults to as many as fit. CPU engines (`num_engines`, default 1) when the
+    cluster has no GPU, gpus_per_engine is 0 or cfg.device is "cpu". Asking for more GPU engines than fit is
+    an error (Ray would leave the extra ones pending forever)."""
+    if not 0 <= gpus_per_engine <= 1:
+        raise ValueError(f"gpus_per_engine {gpus_per_engine}: an engine drives one device, use a value in [0, 1]")
+    if num_engines is not None and num_engines < 1:
+        raise ValueError(f"num_engines {num_engines}: want at least one engine")
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and gpus_per_engine > 0 and cfg.device != "cpu":
+        fit = math.floor(gpus / gpus_per_engine + 1e-9)
+        n = fit if num_engines is None else num_engines
+        if n > fit:
+            raise ValueError(f"{n} engines at {gpus_per_engine} GPU each need {n * gpus_per_engine:g} GPUs; "
+                             f"the cluster has {gpus:g}")
+        return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"gpu{i}")
+                for i in range(n)]
     n = 1 if num_engines is None else num_engines
-    return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_cpu_engine).remote(cfg, f"cpu{i}")
-            for i in range(n)]
+    return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_engine).remote(cfg, f"cpu{i}") for i in range(n)]

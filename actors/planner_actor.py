@@ -39,6 +39,12 @@ def decode_reply(payload: bytes) -> dict:
     return reply
 
 
+def decode_tables(payload: bytes) -> dict[str, tuple[np.ndarray, float]]:
+    """`PlannerActor.tables()` as {engine id: (mass float32 [L, E], tokens)}."""
+    return {e: (np.frombuffer(t["mass"], dtype="<f4").reshape(t["shape"]), float(t["tokens"]))
+            for e, t in msgpack.unpackb(payload).items()}
+
+
 @ray.remote(num_cpus=0)
 class PlannerActor:
     """One per cluster (named, detached): the latest table of every engine, merged on demand."""
@@ -76,6 +82,12 @@ class PlannerActor:
             "shape": list(mass.shape), "mass": mass.astype("<f4").tobytes(),
             "buckets": bucket_experts(mass, self._n_buckets).astype(np.int8).tobytes(),
         })
+
+    def tables(self) -> bytes:
+        """The latest pushed table of every engine (msgpack {engine id: {"tokens", "shape", "mass"}}), so a
+        caller can check the merge against its own arithmetic."""
+        return msgpack.packb({e: {"tokens": t, "shape": list(m.shape), "mass": m.astype("<f4").tobytes()}
+                              for e, (m, t) in self._tables.items()})
 
     def forget(self, engine_id: str) -> bool:
         """Drop a retired engine's table."""

@@ -7,9 +7,10 @@
 Starts a local Ray cluster without the dashboard (or joins --address, or the cluster this process already joined),
 converts the bundled model to an AP checkpoint (short calibration; cached), makes the node's page-store actor write
 the planes once, starts N EngineActors, then measures:
-(a) store: the planes exist once on the node: every engine maps the same file (same inode), and the engines'
+(a) store: the planes exist once on the node: every engine maps the same file (same inode), the engines'
     proportional set sizes of that mapping (Pss splits each shared page among the processes that map it) add up
-    to about one copy, not N;
+    to about one copy, not N, and the store root's used bytes grow by the store when it is written and by ~0 when
+    the N engines start, pin and read it;
 (b) reload: through its own mover, each engine drops every expert block to the seed width and reloads its width
     (the engine's reload path: one copy per plane/LUT slot), and copies its whole pinned store mapping to its
     device in bulk (the mapping's raw speed); first each engine alone, then all at once from a common start time.
@@ -18,8 +19,8 @@ the planes once, starts N EngineActors, then measures:
 (c) planner: engine i serves code (even i) or prose (odd i), pushes its routing mass to the cluster planner, then
     adopts the merge; the merge is recomputed here from the planner's stored tables, and each engine's planner
     must then cut exactly the merged buckets;
-(d) eval: the batch evaluation job's own code (actors/jobs/evaluate.py) over engines[:1] and all N: throughput,
-    and perplexity and greedy samples identical.
+(d) eval: the batch evaluation job's own code (actors/jobs/evaluate.py) over engines[:1] and all N (or the
+    --eval-counts given): throughput, and perplexity and greedy samples identical to the one-engine run.
 Experts (--expert-impl): "reference" (default) runs the torch twin of the fused kernel on the GPU: the point here
 is the actor plumbing, and the kernel's first compile (~67 s on the H200) would take half the time budget; "auto"
 runs the kernel, compiled once in a child process into NUMBA_CACHE_DIR, which every engine then loads.
@@ -202,6 +203,13 @@ def buckets_here(mass: np.ndarray, n_buckets: int) -> np.ndarray:
     return out
 
 
+def root_used_bytes(root: str) -> int:
+    """Bytes in use on the filesystem of `root` (a tmpfs: what files there hold in memory). The store should add
+    one copy of the planes and the N engines nothing (a busy shared machine adds noise)."""
+    vfs = os.statvfs(root)
+    return (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+
+
 def prepare_model(args) -> Path:
     """The AP checkpoint to serve: --model itself if it is one, else converted once on the CPU (short calibration:
     a few seconds for the bundled model; the numbers here do not depend on its quality)."""
@@ -237,15 +245,23 @@ def check_store_room(ap_dir: Path, root: str) -> None:
                          f"--store-root on another tmpfs.")
 
 
+def compile_kernels(ap_dir: str, store_dir: str, device: str = "cuda") -> None:
+    """One short engine run that goes through every fused kernel: prefill (> 64 tokens: dequantize) and decode
+    (route + GEMV); with NUMBA_CACHE_DIR set, the compiled kernels land there."""
+    from pagedweight.engine import LLM
+    from pagedweight.sampling import SamplingParams
+
+    llm = LLM(ap_dir, device=device, page_store_dir=store_dir)
+    llm.generate(["def f(x):\n    return x\n" * 12], SamplingParams(max_tokens=3, ignore_eos=True))
+
+
 def warm_kernels(ap_dir: Path, store_root: str) -> float:
-    """Compile the fused kernels once, in a child process, into NUMBA_CACHE_DIR (the engines load them)."""
-    code = ("import sys; from pagedweight.engine import LLM; from pagedweight.sampling import SamplingParams; "
-            "llm = LLM(sys.argv[1], device='cuda', page_store_dir=sys.argv[2]); "
-            "llm.generate(['def f(x):\\n' * 24], SamplingParams(max_tokens=3, ignore_eos=True))")
+    """Compile the fused kernels once, in a child process (no CUDA context or store mapping left in this one)."""
     from pagedweight.apformat import load_ap
     from pagedweight.runner import planes_id
 
     store = Path(store_root) / f"pagedweight-{planes_id(load_ap(ap_dir, verify=False))}"
+    code = "import sys; from benchmarks.multi_engine import compile_kernels; compile_kernels(*sys.argv[1:])"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code, str(ap_dir), str(store)], check=True, cwd=ROOT)
     return time.perf_counter() - t0
@@ -290,10 +306,12 @@ def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
     opts = {"kv_cache_bytes": args.kv_cache_mib << 20, "max_num_seqs": 32}
     cfg = EngineConfig(str(ap_dir), device="cpu" if cpu else "auto", engine_options=opts, store_root=args.store_root,
                        routing_sync_s=math.inf, expert_impl=args.expert_impl)
+    used = [root_used_bytes(args.store_root)]
     try:
         store_dir = ray.get(page_store_for_node(root=args.store_root).ensure.remote(str(ap_dir)))
     except ray.exceptions.RayTaskError as exc:
         raise SystemExit(f"the page store actor could not write the planes under {args.store_root}: {exc}") from exc
+    used.append(root_used_bytes(args.store_root))
     engines = start_engines(cfg, args.engines, cpus_per_engine=args.engine_cpus,
                             gpus_per_engine=0 if cpu else args.gpus_per_engine)
     infos = ray.get([e.info.remote() for e in engines], timeout=600)
@@ -336,6 +354,7 @@ def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
 
     # (a) the planes exist once on the node
     maps = ray.get([e.call.remote(mapping_info) for e in engines])
+    used.append(root_used_bytes(args.store_root))
     store_file = Path(store_dir) / "pages.bin"
     st = store_file.stat()
     for name, m in zip(names, maps):
@@ -345,6 +364,7 @@ def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
                  "store_allocated_bytes": st.st_blocks * 512, "engines": len(engines),
                  "bytes_if_one_copy_per_engine": len(engines) * st.st_size,
                  "sum_mapping_pss_bytes": sum(m["mapping_pss_bytes"] for m in maps),
+                 "root_used_by_store_bytes": used[1] - used[0], "root_used_by_engines_bytes": used[2] - used[1],
                  "same_file_and_inode": len({(m["store_file"], m["file_dev"], m["file_inode"]) for m in maps}) == 1
                  and all(m["mapped_inodes"] == [st.st_ino] for m in maps)})
     _phase("store mappings read", t_start)
@@ -389,7 +409,10 @@ def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
     warm = token_windows(ap_dir, texts["code"], args.eval_ctx, 1)
     ray.get([e.score.remote(warm) for e in engines])  # first forward at this shape (allocator, kernels) off the clock
     first = None
-    for n in sorted({1, len(engines)}):
+    counts = sorted({len(engines) if c == "all" else int(c) for c in args.eval_counts.split(",")} | {1})
+    if counts[-1] > len(engines):
+        raise SystemExit(f"--eval-counts asks for {counts[-1]} engines, {len(engines)} are running")
+    for n in counts:
         res = evaluate(job, engines[:n])
         ppl, gen = res["perplexity"], res["generation"]
         samples = [s["text"] for s in gen["samples"]]
@@ -434,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=16)
     p.add_argument("--eval-shard", type=int, default=2)
+    p.add_argument("--eval-counts", default="1,all", help="engine counts of the evaluation (1 always runs first)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster (default: all)")
     p.add_argument("--object-store-mib", type=int, default=512)

@@ -2,6 +2,7 @@
 
     ray job submit --working-dir . -- python -m pagedweight.actors.jobs.evaluate MODEL_DIR \\
         --mode all --out eval.json                       # one engine per GPU
+    ... --num-engines 4 --gpus-per-engine 0.5             # two engines share each of 2 GPUs
     RAY_ADDRESS=... python -m pagedweight.actors.jobs.evaluate MODEL_DIR --num-engines 2   # CPU cluster
 
 The driver tokenizes the text into fixed windows (perplexity) or cuts prompts (generation), deals
@@ -64,7 +65,9 @@ def run_sharded(engines: list, method: str, items: list, shard: int, desc: str) 
     return results, handled
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
+    """Run the evaluation; on `engines` (EngineActor handles, left running) when given, else on engines it
+    starts from the arguments and kills at the end."""
     model_dir = Path(args.model_dir).resolve()
     text = Path(args.data).read_text()
     budget = None
@@ -72,8 +75,12 @@ def evaluate(args: argparse.Namespace) -> dict:
         from pagedweight.engine import parse_budget
 
         budget = parse_budget(args.gpu_memory_budget)
-    cfg = EngineConfig(str(model_dir), budget, engine_options=json.loads(args.engine_options))
-    engines = start_engines(cfg, args.num_engines, cpus_per_cpu_engine=args.engine_cpus)
+    own = engines is None
+    if own:
+        cfg = EngineConfig(str(model_dir), budget, engine_options=json.loads(args.engine_options),
+                           expert_impl=args.expert_impl)
+        engines = start_engines(cfg, args.num_engines, cpus_per_engine=args.engine_cpus,
+                                gpus_per_engine=args.gpus_per_engine)
     infos = ray.get([e.info.remote() for e in engines])
     result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
                     "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
@@ -104,8 +111,9 @@ def evaluate(args: argparse.Namespace) -> dict:
             "samples": [{"prompt": p, "text": o.text} for p, o in zip(prompts, outs)],
         }
     result["engine_stats"] = ray.get([e.stats.remote() for e in engines])
-    for e in engines:
-        ray.kill(e, no_restart=True)
+    if own:
+        for e in engines:
+            ray.kill(e, no_restart=True)
     return result
 
 
@@ -122,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--shard", type=int, default=2, help="items per engine call")
     p.add_argument("--num-engines", type=int, default=None,
-                   help="engines (default: one per GPU of the cluster; 1 without GPUs)")
-    p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs per CPU engine")
+                   help="engines (default: as many as --gpus-per-engine lets the cluster's GPUs hold; 1 without GPUs)")
+    p.add_argument("--gpus-per-engine", type=float, default=1.0,
+                   help="GPU share of each engine: 1 = one engine per GPU, 0.5 = two per GPU, 0 = CPU engines")
+    p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs reserved per engine")
+    p.add_argument("--expert-impl", choices=("auto", "reference"), default="auto",
+                   help="auto: fused kernel on CUDA; reference: the torch twin (no kernel compile)")
     p.add_argument("--gpu-memory-budget", default=None,
                    help="per engine: bytes with unit (40GiB) or a fraction of device memory")
     p.add_argument("--engine-options", default="{}", help="JSON dict of LLM engine options")
