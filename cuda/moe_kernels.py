@@ -27,6 +27,7 @@ tensor-core matmuls do the rest, one per expert.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -89,6 +90,7 @@ def _body_source(b: int, tt: int) -> str:
     lanes, lane_bits = (8, 4) if nib else (4, 8)
     groups = 32 // lanes  # g: columns g, g+groups, g+2*groups, ... share one index register
     lane_mask = 0x11111111 if nib else 0x01010101
+    es = 2 if b <= LUT32_MAX_WIDTH else 1  # log2 of the LUT entry's bytes (fp32 / fp16)
     L = []
     a = L.append
     a(f"def _work_{b}_{tt}(kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, "
@@ -96,6 +98,7 @@ def _body_source(b: int, tt: int) -> str:
     a(f"    acc = cuda.local.array({tt}, dtype=DT_F32)")
     a(f"    for t in range({tt}):")
     a("        acc[t] = float32(0.0)")
+    a(f"    ubyte = utid << uint32({es})  # this row's byte offset inside a LUT line")
     a("    nn = n if n < N else 0")
     a("    NN = np.int64(N)")
     pf = prefetch_words(b)
@@ -145,13 +148,14 @@ def _body_source(b: int, tt: int) -> str:
             else:
                 terms.append(f"(c{p} & {mask})")
         # widened and pre-scaled by ROWS: one funnel shift + one LOP3 give lane m's index * ROWS | row
-        a(f"                s{g} = np.uint64(" + " | ".join(terms) + f") << np.uint64({LOG_ROWS})")
+        a(f"                s{g} = np.uint64(" + " | ".join(terms) + f") << np.uint64({LOG_ROWS + es})")
     a(f"                for m in range({lanes}):  # runtime loop keeps the kernel small enough to compile fast")
     a(f"                    sh = np.uint64({lane_bits}) * np.uint64(m)")
     a(f"                    xm = uint32(xb + {groups} * m)")
-    mask = f"np.uint64({((1 << b) - 1) << LOG_ROWS})"
+    mask = f"np.uint64({((1 << b) - 1) << (LOG_ROWS + es)})"
     for g in range(groups):
-        e = f"(uint32((s{g} >> sh) & {mask}) | utid)"
+        # a byte offset (low bits known zero): indexing by e >> es lets the compiler drop the scaling LEA
+        e = f"((uint32((s{g} >> sh) & {mask}) | ubyte) >> uint32({es}))"
         if b <= LUT32_MAX_WIDTH:
             a(f"                    wv = lut32[{e}]")
         else:
@@ -204,7 +208,13 @@ def _make_dispatch():
 _dispatch = _make_dispatch()
 
 
-@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
+# Register cap of the decode kernel (PAGEDWEIGHT_MAX_REGISTERS, default none: 161 registers, 6 blocks of 2 warps per
+# SM). 128 lets 8 blocks in at the cost of a few spilled registers; benchmarks/moe_kernel_bench measures both.
+MAX_REGISTERS = int(os.environ["PAGEDWEIGHT_MAX_REGISTERS"]) if os.environ.get("PAGEDWEIGHT_MAX_REGISTERS") else None
+_REG_CAP = {"max_registers": MAX_REGISTERS} if MAX_REGISTERS and not SIMULATOR else {}  # the simulator has no cap
+
+
+@cuda.jit(cache=True, **_REG_CAP)  # 67 s of compile on the H200: reuse it across processes
 def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
                  n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
     """grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
