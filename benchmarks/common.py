@@ -42,8 +42,9 @@ def _slug(name: str) -> str:
 
 
 def write_result(benchmark: str, rows: list[dict], command: str | None = None, ceilings: dict | None = None,
-                 out_dir: str | os.PathLike | None = None, extra: dict | None = None) -> Path:
-    """Write `<benchmark>-<machine>-<YYYYMMDD>.json` with the fields DESIGN.md §9 asks for; returns its path.
+                 out_dir: str | os.PathLike | None = None, extra: dict | None = None, label: str | None = None) -> Path:
+    """Write `<benchmark>-<machine>-<YYYYMMDD>[-<label>].json` with the fields DESIGN.md §9 asks for; returns its
+    path. `label` tells apart variants of one benchmark measured the same day (e.g. a compile option).
 
     `out_dir` defaults to $OUT when set (the GPU box returns only that folder), else benchmarks/results/.
     """
@@ -62,7 +63,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
         record.update(extra)
     target = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
     target.mkdir(parents=True, exist_ok=True)
-    path = target / f"{benchmark}-{_slug(machine)}-{now:%Y%m%d}.json"
+    path = target / f"{benchmark}-{_slug(machine)}-{now:%Y%m%d}{'-' + _slug(label) if label else ''}.json"
     tmp = path.with_suffix(".json.tmp")  # a run killed mid-write leaves the previous complete file
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)

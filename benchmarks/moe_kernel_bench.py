@@ -26,6 +26,7 @@ import torch.nn.functional as tf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
 from pagedweight.bitplanes import lut_bytes, plane_bytes  # noqa: E402
+from pagedweight.cuda import moe_kernels as mk  # noqa: E402
 from pagedweight.cuda.moe_kernels import moe_forward  # noqa: E402
 from pagedweight.cuda.reference import moe_forward_reference  # noqa: E402
 from pagedweight.cuda.synthetic import build_synthetic_moe  # noqa: E402
@@ -48,7 +49,8 @@ def log(msg: str) -> None:
 
 
 def save(complete: bool = False) -> None:
-    write_result("moe_kernel_bench", ROWS, command=CMD, ceilings=CEIL, extra={"complete": complete})
+    write_result("moe_kernel_bench", ROWS, command=CMD, ceilings=CEIL, label=STATE.get("label"),
+                 extra={"complete": complete, "max_registers": mk.MAX_REGISTERS})
 
 
 def add(row: dict) -> None:
@@ -288,7 +290,6 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
         ids, w = routing(T, E, k, gen)
         h = torch.randn(T, D, generator=gen, device=DEV).half()
         args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
-        from pagedweight.cuda import moe_kernels as mk
         us_pre = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
         us_dec = time_cycle([lambda: moe_forward(*args)], reps=5, warm=1) if T <= 64 else None
         add(dict(section="prefill", shape=name, T=T, plan="w4", us_prefill_path_eager=us_pre,
@@ -318,9 +319,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer T values and checks")
     ap.add_argument("--sections", default="correctness,graph,speed")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
     a = ap.parse_args()
+    STATE["label"] = a.label
     CMD = ("python benchmarks/moe_kernel_bench.py" + (" --quick" if a.quick else "")
-           + f" --sections {a.sections} --shapes {a.shapes}")
+           + f" --sections {a.sections} --shapes {a.shapes}" + (f" --label {a.label}" if a.label else ""))
     torch.manual_seed(0)
     CEIL["copy_tb_per_s"] = copy_ceiling()
     CEIL["device"] = torch.cuda.get_device_name(0)
