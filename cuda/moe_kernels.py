@@ -208,9 +208,10 @@ def _make_dispatch():
 _dispatch = _make_dispatch()
 
 
-# Register cap of the decode kernel (PAGEDWEIGHT_MAX_REGISTERS, default none: 161 registers, 6 blocks of 2 warps per
-# SM). 128 lets 8 blocks in at the cost of a few spilled registers; benchmarks/moe_kernel_bench measures both.
-MAX_REGISTERS = int(os.environ["PAGEDWEIGHT_MAX_REGISTERS"]) if os.environ.get("PAGEDWEIGHT_MAX_REGISTERS") else None
+# Register cap of the decode kernel. Uncapped it takes 161 registers (6 blocks of 2 warps per SM); at 128 (8 blocks,
+# a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200 (moe_kernel_bench-*-regdefault /
+# -reg128.json). PAGEDWEIGHT_MAX_REGISTERS overrides it (0 = no cap) for such comparisons.
+MAX_REGISTERS = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS", "128")) or None
 _REG_CAP = {"max_registers": MAX_REGISTERS} if MAX_REGISTERS and not SIMULATOR else {}  # the simulator has no cap
 
 
