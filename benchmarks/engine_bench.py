@@ -115,6 +115,21 @@ def expert_pool_bytes(weights: APWeights, b: int, page: int) -> int:
     return total + max(round_up(n, page) for s in weights.specs for n in s.lut_bytes.values())
 
 
+def weight_bytes_per_token(cfg: ModelConfig, outside: int, element: int, weights: APWeights | None,
+                           b: int | None) -> int:
+    """Computed (not measured): weight bytes one decode token must read at batch 1 — every non-expert weight but
+    the embedding table (one row of it), plus top_k routed experts per layer, dense or at width b. The bound on
+    any speedup from quantizing experts alone, since the attention, shared-expert and LM-head bytes stay."""
+    rest = outside - cfg.vocab_size * cfg.hidden_size * element + (cfg.hidden_size * element)
+    per_layer = len(weights.specs) // cfg.num_hidden_layers // cfg.num_experts if weights else 0
+    if weights is None or b is None:
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
+    else:
+        first = weights.specs[:per_layer]  # one expert's blocks (gate_up, down): every expert has the same shapes
+        expert = sum(b * s.plane_bytes + s.lut_bytes[b] for s in first)
+    return rest + cfg.num_hidden_layers * cfg.top_k * expert
+
+
 def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: int, chunk: int) -> int:
     """KV blocks for `batch` sequences of `seq_len` tokens plus one step's slack."""
     blocks = batch * -(-seq_len // block_size) + -(-chunk // block_size) + 1
@@ -262,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
     rows: list[dict] = []
     skipped: list[str] = []
+    per_token = {"fp16": weight_bytes_per_token(cfg, outside, element, None, None)}
+    per_token.update({f"ap{b}": weight_bytes_per_token(cfg, outside, element, weights, b)
+                      for b in range(weights.seed_bits, weights.parent_bits + 1)})
     extra = {"model": "Qwen1.5-MoE-A2.7B shape, random planes" if not args.tiny else "tiny", "page_bytes": page,
+             "weight_bytes_per_token_computed": per_token,
+             "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
              "time_budget_s": args.time_budget_s}
 
