@@ -1,8 +1,11 @@
 """Issue 6 item 2: one budget for weights and KV, in real bytes.
 
 After an offload that frees D bytes the KV cache can allocate exactly floor(D / B_KV) more blocks, and
-`torch.cuda.max_memory_reserved` does not grow; after a reload the reverse. Synthetic expert blocks (SPEC.md byte
-formulas), a real page store in /dev/shm, the real pool/table/mover. Runs on CUDA when present, else on CPU.
+`torch.cuda.max_memory_reserved` does not grow; after a reload the reverse. The reload runs on a fragmented pool:
+KV filled the holes the offload left and the pages given back for the reload are scattered single pages, so every
+plane run needs KV relocation (compaction); the row reports the relocations, and every KV page's bytes are checked
+after them. Synthetic expert blocks (SPEC.md byte formulas), a real page store in /dev/shm, the real
+pool/table/mover. Runs on CUDA when present, else on CPU.
 
     python -m benchmarks.budget_exchange                      # H200 defaults
     python -m benchmarks.budget_exchange --tiny --device cpu  # seconds, on CPU
@@ -23,7 +26,7 @@ from typing import Callable
 import torch
 
 from benchmarks.common import write_result
-from pagedweight.mover import PageMover
+from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_store import PageStore, write_planes_file
 from pagedweight.page_table import WeightPageTable, expert_block_specs
 from pagedweight.pool import PagePool
@@ -58,11 +61,12 @@ def _store_dir(specs, parent_bits: int) -> str | None:
 
 
 def make_rig(device: str, budget: int, page_bytes: int, layers: int, experts: int, hidden: int, inter: int,
-             parent_bits: int, seed_bits: int, reserve_seed_luts: bool = False) -> Rig:
+             parent_bits: int, seed_bits: int, reserve_seed_luts: bool = False, pace: ReloadPace | None = None) -> Rig:
     """`reserve_seed_luts`: the pool's reserve holds every block's seed LUT, so every offload can start at once and
     the offloads' LUT copies all land in the reserve instead of in the holes the released planes leave (the
     reload then finds those holes whole; with the mover's default reserve, best-fit puts seed LUTs inside the
-    holes and a reload of the same bytes can stall on fragments, as it did at the 8 GiB default)."""
+    holes and a reload of the same bytes can stall on fragments, as it did at the 8 GiB default).
+    `pace`: the mover's reload pace (None: unpaced, what the byte-exchange and bandwidth rows want)."""
     specs = expert_block_specs(layers, experts, hidden, inter, parent_bits, seed_bits)
     lut_reserve_pages = sum(-(-s.lut_bytes[seed_bits] // page_bytes) for s in specs) if reserve_seed_luts else None
     tmp = Path(tempfile.mkdtemp(prefix=f"pw-bench-{uuid.uuid4().hex[:6]}-", dir=_store_dir(specs, parent_bits)))
@@ -75,7 +79,7 @@ def make_rig(device: str, budget: int, page_bytes: int, layers: int, experts: in
         print(f"page store not pinned: {e}")
     pool = PagePool(budget, page_bytes, device=device)
     table = WeightPageTable(specs, layers, experts, parent_bits, pool)
-    mover = PageMover(table, store, lut_reserve_pages=lut_reserve_pages)
+    mover = PageMover(table, store, lut_reserve_pages=lut_reserve_pages, pace=pace)
     return Rig(pool, table, mover, store, tmp)
 
 
@@ -106,8 +110,34 @@ def drive(mover: PageMover, targets: dict[int, int], step: Callable[[], None] | 
     raise RuntimeError(f"moves did not finish in {timeout_s} s")
 
 
-def _kv_write(pool: PagePool, blocks: list[int], value: int) -> None:
-    pool.kv_blocks_view().index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=pool.device), value)
+class KVPages:
+    """Raw pool KV blocks with a known byte value each, following relocations (the pool's KV listener)."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool, self.value = pool, {}
+        pool.add_kv_listener(self.moved)
+
+    def moved(self, moves: dict[int, int]) -> None:
+        vals = {new: self.value.pop(old) for old, new in moves.items()}
+        self.value.update(vals)
+
+    def write(self, blocks: list[int], value: int) -> None:
+        self.pool.kv_blocks_view().index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=self.pool.device),
+                                               value)
+        self.value.update(dict.fromkeys(blocks, value))
+
+    def free(self, blocks: list[int]) -> None:
+        self.pool.free_kv_blocks(blocks)
+        for b in blocks:
+            del self.value[b]
+
+    def check(self) -> None:
+        """First and last byte of every page still hold its value (a relocation copies whole pages)."""
+        pages = torch.tensor(sorted(self.value), dtype=torch.long, device=self.pool.device)
+        want = torch.tensor([self.value[b] for b in sorted(self.value)], dtype=torch.uint8, device=self.pool.device)
+        rows = self.pool.kv_blocks_view()
+        for col in (0, -1):
+            assert torch.equal(rows[:, col][pages], want), "a KV page lost its bytes"
 
 
 def _reserved() -> int:
@@ -141,12 +171,12 @@ def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         load_ms = (time.perf_counter() - t) * 1e3
-        kv = pool.alloc_kv_blocks(pool.kv_capacity())
-        _kv_write(pool, kv, 1)  # KV writes: the blocks are real memory
+        kv = KVPages(pool)
+        kv.write(pool.alloc_kv_blocks(pool.kv_capacity()), 1)  # KV writes: the blocks are real memory
         reserved0 = _reserved()
 
         def row(phase: str, freed: int, expected: int, got: int, ms: float) -> dict:
-            return {"phase": phase, "weight_bytes": pool.bytes_of(pool.weight_pages), "kv_blocks": len(kv),
+            return {"phase": phase, "weight_bytes": pool.bytes_of(pool.weight_pages), "kv_blocks": len(kv.value),
                     "kv_block_bytes": pool.kv_block_bytes, "freed_bytes": freed, "expected_new_kv_blocks": expected,
                     "new_kv_blocks": got, "max_reserved_gib": _reserved() / GIB,
                     "reserved_growth_bytes": _reserved() - reserved0, "reserve_pages": pool.reserve_pages, "ms": ms}
@@ -162,23 +192,33 @@ def run_exchange(device: str, budget: int, page_bytes: int, layers: int, experts
         assert freed == want, f"freed {freed} B, M_i^b predicts {want} B"
         expected = freed // pool.kv_block_bytes
         got = pool.kv_capacity()
-        new = pool.alloc_kv_blocks(got)
-        _kv_write(pool, new, 2)
-        kv += new
+        new = pool.alloc_kv_blocks(got)  # KV fills the holes the released planes left
+        kv.write(new, 2)
         add(row("offload", freed, expected, got, ms))
         assert got == expected and _reserved() == reserved0, rows[-1]
 
-        pool.free_kv_blocks(new)
-        kv = kv[:len(kv) - len(new)]
-        w1 = pool.weight_pages
+        # give back as many KV blocks as the offload made, spread evenly over all KV pages: enough free pages for
+        # the reload, but single pages, so no plane run fits without relocating KV
+        every = sorted(kv.value)
+        stride = len(every) // len(new)
+        assert stride >= 2, "too few KV pages to fragment the pool (raise the budget)"
+        kv.free(every[::stride][:len(new)])
+        runs = {table.slot_pages(i, "plane", 0) for i in chosen}
+        largest_hole = pool.largest_free_run()  # the mover's reserve stays free somewhere
+        w1, r0, rp0 = pool.weight_pages, pool.relocations, pool.relocated_pages
         t = time.perf_counter()
         drive(mover, {i: parent_bits for i in chosen})
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t) * 1e3
         taken = pool.bytes_of(pool.weight_pages - w1)
-        add(row("reload", -taken, -(taken // pool.kv_block_bytes), -len(new), ms))
+        add(dict(row("reload", -taken, -(taken // pool.kv_block_bytes), -len(new), ms),
+                 largest_free_run_pages=largest_hole, plane_run_pages=sorted(runs),
+                 relocations=pool.relocations - r0, relocated_bytes=pool.bytes_of(pool.relocated_pages - rp0)))
         assert taken == freed and pool.kv_capacity() == 0 and _reserved() == reserved0, rows[-1]
+        assert pool.relocations > r0, "the reload never needed relocation: the pool was not fragmented"
+        kv.check()
+        table.check()
         for i in chosen[:8]:  # reloaded bytes equal the store's
             for p in range(parent_bits):
                 s = table.rows[i].planes[p]
@@ -198,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="Qwen1.5-MoE layers of experts (0.5 GiB of planes each)")
     args = ap.parse_args(argv)
     if args.tiny:
-        shape = dict(layers=2, experts=4, hidden=64, inter=32, parent_bits=4, seed_bits=2)
-        budget, page = 160 * 1024, 1024
+        shape = dict(layers=2, experts=4, hidden=256, inter=128, parent_bits=4, seed_bits=2)  # planes of 4-8 pages
+        budget, page = 1 << 20, 1024
     else:  # Qwen1.5-MoE-A2.7B expert shapes, 4 layers by default (2.0 GiB of planes at 8 bits)
         shape = dict(layers=args.layers, experts=60, hidden=2048, inter=1408, parent_bits=8, seed_bits=3)
         budget, page = int(args.budget_gib * GIB), args.page_kib * 1024

@@ -1,9 +1,11 @@
 """Issue 6 item 6: the page mover on the real path (pinned shared store -> pool, through PageMover).
 
 Rows: (1) reload bandwidth from the pinned page store vs the pinned host->device copy ceiling measured in the
-same run (target >= 45 GB/s); (2) slowdown of a memory-bound decode-like loop (fp16 GEMVs over rotating weights
-larger than L2) while reloads run beside it (target <= 5%); (3) time from KV pressure to the KV blocks being
-allocatable, for an offload of >= 1 GiB, with decode steps running.
+same run (target >= 45 GB/s), unpaced; (2) slowdown of a memory-bound decode-like loop (fp16 GEMVs over rotating
+weights larger than L2) while reloads run beside it (target <= 5%), once unpaced (every copy issued at once) and
+once paced (the mover's ReloadPace: at most link x duty x measured step time per step), each with the reload GB/s
+it achieved; (3) time from KV pressure to the KV blocks being allocatable, for an offload of >= 1 GiB, with decode
+steps running.
 
     python -m benchmarks.page_mover_bench                      # H200 defaults
     python -m benchmarks.page_mover_bench --tiny --device cpu  # smoke run on CPU
@@ -18,6 +20,7 @@ import torch
 
 from benchmarks.budget_exchange import GIB, Rig, drive, make_rig
 from benchmarks.common import write_result
+from pagedweight.mover import ReloadPace
 
 
 class Timer:
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--offload-gib", type=float, default=1.0)
+    ap.add_argument("--pace-duty", type=float, default=ReloadPace.duty,
+                    help="paced rows: share of a step time the link may spend on reloads")
+    ap.add_argument("--pace-bytes", type=int, default=None,
+                    help="paced rows: a fixed cap of reload bytes per step instead of the derived one")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.tiny:
@@ -148,10 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                 out.append(t.ms)
             return out
 
+        step_bytes = sum(w.numel() * w.element_size() for w in ws)
+        fixed = args.pace_bytes if args.pace_bytes or not args.tiny else 16 << 10  # toy planes: still several steps
+        pace = ReloadPace(bytes_per_step=fixed, duty=args.pace_duty)
+        mover.pace = pace  # the alone steps teach the pace the step time (end_step measures it)
         timed_steps(10)
         alone = statistics.median(timed_steps(50))
+        mover.pace = None
         copy_ms = statistics.median(r["copy_ms"] for r in rows)
-        n_overlap = max(5, int(0.5 * copy_ms / alone))  # steps that fit well inside one reload
+        unpaced_gb_per_s = statistics.median(r["gb_per_s"] for r in rows)
+        n_overlap = max(5, int(0.5 * copy_ms / alone))  # steps that fit well inside one unpaced reload
         for trial in range(args.trials):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -160,11 +173,34 @@ def main(argv: list[str] | None = None) -> int:
             with_copy = statistics.median(timed_steps(n_overlap))
             overlapped = any(mover.pending(i) for i in range(n_blocks))  # copies outlasted the timed steps
             drive(mover, {i: P for i in range(n_blocks)})
-            step_bytes = sum(w.numel() * w.element_size() for w in ws)
-            add({"test": "decode_slowdown", "trial": trial, "steps": n_overlap, "step_alone_us": alone * 1e3,
-                 "step_with_reload_us": with_copy * 1e3, "slowdown_frac": with_copy / alone - 1,
-                 "copies_outlasted_steps": overlapped, "weight_bytes_per_step": step_bytes,
+            add({"test": "decode_slowdown", "paced": False, "trial": trial, "steps": n_overlap,
+                 "step_alone_us": alone * 1e3, "step_with_reload_us": with_copy * 1e3,
+                 "slowdown_frac": with_copy / alone - 1, "copies_outlasted_steps": overlapped,
+                 "reload_gb_per_s": unpaced_gb_per_s, "weight_bytes_per_step": step_bytes,
                  "step_tb_per_s": step_bytes / (alone * 1e-3) / 1e12})
+            drive(mover, {i: S for i in range(n_blocks)})
+        for trial in range(args.trials):  # paced: every step of the reload runs beside a slice of it
+            mover.pace = pace
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            b0, caps, times = mover.stats.bytes_copied, [], []
+            t = time.perf_counter()
+            for i in range(n_blocks):
+                assert mover.request(i, P)
+            while not (mover.idle() and all(r.q == P for r in table.rows)):
+                caps.append(pace.cap())
+                times += timed_steps(1)
+            wall_s = time.perf_counter() - t
+            nbytes = mover.stats.bytes_copied - b0
+            with_copy = statistics.median(times)
+            add({"test": "decode_slowdown", "paced": True, "trial": trial, "steps": len(times),
+                 "step_alone_us": alone * 1e3, "step_with_reload_us": with_copy * 1e3,
+                 "slowdown_frac": with_copy / alone - 1, "pace_duty": pace.duty,
+                 "pace_fixed_bytes_per_step": pace.bytes_per_step,
+                 "pace_bytes_per_step_median": statistics.median(caps), "pace_step_us": pace.step_s * 1e6,
+                 "reload_bytes": nbytes, "reload_ms": wall_s * 1e3, "reload_gb_per_s": nbytes / wall_s / 1e9,
+                 "unpaced_reload_gb_per_s": unpaced_gb_per_s, "weight_bytes_per_step": step_bytes})
+            mover.pace = None
             drive(mover, {i: S for i in range(n_blocks)})
 
         # (3) pressure -> KV blocks available, for an offload of >= `offload` bytes, decode steps running

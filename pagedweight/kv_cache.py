@@ -2,7 +2,9 @@
 
 A logical KV block holds `block_size` tokens of every layer. Its layer-l part is one pool KV block (one page by
 default), so a logical block is L pool blocks that need not be contiguous: the pool never has to find a long
-free run for KV, and every page that weights give back is usable by the cache at once.
+free run for KV, and every page that weights give back is usable by the cache at once. Logical block ids come
+from their own counter, never from page ids: the pool may relocate KV pages (compaction for a weight reload), and
+the cache then only rewrites its page map; sequences' block tables stay as they are.
 
 The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new
 token's K/V go and which cached tokens each query may see. `update` (the models' cache protocol) then writes
@@ -11,6 +13,7 @@ sequences share one forward pass without attending to each other.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +57,10 @@ class PagedKVCache:
         self.view = rows[:, :self.layer_bytes].view(dtype).view(
             rows.shape[0], 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.block_pages: dict[int, list[int]] = {}  # logical block id -> its L pool blocks (layer order)
+        self._page_owner: dict[int, tuple[int, int]] = {}  # pool block -> (logical block, layer)
+        self._ids = itertools.count()
         self.layout: StepLayout | None = None
+        pool.add_kv_listener(self._relocated)
 
     # ---- block accounting (what the scheduler reads) ----
     @property
@@ -85,15 +91,31 @@ class PagedKVCache:
         pages = self.pool.alloc_kv_blocks(n * self.num_layers)
         for j in range(n):
             block = pages[j * self.num_layers:(j + 1) * self.num_layers]
-            self.block_pages[block[0]] = block
-            seq.block_table.append(block[0])
+            lid = next(self._ids)
+            self.block_pages[lid] = block
+            self._page_owner.update((p, (lid, layer)) for layer, p in enumerate(block))
+            seq.block_table.append(lid)
 
     def free(self, seq: Sequence) -> None:
         """Give every block of seq back to the pool now (finish, abort, preemption)."""
         pages = [p for b in seq.block_table for p in self.block_pages.pop(b)]
+        for p in pages:
+            del self._page_owner[p]
         if pages:
             self.pool.free_kv_blocks(pages)
         seq.block_table = []
+
+    def _relocated(self, moves: dict[int, int]) -> None:
+        """The pool moved pool blocks old -> new (bytes already copied on the compute stream): follow them.
+
+        Only between steps: a step's layout holds page ids, so a move while one is live would misdirect it.
+        """
+        if self.layout is not None:
+            raise RuntimeError("KV pages relocated while a step's layout is live")
+        owners = [(self._page_owner.pop(old), new) for old, new in moves.items() if old in self._page_owner]
+        for (lid, layer), new in owners:
+            self.block_pages[lid][layer] = new
+            self._page_owner[new] = (lid, layer)
 
     # ---- one forward step ----
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:

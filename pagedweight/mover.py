@@ -5,13 +5,22 @@ b'..b-1 and LUT_b once every step launched before that commit has finished (the 
 them). Reload b -> b' > b: allocate pages, copy the missing planes and LUT_b' on a dedicated copy stream (state
 IN_TRANSFER), and commit q = b' at the first step boundary after the copy's fence has completed.
 
-The engine drives it: `boundary()` before launching a step (polls copies, commits, publishes the device tables,
-frees retired pages), `end_step()` after the step's kernels are enqueued (records that step's fence). One move per
-block at a time; `cancel` it first to retarget. A failed or cancelled copy leaves q_i as it was and gives its
-pages back only after the copy has stopped writing them.
+The engine drives it: `request`/`cancel` and `boundary()` at the step boundary, before launching a step
+(`boundary` issues paced copies, polls copies, commits, publishes the device tables, frees retired pages),
+`end_step()` after the step's kernels are enqueued (records that step's fence). One move per block at a time;
+`cancel` it first to retarget. A failed or cancelled copy leaves q_i as it was and gives its pages back only after
+the copy has stopped writing them.
+
+Pacing (`ReloadPace`): a reload's pages are allocated at once, but its bytes are issued at most `cap()` per step,
+so reloads trickle beside decode steps instead of saturating the link and HBM in one burst. Offloads are never
+paced (they copy one small LUT and free the pages KV is waiting for), nor is a block's first load (q_i = 0: no
+step can run before it). When a reload finds enough free pages but no run long enough (KV blocks in the holes),
+the pool relocates KV pages out of a window (`PagePool._compact`), which is why `request` must only be called at
+a step boundary.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -69,8 +78,9 @@ class CudaBackend:
         return _EventFence(torch.cuda.current_stream())
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Fence:
-        # Destination pages may have been freed (KV blocks) while the last launched step still reads them:
-        # order the copy after all compute work enqueued so far.
+        # Destination pages may have been freed (KV blocks) while the last launched step still reads them, or just
+        # emptied by a KV relocation whose copies are on the compute stream: order the copy after all compute
+        # work enqueued so far.
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
             for dst, src in pairs:
@@ -81,14 +91,58 @@ class CudaBackend:
         table.publish(torch.cuda.current_stream())
 
 
+PINNED_LINK_BYTES_PER_S = 55e9  # pinned host -> device on the H200 (shared/GPU.md)
+
+
+@dataclass
+class ReloadPace:
+    """Cap on the reload bytes the mover issues per engine step.
+
+    Why: a reload at full link speed beside memory-bound decode steps slowed them by 6.7% on the H200. Issuing per
+    step only what the link moves in `duty` of a step time spreads the same bytes over about 1/duty as many steps,
+    with the copy engine busy (and competing for HBM) only that fraction of each step. The step time is measured:
+    an exponential average of the wall time between `end_step` calls, so the cap follows the real step length and
+    the reload rate stays near duty x link whatever the model.
+    """
+
+    bytes_per_step: int | None = None  # a fixed cap; None: link_bytes_per_s * duty * measured step time
+    link_bytes_per_s: float = PINNED_LINK_BYTES_PER_S
+    duty: float = 0.5  # share of a step time the link may spend on reloads
+    step_s: float = 1e-3  # step time estimate (starting value, then the measured average)
+    min_bytes: int = 1 << 20  # derived caps never go below this (per-copy issue cost)
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_step is not None and self.bytes_per_step <= 0:
+            raise ValueError("bytes_per_step must be positive (None: derive it)")
+        if not 0.0 < self.duty <= 1.0 or self.link_bytes_per_s <= 0 or self.step_s <= 0:
+            raise ValueError("duty must be in (0, 1]; link_bytes_per_s and step_s positive")
+
+    def cap(self) -> int:
+        if self.bytes_per_step is not None:
+            return self.bytes_per_step
+        return max(self.min_bytes, int(self.link_bytes_per_s * self.duty * self.step_s))
+
+    def observe(self, step_s: float) -> None:
+        """One measured step; an idle gap (no request for a while) raises the estimate by at most 1.6x per step."""
+        self.step_s = 0.8 * self.step_s + 0.2 * min(step_s, 4 * self.step_s)
+
+
 @dataclass
 class Move:
     target: int
     fresh: list[SlotKey]  # slots this move allocated and copies in
     reused: list[SlotKey]  # slots that were retiring and this move keeps
-    fence: Fence | None  # copy fence; None when nothing was copied
+    todo: deque[list] = field(default_factory=deque)  # [slot key, bytes issued] of fresh slots not fully issued
+    paced: bool = False  # a reload under the pace cap
+    fences: list[Fence] = field(default_factory=list)  # copies issued and not yet seen finished
+    copied: bool = False  # some copy was issued
     cancelled: bool = False
     failed: bool = False  # the copy could not be issued
+
+    def copying(self) -> bool:
+        """Some issued copy may still write the move's pages (every fence is checked: no stream order assumed)."""
+        self.fences = [f for f in self.fences if not f.done()]
+        return bool(self.fences)
 
 
 @dataclass
@@ -107,6 +161,7 @@ class PageMover:
     backend: CpuBackend | CudaBackend | object = None
     fault_hook: Callable[[int, int], bool] | None = None  # (block, target) -> True: treat that copy as failed
     lut_reserve_pages: int | None = None
+    pace: ReloadPace | None = field(default_factory=ReloadPace)  # None: reloads issue everything at once
     stats: MoverStats = field(default_factory=MoverStats)
 
     def __post_init__(self) -> None:
@@ -118,6 +173,9 @@ class PageMover:
         self._inflight: deque[tuple[int, Fence]] = deque()
         self.launched = 0  # steps launched so far; step ids are 0..launched-1
         self.completed = -1  # every step with id <= completed has finished
+        self.step_reload_bytes = 0  # paced reload bytes issued in this step (renewed by end_step or an idle boundary)
+        self._last_end: float | None = None
+        self._launched_at_boundary = 0  # `launched` at the previous boundary
         # Pages only offload LUT copies may use, so an offload can start even when KV filled the pool: at least
         # the largest LUT; more lets many offloads start in the same step (faster pressure relief).
         lut_pages = max(self.table.slot_pages(i, "lut", b) for i, r in enumerate(self.table.rows) for b in r.luts)
@@ -133,7 +191,10 @@ class PageMover:
         return not self._moves and not self._retiring
 
     def request(self, i: int, b: int) -> bool:
-        """Set d_i = b and start the move; False (nothing changed) when busy or out of pages."""
+        """Set d_i = b and start the move; False when busy or out of pages (q, d and weight pages unchanged).
+
+        Call only at a step boundary: allocating a reload's runs may relocate KV pages (see PagePool._compact).
+        """
         row = self.table.rows[i]
         if b not in row.luts:
             raise ValueError(f"block {i}: width {b} not in {sorted(row.luts)}")
@@ -162,7 +223,7 @@ class PageMover:
         try:
             for n, key in enumerate(fresh):
                 s = self.table.slot(i, *key)
-                s.page = self.pool.alloc_run(self.table.slot_pages(i, *key), use_reserve=True)
+                s.page = self.pool.alloc_run(self.table.slot_pages(i, *key), use_reserve=True, relocate=True)
                 s.state = PageState.IN_TRANSFER
         except PoolExhausted:
             for key in fresh[:n]:
@@ -170,18 +231,10 @@ class PageMover:
             return False
         for key in reused:
             del self._retiring[(i, *key)]
-        move = Move(b, fresh, reused, None)
-        if fresh:
-            pairs = [(self.pool.page_view(self.table.slot(i, *k).page, self._nbytes(i, k)), self.store.tensor(i, *k))
-                     for k in fresh]
-            try:
-                move.fence = self.backend.copy(pairs)
-                self.stats.bytes_copied += sum(self._nbytes(i, k) for k in fresh)
-            except Exception:  # some copies may be enqueued: free only after the copy stream passes this point
-                logger.exception("issuing the page copy for block {} failed", i)
-                move.failed, move.fence = True, self.backend.copy([])
+        move = Move(b, fresh, reused, deque([k, 0] for k in fresh), paced=self.pace is not None and 0 < row.q < b)
         self._moves[i] = move
         row.d = b
+        self._issue(i, move)
         return True
 
     def cancel(self, i: int) -> None:
@@ -192,31 +245,40 @@ class PageMover:
         if move is None or move.cancelled:
             return
         move.cancelled = True
+        move.todo.clear()  # pieces never issued are never written
         self.stats.cancelled += 1
         for key in move.reused:
             self._retire(i, key)
         move.reused = []
-        if move.fence is None or move.fence.done():
+        if not move.copying():
             self._drop_fresh(i, move)
 
     # ---- engine side ----
     def boundary(self) -> None:
-        """Step boundary: finish copies, commit ready moves, publish the device tables, free retired pages."""
+        """Step boundary: issue this step's paced bytes, finish copies, commit ready moves, publish the device
+        tables, free retired pages. The pace budget renews at `end_step`, or here when no step was launched since
+        the previous boundary: an engine with nothing to run still steps its boundary, and reloads must go on. (The
+        engine's second boundary after a wait for KV also renews it; the copies of the first were finished by that
+        wait, so still at most one cap of reload bytes overlaps the next step.)"""
+        if self.launched == self._launched_at_boundary:
+            self.step_reload_bytes = 0  # no step since the last boundary (an idle engine step): a new step's budget
+        self._launched_at_boundary = self.launched
         while self._inflight and self._inflight[0][1].done():
             self.completed = self._inflight.popleft()[0]
+        for i, move in list(self._moves.items()):  # oldest first: a started reload finishes before the next
+            if move.todo:
+                self._issue(i, move)
         for i, move in list(self._moves.items()):
-            if move.fence is not None and not move.fence.done():
+            if move.todo or move.copying():
                 continue
             if move.cancelled:
                 self._drop_fresh(i, move)
                 continue
-            if move.failed or (move.fence is not None and self.fault_hook is not None
-                               and self.fault_hook(i, move.target)):
+            if move.failed or (move.copied and self.fault_hook is not None and self.fault_hook(i, move.target)):
                 self._fail(i, move)
                 continue
             for key in move.fresh:
                 self.table.slot(i, *key).state = PageState.GPU
-            move.fence = None
             self._commit(i, move)
         self.backend.publish(self.table)
         for key, after in list(self._retiring.items()):
@@ -228,8 +290,49 @@ class PageMover:
         """Call after enqueuing a step's kernels: its fence guards every page it may read."""
         self._inflight.append((self.launched, self.backend.step_fence()))
         self.launched += 1
+        now = time.perf_counter()
+        if self.pace is not None and self.pace.bytes_per_step is None and self._last_end is not None:
+            self.pace.observe(now - self._last_end)
+        self._last_end = now
+        self.step_reload_bytes = 0
+
+    def pace_cap(self) -> int | None:
+        """Reload bytes this mover may issue per step now (None: unpaced)."""
+        return None if self.pace is None else self.pace.cap()
 
     # ---- internals ----
+    def _issue(self, i: int, move: Move) -> None:
+        """Issue the move's remaining copies: all of them, or for a paced reload what the step's cap leaves (a
+        plane may be split across steps). The move keeps every piece's fence and commits when all are done."""
+        pairs, nbytes = [], 0
+        while move.todo:
+            key, done = move.todo[0]
+            size = self._nbytes(i, key)
+            n = size - done
+            if move.paced:
+                n = min(n, self.pace.cap() - self.step_reload_bytes)
+                if n <= 0:
+                    break
+                self.step_reload_bytes += n
+            dst = self.pool.page_view(self.table.slot(i, *key).page, size)
+            pairs.append((dst[done:done + n], self.store.tensor(i, *key)[done:done + n]))
+            nbytes += n
+            if done + n == size:
+                move.todo.popleft()
+            else:
+                move.todo[0][1] = done + n
+        if not pairs:
+            return
+        try:
+            move.fences.append(self.backend.copy(pairs))
+            move.copied = True
+            self.stats.bytes_copied += nbytes
+        except Exception:  # some copies may be enqueued: free only after the copy stream passes this point
+            logger.exception("issuing the page copy for block {} failed", i)
+            move.failed = True
+            move.fences.append(self.backend.copy([]))
+            move.todo.clear()
+
     def _nbytes(self, i: int, key: SlotKey) -> int:
         spec = self.table.rows[i].spec
         return spec.plane_bytes if key[0] == "plane" else spec.lut_bytes[key[1]]

@@ -7,16 +7,24 @@ address weights by offsets into the pool (device tables), which keeps captured C
 Layout: weight runs (planes, LUTs) are taken best-fit (lowest first) from the low end, KV blocks from the high end,
 so the two kinds meet in the middle and small LUT runs do not split the large holes a reload needs. Accounting is
 in whole pages: bytes = pages x page_bytes.
+
+Fragmentation: after offloads, KV blocks land in the holes the planes left, so a later reload may find enough free
+pages but no run long enough. Then `alloc_run(..., relocate=True)` compacts: it picks the window of the run's
+length that holds no weight page and the fewest KV pages, copies those KV pages to free pages outside it and tells
+the KV holders their new places (`add_kv_listener`). Kernels are untouched: weights stay contiguous runs.
 """
 from __future__ import annotations
 
 import bisect
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
 PAGE_ALIGN = 256  # page sizes are multiples of this, so every page starts word- and half-aligned
+FREE, WEIGHT, KV = 0, 1, 2  # what a page holds (PagePool._kind)
 
 
 class PoolExhausted(RuntimeError):
@@ -58,6 +66,8 @@ class PagePool:
     _free_starts: list[int] = field(init=False, repr=False)  # sorted starts of free extents
     _free_len: dict[int, int] = field(init=False, repr=False)  # start -> length of free extent
     _allocs: dict[int, Allocation] = field(init=False, repr=False)
+    _kind: np.ndarray = field(init=False, repr=False)  # int8 [capacity_pages]: FREE | WEIGHT | KV
+    _kv_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGN:
@@ -75,8 +85,12 @@ class PagePool:
         self._free_starts = [0]
         self._free_len = {0: self.capacity_pages}
         self._allocs = {}
+        self._kind = np.zeros(self.capacity_pages, dtype=np.int8)
+        self._kv_listeners = []
         self.weight_pages = 0
         self.kv_pages = 0
+        self.relocations = 0  # compactions done (one per weight run that needed one)
+        self.relocated_pages = 0  # KV pages copied by them
 
     # ---- views the kernels and the KV cache read ----
     @property
@@ -95,7 +109,7 @@ class PagePool:
         return self.data[off:off + nbytes]
 
     def kv_block_view(self, block: int) -> torch.Tensor:
-        """uint8 view of KV block `block` (a block id is its first page)."""
+        """uint8 view of KV block `block` (a pool KV block id is its first page; relocation changes it)."""
         a = self._allocs.get(block)
         if a is None or a.tag != "kv":
             raise KeyError(f"page {block} is not a KV block")
@@ -136,6 +150,10 @@ class PagePool:
             raise PoolExhausted("reserve does not fit in the free pages")
         self.reserve_pages = pages
 
+    def largest_free_run(self) -> int:
+        """Pages of the longest free extent (a weight run longer than this needs relocation)."""
+        return max(self._free_len.values(), default=0)
+
     def kv_capacity(self) -> int:
         """How many more KV blocks `alloc_kv_blocks` can return now."""
         room = (self.free_pages - self.reserve_pages) // self.pages_per_kv
@@ -147,17 +165,25 @@ class PagePool:
         return min(room, fit)
 
     # ---- allocation ----
-    def alloc_run(self, npages: int, use_reserve: bool = False) -> int:
-        """Contiguous weight run of `npages`: the smallest free extent that fits, lowest first; returns its first page."""
+    def alloc_run(self, npages: int, use_reserve: bool = False, relocate: bool = False) -> int:
+        """Contiguous weight run of `npages`: the smallest free extent that fits, lowest first; returns its first page.
+
+        With `relocate` and no free extent long enough, KV pages are moved out of the way (`_compact`); the caller
+        vouches that it runs at a step boundary (see `_compact` for why that is enough).
+        """
         limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
         if npages <= 0 or npages > limit:
             raise PoolExhausted(f"{npages} weight pages requested, {max(limit, 0)} available")
         fits = [s for s in self._free_starts if self._free_len[s] >= npages]
-        if not fits:
+        if fits:
+            s = min(fits, key=lambda s: (self._free_len[s], s))  # best fit keeps large holes for large runs
+        elif relocate and self.can_relocate():
+            s = self._compact(npages)
+        else:
             raise PoolExhausted(f"no contiguous run of {npages} pages (fragmented)")
-        s = min(fits, key=lambda s: (self._free_len[s], s))  # best fit keeps large holes for large runs
         self._take(s, npages)
         self._allocs[s] = Allocation(s, npages, "weight")
+        self._kind[s:s + npages] = WEIGHT
         self.weight_pages += npages
         return s
 
@@ -177,6 +203,7 @@ class PagePool:
                     for b in range(first + take - ppk, first - 1, -ppk):
                         self._allocs[b] = Allocation(b, ppk, "kv")
                         out.append(b)
+                    self._kind[first:first + take] = KV
                     break
         self.kv_pages += n * ppk
         return out
@@ -189,6 +216,7 @@ class PagePool:
         for b in blocks:
             a = self._allocs.pop(b)
             self.kv_pages -= a.npages
+            self._kind[a.start:a.start + a.npages] = FREE
             self._give(a.start, a.npages)
 
     def free_run(self, start: int) -> int:
@@ -198,6 +226,7 @@ class PagePool:
             raise KeyError(f"page {start} is not a weight run")
         del self._allocs[start]
         self.weight_pages -= a.npages
+        self._kind[a.start:a.start + a.npages] = FREE
         self._give(a.start, a.npages)
         return a.npages
 
@@ -218,6 +247,80 @@ class PagePool:
         assert self.weight_pages == sum(a.npages for a in self._allocs.values() if a.tag == "weight")
         assert self.kv_pages == sum(a.npages for a in self._allocs.values() if a.tag == "kv")
         assert self.used_pages <= self.budget_pages <= self.capacity_pages
+        kind = np.zeros(self.capacity_pages, dtype=np.int8)
+        for a in self._allocs.values():
+            kind[a.start:a.start + a.npages] = WEIGHT if a.tag == "weight" else KV
+        assert np.array_equal(kind, self._kind), "page kind map differs from the allocations"
+
+    # ---- relocation (compaction of KV pages) ----
+    def add_kv_listener(self, fn: Callable[[dict[int, int]], None]) -> None:
+        """`fn({old KV block id: new id})` runs after every relocation; whoever keeps pool KV block ids registers
+        one. Without any listener the pool never relocates (nobody could follow the moves)."""
+        self._kv_listeners.append(fn)
+
+    def can_relocate(self) -> bool:
+        return bool(self._kv_listeners) and self.pages_per_kv == 1
+
+    def _compact(self, npages: int) -> int:
+        """Empty a window of `npages` pages for a weight run by moving its KV pages; returns the window's start.
+
+        The window holds no weight page and the fewest KV pages (lowest start on ties, so weights stay low). Its KV
+        pages go to the highest free pages outside it (KV lives high); each one's bytes are copied with a plain
+        device copy on the current stream, then the listeners learn the new ids. Used/free counts do not change.
+
+        Why this is safe at a step boundary (the only place the mover allocates): (1) ordering on the device: the
+        copies go on the current (compute) stream, so they run after every step already enqueued has finished
+        reading and writing those KV pages, and before the next step, whose KV indices are built after this
+        returns (the KV cache refuses a move while a step's layout is live); the reload copy into the emptied
+        window waits for the compute stream before it starts (CudaBackend.copy), so it cannot overwrite the
+        pages before they are copied out. (2) the destination pages are free: no weight copy targets them (a
+        copy's pages stay allocated until its fence is done) and a step that still reads a freed KV page is
+        ahead of this copy on the same stream. (3) only KV pages move; weight runs and the device tables that
+        point at them stay put, so no published table changes.
+        """
+        if self.pages_per_kv != 1:
+            raise PoolExhausted("relocation needs one page per KV block")
+        cap = self.capacity_pages
+        if npages > cap:
+            raise PoolExhausted(f"no window of {npages} pages in a pool of {cap}")
+        weight = np.concatenate(([0], np.cumsum(self._kind == WEIGHT, dtype=np.int64)))
+        kv = np.concatenate(([0], np.cumsum(self._kind == KV, dtype=np.int64)))
+        w_in = weight[npages:] - weight[:-npages]
+        kv_in = kv[npages:] - kv[:-npages]
+        kv_in = np.where(w_in == 0, kv_in, np.iinfo(np.int64).max)
+        start = int(np.argmin(kv_in))  # first minimum = lowest start
+        if w_in[start] != 0:
+            raise PoolExhausted(f"every window of {npages} pages holds weight pages (weights are fragmented)")
+        src = start + np.flatnonzero(self._kind[start:start + npages] == KV)
+        free_out = np.flatnonzero(self._kind == FREE)
+        free_out = free_out[(free_out < start) | (free_out >= start + npages)]
+        if len(free_out) < len(src):
+            raise PoolExhausted(f"{len(src)} KV pages to move, {len(free_out)} free pages outside the window")
+        dst = free_out[len(free_out) - len(src):]  # the highest free pages
+        self._move_kv_pages(src, dst)
+        return start
+
+    def _move_kv_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy KV pages src[j] -> dst[j] (disjoint sets, both ascending) and update every map and listener."""
+        rows = self.kv_blocks_view()
+        # one copy per stretch where both sides are consecutive: no temporary buffer (peak memory stays put)
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        for s_run, d_run in zip(np.split(src, breaks), np.split(dst, breaks)):
+            s0, d0, n = int(s_run[0]), int(d_run[0]), len(s_run)
+            rows[d0:d0 + n].copy_(rows[s0:s0 + n])
+        for run in np.split(dst, np.flatnonzero(np.diff(dst) != 1) + 1):
+            self._take(int(run[0]), len(run))
+        for old, new in zip(src.tolist(), dst.tolist()):
+            del self._allocs[old]
+            self._allocs[new] = Allocation(new, 1, "kv")
+            self._give(old, 1)
+        self._kind[dst] = KV
+        self._kind[src] = FREE
+        self.relocations += 1
+        self.relocated_pages += len(src)
+        moves = dict(zip(src.tolist(), dst.tolist()))
+        for fn in self._kv_listeners:
+            fn(moves)
 
     # ---- free-extent list ----
     def _take(self, start: int, npages: int) -> None:

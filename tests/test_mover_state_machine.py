@@ -2,12 +2,19 @@
 
 A deferred backend makes copies and steps asynchronous for real: a copy writes nothing (the destination holds
 poison) until the test completes it, and a step stays in flight, holding the word/half offsets its device tables
-pointed at, until the test completes it (in launch order, as one CUDA stream would). KV blocks are filled with
-poison when allocated, like a KV write. So a premature commit or a premature release shows up as wrong bytes.
+pointed at, until the test completes it (in launch order, as one CUDA stream would). So a premature commit or a
+premature release shows up as wrong bytes.
+
+KV pages get a pattern of their own when allocated (a KV write) and are freed in scattered subsets, so KV lands
+in the holes offloads leave and reloads need relocation (KV compaction); the pattern must follow every move.
+Reloads run under a pace cap drawn per example (or unpaced): the bytes of paced copies issued between two
+`end_step` calls never exceed it, and `settle` proves every paced reload still completes.
 """
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import uuid
 from pathlib import Path
 
@@ -17,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedweight.mover import PageMover
+from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_store import PageStore, write_planes_file
 from pagedweight.page_table import BlockSpec, PageState, WeightPageTable
 from pagedweight.pool import PagePool, PoolExhausted
@@ -26,8 +33,14 @@ torch.set_num_threads(1)
 L, E, P, S = 2, 3, 4, 2
 PAGE = 256
 POISON = 0xA5
-SPECS = [BlockSpec(plane_bytes=100 + 97 * (i % 5), lut_bytes={b: 2 * (1 << b) * (8 + 4 * (i % 3)) for b in range(S, P + 1)})
+SPECS = [BlockSpec(plane_bytes=100 + 211 * (i % 5), lut_bytes={b: 2 * (1 << b) * (8 + 4 * (i % 3)) for b in range(S, P + 1)})
          for i in range(L * E * 2)]
+RELOCATIONS = [0]  # over every example: fragmentation must actually have forced compactions
+
+
+def kv_pattern(tag: int) -> torch.Tensor:
+    """The bytes a KV write leaves in a page: distinct per tag, never all POISON."""
+    return ((torch.arange(PAGE, dtype=torch.int64) * 7 + tag * 13 + 1) % 251).to(torch.uint8)
 
 
 class PoisonPool(PagePool):
@@ -50,12 +63,15 @@ class ManualFence:
 class DeferredBackend:
     """Copies run and steps finish only when the test says so."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_copy=None) -> None:
         self.copies: list[tuple[ManualFence, list]] = []
         self.steps: list[ManualFence] = []
         self.raise_next = False
+        self.on_copy = on_copy  # sees every issued pair list (the test's own byte count)
 
     def copy(self, pairs):
+        if pairs and self.on_copy is not None:
+            self.on_copy(pairs)
         if pairs and self.raise_next:  # issuing fails after the first copy was enqueued
             self.raise_next = False
             pairs[0][0].fill_(POISON)
@@ -95,19 +111,26 @@ def store(tmp_path_factory):
 class MoverMachine(RuleBasedStateMachine):
     store: PageStore
 
-    @initialize(budget_pages=st.integers(120, 200))
-    def setup(self, budget_pages):
+    @initialize(budget_pages=st.integers(200, 320), pace=st.sampled_from([None, 40, 150, 600]))
+    def setup(self, budget_pages, pace):
         self.pool = PoisonPool(budget_pages * PAGE, PAGE)
         self.table = WeightPageTable(SPECS, L, E, P, self.pool)
-        self.backend = DeferredBackend()
+        self.backend = DeferredBackend(on_copy=self._on_copy)
         self.to_fail: set[int] = set()
-        self.mover = PageMover(self.table, self.store, backend=self.backend, fault_hook=self._fault_hook)
-        self.kv: list[int] = []
+        self.cap = pace
+        self.mover = PageMover(self.table, self.store, backend=self.backend, fault_hook=self._fault_hook,
+                               pace=None if pace is None else ReloadPace(bytes_per_step=pace))
+        self.kv: dict[int, int] = {}  # pool KV block -> tag of the pattern written there
+        self.tags = itertools.count()
+        self.pool.add_kv_listener(self._kv_moved)
+        self.paced_bytes = 0  # bytes of paced reload copies issued in this step (counted here)
+        self.stepped = True  # a step was launched since the last boundary
         self.inflight: list[list[tuple[int, bytes]]] = []  # per in-flight step: (byte offset, bytes it may read)
         self.steps = 0
-        # load every block at the seed width, the way an engine starts
+        # load every block at the seed width, the way an engine starts (first loads are never paced)
         for i in range(len(SPECS)):
             assert self.mover.request(i, S)
+        assert self.paced_bytes == 0
         self._drain()
         assert all(r.q == S for r in self.table.rows)
 
@@ -119,13 +142,43 @@ class MoverMachine(RuleBasedStateMachine):
             return True
         return False
 
+    def _on_copy(self, pairs) -> None:
+        """Count the bytes of reload copies (0 < q_i < d_i of the block whose pages they write) in this step."""
+        base = self.pool.data.data_ptr()
+        owner = {s.page: i for i, r in enumerate(self.table.rows) for _, _, s in self.table.slots(i) if s.page >= 0}
+        for dst, _ in pairs:
+            page = (dst.data_ptr() - base) // PAGE
+            start = max(p for p in owner if p <= page)  # the run that holds this page
+            row = self.table.rows[owner[start]]
+            if 0 < row.q < row.d:
+                self.paced_bytes += dst.numel()
+
+    def _kv_moved(self, moves: dict[int, int]) -> None:
+        assert set(moves) <= set(self.kv), "the pool moved a page that is not KV"
+        assert not set(moves.values()) & set(self.kv), "a KV page moved onto another KV page"
+        tags = {new: self.kv.pop(old) for old, new in moves.items()}
+        self.kv.update(tags)
+        RELOCATIONS[0] += 1
+
+    def _boundary(self) -> None:
+        """A boundary with no step launched since the previous one is an idle engine step: a new pace budget."""
+        if not self.stepped:
+            self.paced_bytes = 0
+        self.stepped = False
+        self.mover.boundary()
+
     def _drain(self) -> None:
-        for _ in range(3):
+        """Finish every copy and step, running boundaries until nothing is pending (paced reloads need many)."""
+        for _ in range(2000):
             while self.backend.copies:
                 self.backend.finish_copy(0)
             while self.backend.steps:
                 self._finish_step()
-            self.mover.boundary()
+            self._boundary()
+            if self.mover.idle() and not self.backend.copies:
+                return
+            self.launch_step()
+        raise AssertionError("moves still pending after 2000 steps: a paced reload starves")
 
     def _reads(self) -> list[tuple[int, bytes]]:
         """Byte ranges the device tables point at now, with the bytes a kernel would read there."""
@@ -207,9 +260,11 @@ class MoverMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.inflight) < 4)
     @rule()
     def launch_step(self):
-        self.mover.boundary()
+        self._boundary()
         self.inflight.append(self._reads())
         self.mover.end_step()
+        self.paced_bytes = 0
+        self.stepped = True
         self.steps += 1
 
     @precondition(lambda self: self.inflight)
@@ -229,20 +284,44 @@ class MoverMachine(RuleBasedStateMachine):
             with pytest.raises(PoolExhausted):
                 self.pool.alloc_kv_blocks(n)
             return
-        blocks = self.pool.alloc_kv_blocks(n)
-        for blk in blocks:
-            self.pool.kv_block_view(blk).fill_(POISON)  # a KV write
-        self.kv += blocks
+        self._kv_write(self.pool.alloc_kv_blocks(n))
         assert self.pool.kv_capacity() == cap - n
+
+    def _kv_write(self, blocks: list[int]) -> None:
+        for blk in blocks:
+            tag = next(self.tags)
+            self.pool.kv_block_view(blk).copy_(kv_pattern(tag))
+            self.kv[blk] = tag
 
     @precondition(lambda self: self.kv)
     @rule(data=st.data())
     def kv_free(self, data):
+        """Free a scattered subset (sequences finish in any order): holes between KV pages."""
         n = data.draw(st.integers(1, len(self.kv)))
-        self.pool.free_kv_blocks(self.kv[:n])
-        self.kv = self.kv[n:]
+        gone = random.Random(data.draw(st.integers(0, 2**16))).sample(sorted(self.kv), n)
+        self.pool.free_kv_blocks(gone)
+        for b in gone:
+            del self.kv[b]
 
-    @rule(pages=st.integers(60, 200))
+    @rule(keep_every=st.integers(2, 4))
+    def kv_fill_holes(self, keep_every):
+        """KV takes every free page (the holes offloads left included), then every `keep_every`-th one of them
+        is freed again: many free pages, none of them in a run a plane needs."""
+        got = self.pool.alloc_kv_blocks(self.pool.kv_capacity())
+        self._kv_write(got)
+        gone = sorted(got)[::keep_every]
+        self.pool.free_kv_blocks(gone)
+        for b in gone:
+            del self.kv[b]
+
+    @rule(b=st.integers(S + 1, P))
+    def reload_all(self, b):
+        """Ask every block for width b (mostly reloads: the runs that fragmentation refuses without compaction)."""
+        for i in range(len(SPECS)):
+            if not self.mover.pending(i):
+                self.plan(i, b)
+
+    @rule(pages=st.integers(100, 320))
     def budget(self, pages):
         if pages > self.pool.capacity_pages:
             with pytest.raises(ValueError):
@@ -256,7 +335,8 @@ class MoverMachine(RuleBasedStateMachine):
 
     @rule()
     def settle(self):
-        """Liveness: with every copy and step finished, every surviving plan commits and every retired page frees."""
+        """Liveness: with every copy and step finished, every surviving plan (paced reloads included) commits and
+        every retired page frees."""
         self._drain()
         assert self.mover.idle()
         for row in self.table.rows:
@@ -270,6 +350,15 @@ class MoverMachine(RuleBasedStateMachine):
         assert pool.used_pages <= pool.budget_pages
         assert self.table.resident_weight_bytes() + pool.bytes_of(pool.kv_pages) <= pool.bytes_of(pool.budget_pages)
         assert self.table.resident_weight_bytes() == pool.bytes_of(pool.weight_pages)
+        assert pool.bytes_of(pool.kv_pages) == len(self.kv) * PAGE == pool.bytes_of(len(pool.allocations("kv")))
+        assert set(pool.allocations("kv")) == set(self.kv)
+        for blk, tag in self.kv.items():  # KV contents survive every relocation
+            assert torch.equal(pool.kv_block_view(blk), kv_pattern(tag)), f"KV page {blk} lost its contents"
+        if self.cap is not None:
+            assert self.paced_bytes <= self.cap, f"{self.paced_bytes} paced bytes in one step, cap {self.cap}"
+        for i, move in self.mover._moves.items():  # in-flight copies only ever target pages the move owns
+            for key in move.fresh:
+                assert self.table.slot(i, *key).state is PageState.IN_TRANSFER
         data = pool.data
         for i, row in enumerate(self.table.rows):  # what kernels read is complete: equal to the store
             for p in range(row.q):
@@ -286,7 +375,7 @@ class MoverMachine(RuleBasedStateMachine):
         if hasattr(self, "mover"):
             self._drain()
             assert self.mover.idle()
-            self.pool.free_kv_blocks(self.kv)
+            self.pool.free_kv_blocks(list(self.kv))
             assert self.pool.used_pages == self.pool.weight_pages == sum(
                 self.table.memory(i, r.q) for i, r in enumerate(self.table.rows)) // PAGE
 
@@ -296,7 +385,9 @@ def test_mover_state_machine(store):
     run = settings(max_examples=70, stateful_step_count=80, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     MoverMachine.TestCase.settings = run
+    before = RELOCATIONS[0]
     MoverMachine.TestCase().runTest()
+    assert RELOCATIONS[0] > before, "no example fragmented the pool enough to need a relocation"
 
 
 def test_page_mover_bench_cpu_smoke(tmp_path, monkeypatch):
@@ -311,3 +402,7 @@ def test_page_mover_bench_cpu_smoke(tmp_path, monkeypatch):
     rows = json.loads(result.read_text())["rows"]
     assert {r["test"] for r in rows} == {"reload_bandwidth", "decode_slowdown", "pressure_to_kv"}
     assert all(r["gb_per_s"] > 0 for r in rows if r["test"] == "reload_bandwidth")
+    (row,) = [r for r in rows if r["test"] == "decode_slowdown" and r["paced"]]
+    # the requests issue the first cap in the step before the timed ones; then at most one cap per step
+    assert row["steps"] + 1 >= row["reload_bytes"] // row["pace_fixed_bytes_per_step"]
+    assert row["reload_gb_per_s"] > 0 and any(r["test"] == "decode_slowdown" and not r["paced"] for r in rows)

@@ -160,9 +160,11 @@ def test_check_catches_disagreement():
 
 
 def test_budget_exchange_cpu():
-    """Issue item 2 on the CPU pool, through the same code as the H200 script."""
-    rows = run_exchange("cpu", 160 * 1024, 1024, layers=2, experts=4, hidden=64, inter=32, parent_bits=4, seed_bits=2)
+    """Issue item 2 on the CPU pool, through the same code as the H200 script; the reload meets a fragmented pool
+    (KV in the holes, scattered free pages) and goes through KV relocation."""
+    rows = run_exchange("cpu", 1 << 20, 1024, layers=2, experts=4, hidden=256, inter=128, parent_bits=4, seed_bits=2)
     loaded, off, rel = rows
+    assert rel["relocations"] > 0 and rel["relocated_bytes"] > 0
     assert off["freed_bytes"] > 0 and off["new_kv_blocks"] == off["expected_new_kv_blocks"] == off["freed_bytes"] // 1024
     assert rel["weight_bytes"] == loaded["weight_bytes"] and rel["kv_blocks"] == loaded["kv_blocks"]
     assert np.isclose(off["weight_bytes"] + off["kv_blocks"] * 1024, loaded["weight_bytes"] + loaded["kv_blocks"] * 1024)
