@@ -98,7 +98,7 @@ def bench_size(num_layers: int, num_experts: int, reps: int) -> list[dict]:
         mass = rng.dirichlet(np.ones(num_experts), num_layers)
         for with_heads in (False, True):
             planner = Planner(t, PlannerKnobs(), top, heads=heads if with_heads else None)
-            planner.observe(mass, rng.lognormal(0, 0.3, (n, 3)) if with_heads else None)
+            planner.observe(mass, rng.lognormal(0, 0.3, (n, 4)) if with_heads else None)
             tag = {**base, "heads": with_heads}
             rows.append({**tag, "op": "planner.signals (buckets, mu, eta, d_hat)", "demand": "-",
                          **timed(planner.signals, reps)})

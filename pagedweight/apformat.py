@@ -3,7 +3,8 @@
 Layout of a directory:
   manifest.msgpack  {"format", "version", "body": msgpack bytes, "blake2b": hex of body}; the body holds the HF
                     config, family, seed/parent bits, block list with byte offsets, tables (s_i^b, raw M_i^b,
-                    routing mass), planner knobs, calibration info and every other file with size + blake2b.
+                    routing mass), planner knobs, residual heads (version 2), calibration info and every other
+                    file with size + blake2b.
   planes.bin        every plane and LUT at a 4096-byte-aligned offset (memory-mappable and pinnable in place).
   dense.safetensors non-expert weights under the model's state-dict names.
   config.json, generation_config.json, tokenizer.json (copied from the source).
@@ -24,9 +25,13 @@ import torch
 
 from pagedweight.bitplanes import dequantize, lut_bytes, num_words, plane_bytes
 from pagedweight.quantize import QuantizedBlock
+from pagedweight.signals import ResidualHeads
 
 FORMAT = "pagedweight-ap"
-VERSION = 1
+# 1: session 1 (no residual heads: the planner runs on the global estimate). 2: + "residual_heads" (None or the
+# trained prompt residual heads' arrays). Every version listed in READABLE loads; anything else is refused.
+VERSION = 2
+READABLE = (1, 2)
 ALIGN = 4096
 KINDS = ("gate_up", "down")
 MANIFEST = "manifest.msgpack"
@@ -132,7 +137,8 @@ class APWriter:
         self.sensitivity[i] = block.sensitivity.numpy()
 
     def finish(self, routing_mass: np.ndarray, dense_state: dict[str, torch.Tensor], source_dir: str | Path | None,
-               planner_knobs: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None) -> Path:
+               planner_knobs: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
+               residual_heads: ResidualHeads | None = None) -> Path:
         """Write dense weights, copied files and the manifest; returns the manifest path."""
         from safetensors.torch import save_file
 
@@ -174,6 +180,8 @@ class APWriter:
             "tables": {"sensitivity": _pack_array(self.sensitivity), "raw_bytes": _pack_array(raw),
                        "routing_mass": _pack_array(np.asarray(routing_mass, dtype=np.float64))},
             "planner_knobs": planner_knobs or {}, "calibration": calibration or {}, "files": files,
+            "residual_heads": None if residual_heads is None else _pack_heads(residual_heads, len(entries),
+                                                                              self.parent_bits),
         }
         packed = msgpack.packb(body, use_bin_type=True)
         head = {"format": FORMAT, "version": VERSION, "body": packed,
@@ -210,6 +218,11 @@ class APCheckpoint:
     @property
     def planner_knobs(self) -> dict[str, Any]:
         return self.manifest["planner_knobs"]
+
+    @property
+    def residual_heads(self) -> ResidualHeads | None:
+        """The trained prompt residual heads (None: a version-1 checkpoint, or converted without them)."""
+        return heads_from_manifest(self.manifest, self.dir / MANIFEST)
 
     @property
     def hf_config(self) -> dict[str, Any]:
@@ -277,12 +290,43 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise APFormatError(path, f"not a valid msgpack manifest (corrupted or truncated: {exc})") from exc
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise APFormatError(path, f"not a {FORMAT} manifest")
-    if head.get("version") != VERSION:
-        raise APFormatError(path, f"manifest version {head.get('version')!r}, this build reads version {VERSION}")
+    if head.get("version") not in READABLE:
+        raise APFormatError(path, f"manifest version {head.get('version')!r} is not supported: this build reads "
+                                  f"versions {', '.join(map(str, READABLE))} (convert the model again with it)")
     body = head.get("body")
     if not isinstance(body, bytes) or hashlib.blake2b(body, digest_size=32).hexdigest() != head.get("blake2b"):
         raise APFormatError(path, "checksum mismatch in the manifest body")
     return msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+def _pack_heads(heads: ResidualHeads, n_blocks: int, parent_bits: int) -> dict[str, Any]:
+    if heads.parent_bits != parent_bits or heads.feat_mean.shape not in ((n_blocks, heads.feat_scale.size),
+                                                                          heads.feat_scale.shape):
+        raise ValueError(f"residual heads for P={heads.parent_bits}, feat_mean {heads.feat_mean.shape} do not fit "
+                         f"{n_blocks} blocks at P={parent_bits}")
+    return {k: _pack_array(v) for k, v in heads.to_dict().items()}
+
+
+def heads_from_manifest(manifest: dict[str, Any], path: str | Path) -> ResidualHeads | None:
+    """The residual heads of a decoded manifest body (`path` names the file in errors)."""
+    packed = manifest.get("residual_heads")
+    if packed is None:
+        return None
+    try:
+        heads = ResidualHeads.from_dict({k: _unpack_array(v) for k, v in packed.items()})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise APFormatError(path, f"bad residual heads ({exc})") from exc
+    n_blocks = len(manifest["blocks"])
+    if heads.parent_bits != manifest["parent_bits"] or heads.feat_mean.ndim == 2 and len(heads.feat_mean) != n_blocks:
+        raise APFormatError(path, f"residual heads for P={heads.parent_bits} and {len(heads.feat_mean)} blocks, "
+                                  f"the checkpoint has P={manifest['parent_bits']} and {n_blocks} blocks")
+    return heads
+
+
+def read_residual_heads(ap_dir: str | Path) -> ResidualHeads | None:
+    """The residual heads stored in an AP checkpoint's manifest (reads the manifest only)."""
+    path = Path(ap_dir) / MANIFEST
+    return heads_from_manifest(read_manifest(path), path)
 
 
 def load_ap(ap_dir: str | Path, verify: bool = True) -> APCheckpoint:

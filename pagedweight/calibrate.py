@@ -8,6 +8,8 @@ Two sensitivities (DESIGN.md §2), the caller says which:
   per-sequence gradient of the LM loss w.r.t. every expert weight (one backward pass per sequence).
 Routing mass m_{l,e} is measured in the same forward passes. Statistics are cached next to the output, keyed
 by a hash of the model files, the calibration text and the settings, so a second conversion reuses them.
+`DamageProbe` measures, per calibration sequence, the damage each width drop of each block would do, the
+training data of the planner's prompt residual heads.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,7 @@ from loguru import logger
 from tqdm import tqdm
 
 from pagedweight.models import MoEForCausalLM
+from pagedweight.signals import N_FEATURES, ResidualHeads, RouterStats, fit_residual_heads
 
 KINDS = ("activation", "fisher")
 CACHE_VERSION = 1
@@ -179,3 +185,82 @@ def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path:
     stats.save(path)
     logger.info("calibration statistics cached in {}", path)
     return stats
+
+
+class DamageProbe:
+    """Per-sequence measured damage of every width drop, to train the prompt residual heads (DESIGN.md §2).
+
+    `capture` runs each sequence once at full precision and keeps every MoE layer's expert inputs and routing
+    (on the CPU) plus the sequence's `RouterStats` features, so they match what the engine observes. `measure`
+    then needs only a block's weights at each width: the damage of sequence s for the drop b+1 -> b is
+    sum over its tokens t routed to the expert of r_t |(W_{b+1} - W_b) in_t|^2, with in_t the block's input at
+    full precision (x_t for gate_up, silu(gate) * up for down).
+    """
+
+    def __init__(self, model: MoEForCausalLM, seed_bits: int, parent_bits: int) -> None:
+        cfg = model.config
+        self.model, self.seed_bits, self.parent_bits = model, seed_bits, parent_bits
+        self.num_layers, self.num_experts = cfg.num_hidden_layers, cfg.num_experts
+        self.features = np.zeros((0, self.num_layers * self.num_experts * 2, N_FEATURES))  # [S, n, 4]
+        self.damage = np.zeros((0, self.features.shape[1], parent_bits + 1))  # [S, n, P+1]
+        # per layer: expert inputs [tokens, D] and, per expert, (token rows, routing weights, sequence of each)
+        self._x: list[torch.Tensor] = []
+        self._routes: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+
+    @torch.no_grad()
+    def capture(self, batches: torch.Tensor) -> "DamageProbe":
+        """Observe the sequences `batches [S, T]` (one forward each on the model's device)."""
+        L, E = self.num_layers, self.num_experts
+        dev = next(self.model.parameters()).device
+        feats, xs, seen = [], [[] for _ in range(L)], [[] for _ in range(L)]  # per layer, one entry per sequence
+        for seq in tqdm(batches, desc="residual heads: capture", unit="seq"):
+            stats = RouterStats(L, E)
+
+            def observe(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+                stats(layer, x, ids, w)
+                xs[layer].append(x.detach().float().cpu())
+                seen[layer].append((ids.detach().cpu(), w.detach().float().cpu()))
+
+            self.model.set_router_observer(observe)
+            try:
+                self.model(seq.to(dev)[None])
+            finally:
+                self.model.set_router_observer(None)
+            feats.append(stats.features())
+        self.features = np.stack(feats)
+        self.damage = np.zeros((len(feats), self.features.shape[1], self.parent_bits + 1))
+        self._x = [torch.cat(x) for x in xs]
+        self._routes = []
+        for layer in range(L):
+            ids = torch.cat([i for i, _ in seen[layer]])
+            w = torch.cat([w for _, w in seen[layer]])
+            seq_of = torch.cat([torch.full((len(i),), s) for s, (i, _) in enumerate(seen[layer])])
+            rows = []
+            for e in range(E):
+                tok, slot = torch.nonzero(ids == e, as_tuple=True)
+                rows.append((tok, w[tok, slot], seq_of[tok]))
+            self._routes.append(rows)
+        return self
+
+    @torch.no_grad()
+    def measure(self, layer: int, expert: int, kind: str, weight_at: Callable[[int], torch.Tensor]) -> None:
+        """Fill damage[:, block, b] for b in [seed, P) from `weight_at(b)` (float32 [N, K], block at width b)."""
+        tok, r, seq_of = self._routes[layer][expert]
+        if not len(tok):
+            return
+        w = {b: weight_at(b) for b in range(self.seed_bits, self.parent_bits + 1)}
+        dev = w[self.parent_bits].device
+        inp = self._x[layer][tok].to(dev)
+        if kind == "down":
+            gate, up = F.linear(inp, self.model.layers[layer].mlp.experts.gate_up[expert].float().to(dev)).chunk(2, -1)
+            inp = F.silu(gate) * up
+        r, seq_of = r.to(dev), seq_of.to(dev)
+        i = (layer * self.num_experts + expert) * 2 + (kind == "down")
+        for b in range(self.seed_bits, self.parent_bits):
+            err = (F.linear(inp, w[b + 1] - w[b]) ** 2).sum(1) * r
+            per_seq = torch.zeros(len(self.damage), dtype=torch.float64, device=dev).index_add_(0, seq_of, err.double())
+            self.damage[:, i, b] = per_seq.cpu().numpy()
+
+    def fit(self, **fit_options) -> ResidualHeads:
+        """The residual heads fitted on everything measured (`signals.fit_residual_heads`)."""
+        return fit_residual_heads(self.features, self.damage, self.seed_bits, **fit_options)

@@ -1,7 +1,8 @@
 """`pagedweight convert SRC OUT --calib FILE`: HF MoE checkpoint -> AP checkpoint directory.
 
-Stages (each with a progress bar): load, calibrate (cached in OUT), quantize + pack every expert block layer by
-layer on the chosen device, write dense weights and the manifest.
+Stages (each with a progress bar): load, calibrate (cached in OUT), capture the residual-head sequences, quantize +
+pack every expert block layer by layer on the chosen device (measuring each block's per-sequence damage of every
+width drop as it goes), fit the planner's prompt residual heads, write dense weights and the manifest.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from loguru import logger
 from tqdm import tqdm
 
 from pagedweight.apformat import APWriter
-from pagedweight.calibrate import KINDS, cached_calibrate
-from pagedweight.quantize import quantize_blocks
+from pagedweight.bitplanes import dequantize
+from pagedweight.calibrate import KINDS, DamageProbe, cached_calibrate, calibration_batches
+from pagedweight.quantize import QuantizedBlock, quantize_blocks
 
 # Row-batch size of one quantizer call, in weights: the quantizer needs ~100 bytes of scratch per weight.
 DEFAULT_BATCH_WEIGHTS = 1 << 25
@@ -24,11 +26,13 @@ DEFAULT_BATCH_WEIGHTS = 1 << 25
 
 def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: torch.Tensor,
                    sensitivity: Callable[[int, str], torch.Tensor | None], device: torch.device,
-                   batch_weights: int = DEFAULT_BATCH_WEIGHTS) -> tuple[float, float]:
+                   batch_weights: int = DEFAULT_BATCH_WEIGHTS,
+                   on_block: Callable[[int, str, QuantizedBlock], None] | None = None) -> tuple[float, float]:
     """Quantize the E gate_up [E, 2F, D] and down [E, D, F] blocks of one layer and stream them to `writer`.
 
     Experts of one kind share K, so as many as fit in `batch_weights` go through the quantizer as one row batch.
-    `sensitivity(expert, kind)` gives the block's sensitivity ([K], [N, K] or None).
+    `sensitivity(expert, kind)` gives the block's sensitivity ([K], [N, K] or None); `on_block(expert, kind,
+    block)` sees every quantized block before it is written.
     Returns (seconds quantizing and packing, seconds writing).
     """
     quantize_s = write_s = 0.0
@@ -42,6 +46,8 @@ def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: to
                                      writer.seed_bits, writer.parent_bits, device=device)
             t1 = time.perf_counter()
             for e, blk in zip(ids, blocks):
+                if on_block is not None:
+                    on_block(e, kind, blk)
                 writer.add_block(layer, e, kind, blk, k)
             quantize_s, write_s = quantize_s + t1 - t0, write_s + time.perf_counter() - t1
     return quantize_s, write_s
@@ -49,8 +55,13 @@ def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: to
 
 def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int = 3, parent_bits: int = 8,
             sensitivity: str = "fisher", num_seqs: int = 64, seq_len: int = 256,
-            device: str | torch.device | None = None, batch_weights: int = DEFAULT_BATCH_WEIGHTS) -> Path:
-    """Convert the HF checkpoint `src` into an AP checkpoint in `out`; returns the manifest path."""
+            device: str | torch.device | None = None, batch_weights: int = DEFAULT_BATCH_WEIGHTS,
+            heads_seqs: int = 32) -> Path:
+    """Convert the HF checkpoint `src` into an AP checkpoint in `out`; returns the manifest path.
+
+    The planner's prompt residual heads are fitted on the first min(`heads_seqs`, `num_seqs`) calibration
+    sequences (0: none; the planner then runs on the global estimate).
+    """
     from pagedweight.checkpoint import INDEX, read_config
     from pagedweight.knobs import PlannerKnobs
     from pagedweight.models import load_model
@@ -71,6 +82,14 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     timings["calibrate_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    probe = None
+    if min(heads_seqs, num_seqs) > 0:
+        batches = calibration_batches(tok.encode(Path(calib).read_text(encoding="utf-8")), min(heads_seqs, num_seqs),
+                                      seq_len)
+        probe = DamageProbe(model, seed_bits, parent_bits).capture(batches)
+    timings["heads_capture_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
     writer = APWriter(out, cfg.raw, cfg.family, cfg.num_hidden_layers, cfg.num_experts, seed_bits, parent_bits)
     for l in tqdm(range(cfg.num_hidden_layers), desc="quantize", unit="layer"):
         experts = model.layers[l].mlp.experts
@@ -78,7 +97,13 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
         def sens(e: int, kind: str, l: int = l) -> torch.Tensor:
             return stats.block(l, e, kind)
 
-        quantize_layer(writer, l, experts.gate_up, experts.down, sens, device, batch_weights)
+        def measure(e: int, kind: str, blk: QuantizedBlock, l: int = l) -> None:
+            k = getattr(experts, kind).shape[2]
+            probe.measure(l, e, kind, lambda b: dequantize(blk.planes, blk.luts[b], b, k))
+
+        quantize_layer(writer, l, experts.gate_up, experts.down, sens, device, batch_weights,
+                       measure if probe is not None else None)
+    heads = probe.fit() if probe is not None else None
     timings["quantize_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -86,9 +111,10 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
              if ".mlp.experts." not in k and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     calibration = {"sensitivity": sensitivity, "num_seqs": int(stats.tokens // seq_len), "seq_len": seq_len,
                    "tokens": stats.tokens, "calib_file": Path(calib).name,
-                   "routed_tokens": stats.routed_tokens.tolist()}
+                   "routed_tokens": stats.routed_tokens.tolist(),
+                   "residual_heads": {"seqs": 0 if probe is None else len(probe.features), "seq_len": seq_len}}
     path = writer.finish(stats.routing_mass.numpy(), dense, src, planner_knobs=PlannerKnobs().to_dict(),
-                         calibration=calibration)
+                         calibration=calibration, residual_heads=heads)
     timings["write_s"] = time.perf_counter() - t0
     logger.info("AP checkpoint written to {} ({})", out,
                 ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in timings.items()))
@@ -108,6 +134,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "activation: diag(X^T X) of routed inputs, no backward pass (default fisher)")
     p.add_argument("--num-seqs", type=int, default=64, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence (default 256)")
+    p.add_argument("--heads-seqs", type=int, default=32,
+                   help="calibration sequences the planner's prompt residual heads are fitted on (0: no heads; "
+                        "at most --num-seqs; default 32)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     return p
 
@@ -115,6 +144,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seed_bits <= args.parent_bits <= 8:
         raise ValueError("need 1 <= --seed-bits <= --parent-bits <= 8")
+    if args.heads_seqs < 0:
+        raise ValueError("--heads-seqs must be >= 0")
     convert(args.src, args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity, args.num_seqs,
-            args.seq_len, args.device)
+            args.seq_len, args.device, heads_seqs=args.heads_seqs)
     return 0

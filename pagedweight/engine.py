@@ -24,11 +24,11 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
-from pagedweight.apformat import MANIFEST, load_ap
+from pagedweight.apformat import MANIFEST, load_ap, read_residual_heads
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
 from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
-from pagedweight.mover import PageMover
+from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import PAGE_ALIGN, PagePool, resolve_budget
@@ -79,6 +79,10 @@ class EngineOptions:
     verify_checkpoint: bool = False  # blake2b of every checkpoint file at load (slow for large models)
     planner_knobs: dict | None = None  # overrides of the checkpoint's PlannerKnobs
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
+    cuda_graphs: bool = True  # on CUDA, decode MoE launches replay from CUDA graphs (runner.APExperts)
+    # [pages: reload pacing] reload bytes issued per step: None = derived (55 GB/s x 0.5 x measured step time,
+    # ReloadPace), 0 = unpaced, > 0 = that fixed cap
+    reload_bytes_per_step: int | None = None
 
 
 @dataclass
@@ -204,7 +208,9 @@ class LLM:
         self.table = WeightPageTable(weights.specs, cfg.num_hidden_layers, cfg.num_experts, P, self.pool)
         if self.device.type == "cuda" and hasattr(weights.store, "pin"):
             weights.store.pin()  # reloads copy from page-locked memory, without a second host copy
-        self.mover = PageMover(self.table, weights.store)
+        pace = opts.reload_bytes_per_step  # [pages: reload pacing]
+        self.mover = PageMover(self.table, weights.store,
+                               pace=None if pace == 0 else ReloadPace(bytes_per_step=pace))
         n = len(weights.specs)
         mem = np.zeros((n, P + 1))
         supported = np.zeros((n, P + 1), dtype=bool)
@@ -227,7 +233,7 @@ class LLM:
             torch.cuda.synchronize(self.device)  # every copy fence done: the first boundary commits them all
         self.mover.boundary()
         self._initial_bytes = self.mover.stats.bytes_copied
-        install_ap_experts(model, self.table, self.pool)
+        install_ap_experts(model, self.table, self.pool, graphs=opts.cuda_graphs and self.device.type == "cuda")
         logger.info("experts: {} blocks at {} bits ({} B resident), home width {}, paging {}", n, start,
                     self.table.resident_weight_bytes(), home, "on" if opts.paging else "off")
         if not opts.paging:
@@ -236,7 +242,9 @@ class LLM:
         if opts.planner_knobs:
             knobs = PlannerKnobs.from_dict({**knobs.to_dict(), **opts.planner_knobs})
         tables = BlockTables(supported, mem, weights.sensitivity, cfg.num_hidden_layers, cfg.num_experts)
-        self.planner = Planner(tables, knobs, np.full(n, start), routing_prior=weights.routing_mass,
+        # issue 7: the checkpoint's trained prompt residual heads (None for from_parts or a version-1 checkpoint)
+        heads = read_residual_heads(self.model_dir) if self.model_dir is not None else None
+        self.planner = Planner(tables, knobs, np.full(n, start), heads=heads, routing_prior=weights.routing_mass,
                                home_widths=np.full(n, home))
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
 
@@ -478,6 +486,9 @@ class LLM:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            # [pages: KV relocation] compactions for weight reloads, and the KV bytes they copied
+            "kv_relocations": self.pool.relocations,
+            "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
         }
         if self.table is not None:
             q = self.table.host_q.numpy()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedweight.knobs import PlannerKnobs
-from pagedweight.signals import (ResidualHeads, RoutingTracker, block_bucket_signals, global_damage,
+from pagedweight.signals import (N_FEATURES, ResidualHeads, RoutingTracker, block_bucket_signals, global_damage,
                                  predicted_damage)
 
 _NBINS_SHIFT = 19  # float32 bits >> 19: sign(0) + 8 exponent + 4 mantissa bits -> 4096 bins of ~6% relative width
@@ -116,7 +116,7 @@ def damage_rows(tables: BlockTables, mu: np.ndarray, eps: float, eta: np.ndarray
 class EtaScratch:
     """Buffers reused by `eta_rows` every step: fresh MB-sized temporaries each step cost page faults."""
 
-    x: np.ndarray  # [n, 3] transformed features
+    x: np.ndarray  # [n, N_FEATURES] transformed features
     cols: np.ndarray  # [n, K] log eta per transition
     cols_t: np.ndarray  # [K, n]
     eta: np.ndarray  # [P - low, n]
@@ -124,7 +124,7 @@ class EtaScratch:
     @classmethod
     def for_tables(cls, tables: BlockTables) -> "EtaScratch":
         n, k = tables.n_blocks, len(tables.trans)
-        return cls(np.empty((n, 3)), np.empty((n, k)), np.empty((k, n)),
+        return cls(np.empty((n, N_FEATURES)), np.empty((n, k)), np.empty((k, n)),
                    np.empty((tables.parent_bits - tables.low, n)))
 
 
@@ -402,11 +402,14 @@ class Planner:
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
 
     def observe(self, step_mass: np.ndarray | None = None, features: np.ndarray | None = None) -> None:
-        """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 3]."""
+        """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 4]."""
         if step_mass is not None:
             self.routing.update(step_mass)
         if features is not None:
-            self.features = np.asarray(features, dtype=np.float64)
+            features = np.asarray(features, dtype=np.float64)
+            if features.shape != (self.tables.n_blocks, N_FEATURES):
+                raise ValueError(f"features {features.shape}, expected ({self.tables.n_blocks}, {N_FEATURES})")
+            self.features = features
 
     def signals(self) -> tuple[np.ndarray, np.ndarray]:
         """(d_hat [P+1, n], floors [n]) under the current signals."""

@@ -13,7 +13,8 @@ import torch
 
 from pagedweight.knobs import PlannerKnobs
 
-N_FEATURES = 3  # routing-weighted mean input norm, routing-weighted RMS input norm, max input norm
+# routing-weighted mean input norm, routing-weighted RMS input norm, max input norm, routing share of the layer
+N_FEATURES = 4
 _TINY = 1e-30
 
 
@@ -198,25 +199,45 @@ class RouterStats:
         return normalize_mass(self.mass)
 
     def features(self) -> np.ndarray:
-        """phi [n_blocks, 3] = (routing-weighted mean |x|, routing-weighted RMS |x|, max |x|); 0 for unrouted."""
+        """phi [n_blocks, 4] = (routing-weighted mean |x|, routing-weighted RMS |x|, max |x|, the expert's share of
+        its layer's routing mass); all 0 for an expert that got no token."""
         mass, norm_sum, norm2_sum, norm_max = (self._stat(i) for i in range(4))
         denom = np.where(mass > 0, mass, 1.0)
-        phi = np.stack([norm_sum / denom, np.sqrt(norm2_sum / denom), norm_max], axis=-1)
+        share = mass / np.maximum(mass.sum(axis=1, keepdims=True), _TINY)
+        phi = np.stack([norm_sum / denom, np.sqrt(norm2_sum / denom), norm_max, share], axis=-1)
         return np.repeat(phi.reshape(-1, N_FEATURES), 2, axis=0)
 
 
 @dataclass
 class ResidualHeads:
-    """Linear heads rho_hat = w . phi_t + a per (block type u, transition b->b'), phi_t = standardised log features.
+    """Linear heads rho_hat = w . x + a per (block type u, transition b->b'), x = centred log features.
 
+    x = (log phi - feat_mean) / feat_scale. feat_mean is each block's mean log features over the calibration
+    sequences that routed to it ([n_blocks, 4]; a [4] row applies to every block), so a head sees how this prompt
+    differs from the block's usual traffic, which is what its target (the block's damage over its mean damage)
+    varies with; a block with no token in the observation gets x = 0 (no evidence: rho_hat = a).
     Arrays are indexed [u, b, b'] (u: 0 gate_up, 1 down). confidence c in [0, 1]; c = 0 gives eta = 1 exactly.
     """
 
-    weight: np.ndarray  # [2, P+1, P+1, 3]
+    weight: np.ndarray  # [2, P+1, P+1, 4]
     bias: np.ndarray  # [2, P+1, P+1]
     confidence: np.ndarray  # [2, P+1, P+1]
-    feat_mean: np.ndarray  # [3]
-    feat_scale: np.ndarray  # [3]
+    feat_mean: np.ndarray  # [n_blocks, 4] or [4]
+    feat_scale: np.ndarray  # [4]
+
+    def __post_init__(self) -> None:
+        w = self.weight.shape[1]
+        shapes = {"weight": (2, w, w, N_FEATURES), "bias": (2, w, w), "confidence": (2, w, w),
+                  "feat_scale": (N_FEATURES,)}
+        for name, shape in shapes.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"residual heads: {name} has shape {getattr(self, name).shape}, expected {shape}")
+        if self.feat_mean.shape[-1:] != (N_FEATURES,) or self.feat_mean.ndim > 2:
+            raise ValueError(f"residual heads: feat_mean has shape {self.feat_mean.shape}, expected [n, 4] or [4]")
+
+    @property
+    def parent_bits(self) -> int:
+        return self.weight.shape[1] - 1
 
     @classmethod
     def zeros(cls, parent_bits: int) -> "ResidualHeads":
@@ -224,17 +245,22 @@ class ResidualHeads:
         return cls(np.zeros((2, w, w, N_FEATURES)), np.zeros((2, w, w)), np.zeros((2, w, w)),
                    np.zeros(N_FEATURES), np.ones(N_FEATURES))
 
-    def transform(self, phi: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        out = np.add(np.asarray(phi, dtype=np.float64), _TINY, out=out)
+    def transform(self, phi: np.ndarray, blocks: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """x of every row of phi; rows are blocks 0..n-1, or `blocks` [m] when given (per-row form)."""
+        phi = np.asarray(phi, dtype=np.float64)
+        mean = self.feat_mean if blocks is None or self.feat_mean.ndim == 1 else self.feat_mean[blocks]
+        out = np.add(phi, _TINY, out=out)
         np.log(out, out=out)
-        out -= self.feat_mean
+        out -= mean
         out /= self.feat_scale
+        out *= phi[:, -1:] > 0
         return out
 
-    def eta(self, kinds: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray, alpha: float,
+    def eta(self, blocks: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray, alpha: float,
             clip: tuple[float, float]) -> np.ndarray:
-        """eta = exp(alpha * c * clip(rho_hat)) for each (block, transition) row (per-row reference form)."""
-        x = self.transform(phi)
+        """eta = exp(alpha * c * clip(rho_hat)) of block blocks[j] under b_from[j] -> b_to[j] (per-row reference)."""
+        kinds = np.asarray(blocks) % 2
+        x = self.transform(phi, np.asarray(blocks))
         rho = np.einsum("nf,nf->n", self.weight[kinds, b_from, b_to], x) + self.bias[kinds, b_from, b_to]
         return np.exp(alpha * self.confidence[kinds, b_from, b_to] * np.clip(rho, clip[0], clip[1]))
 
@@ -243,28 +269,36 @@ class ResidualHeads:
                         x_out: np.ndarray | None = None) -> np.ndarray:
         """log eta of every block under each of K transitions (u[k], b_from[k], b_to[k]): [n, K], one small matmul.
 
-        `out` [n, K] and `x_out` [n, 3] are optional scratch, so a caller running every step allocates nothing.
+        `out` [n, K] and `x_out` [n, 4] are optional scratch, so a caller running every step allocates nothing.
         """
-        rho = np.matmul(self.transform(phi, x_out), self.weight[u, b_from, b_to].T, out=out)
+        rho = np.matmul(self.transform(phi, out=x_out), self.weight[u, b_from, b_to].T, out=out)
         rho += self.bias[u, b_from, b_to]
         np.clip(rho, clip[0], clip[1], out=rho)
         rho *= alpha * self.confidence[u, b_from, b_to]
         return rho
 
     @classmethod
-    def fit(cls, parent_bits: int, kinds: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray,
-            log_ratio: np.ndarray, ridge: float = 1e-2, min_samples: int = 8) -> "ResidualHeads":
-        """Ridge fit of each head on samples of log(measured damage / global estimate).
+    def fit(cls, parent_bits: int, blocks: np.ndarray, b_from: np.ndarray, b_to: np.ndarray, phi: np.ndarray,
+            log_ratio: np.ndarray, n_blocks: int, ridge: float = 1e-2, min_samples: int = 8) -> "ResidualHeads":
+        """Ridge fit of each head on samples (block, transition, phi, log(measured damage / the block's mean)).
 
-        Confidence is the adjusted R^2 of the head's fit, clipped to [0, 1]; heads with fewer than `min_samples`
-        samples keep confidence 0 (they fall back to the global estimate).
+        Features are centred per block (blocks without samples get the mean over all samples). Confidence is the
+        adjusted R^2 of the head's fit, clipped to [0, 1]; heads with fewer than `min_samples` samples keep
+        confidence 0 (they fall back to the global estimate).
         """
-        heads = cls.zeros(parent_bits)
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if not len(blocks):
+            return cls.zeros(parent_bits)
         logphi = np.log(np.asarray(phi, dtype=np.float64) + _TINY)
-        heads.feat_mean = logphi.mean(axis=0)
-        heads.feat_scale = np.maximum(logphi.std(axis=0), 1e-6)
-        x = heads.transform(phi)
-        keys = np.stack([kinds, b_from, b_to], axis=1)
+        count = np.bincount(blocks, minlength=n_blocks)[:, None]
+        sums = np.zeros((n_blocks, N_FEATURES))
+        np.add.at(sums, blocks, logphi)
+        feat_mean = np.where(count > 0, sums / np.maximum(count, 1), logphi.mean(axis=0))
+        centred = logphi - feat_mean[blocks]
+        heads = cls.zeros(parent_bits)
+        heads.feat_mean, heads.feat_scale = feat_mean, np.maximum(centred.std(axis=0), 1e-6)
+        x = centred / heads.feat_scale
+        keys = np.stack([blocks % 2, b_from, b_to], axis=1)
         for key in np.unique(keys, axis=0):
             sel = np.all(keys == key, axis=1)
             m = int(sel.sum())
@@ -285,10 +319,40 @@ class ResidualHeads:
             heads.confidence[u, a, b] = float(np.clip(adj, 0.0, 1.0))
         return heads
 
-    def to_dict(self) -> dict:
-        return {k: np.asarray(getattr(self, k), dtype=np.float64).tolist()
+    def to_dict(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(getattr(self, k), dtype=np.float64)
                 for k in ("weight", "bias", "confidence", "feat_mean", "feat_scale")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ResidualHeads":
+        names = {"weight", "bias", "confidence", "feat_mean", "feat_scale"}
+        if set(d) != names:
+            raise ValueError(f"residual heads: fields {sorted(d)}, expected {sorted(names)}")
         return cls(**{k: np.asarray(v, dtype=np.float64) for k, v in d.items()})
+
+
+def damage_samples(phi: np.ndarray, damage: np.ndarray, seed_bits: int):
+    """Training samples of the residual heads from per-sequence features [S, n, 4] and damage [S, n, P+1].
+
+    damage[s, i, b] is sequence s's measured damage of block i's drop b+1 -> b. A sample is a (sequence, block,
+    drop) whose expert saw tokens of the sequence; its target is log(damage / the block's mean damage over
+    those sequences). Returns (blocks, b_from, b_to, phi rows, targets).
+    """
+    S, n, w = damage.shape
+    out = [], [], [], [], []
+    for b in range(seed_bits, w - 1):
+        d = damage[:, :, b]
+        ok = (phi[:, :, -1] > 0) & (d > 0)
+        mean = np.where(ok, d, 0.0).sum(axis=0) / np.maximum(ok.sum(axis=0), 1)
+        s_idx, i_idx = np.nonzero(ok)
+        for lst, v in zip(out, (i_idx, np.full(len(i_idx), b + 1), np.full(len(i_idx), b), phi[s_idx, i_idx],
+                                np.log(d[s_idx, i_idx] / mean[i_idx]))):
+            lst.append(v)
+    blocks, b_from, b_to, rows, y = (np.concatenate(v) if v else np.zeros(0) for v in out)
+    return blocks.astype(np.int64), b_from.astype(np.int64), b_to.astype(np.int64), rows.reshape(-1, N_FEATURES), y
+
+
+def fit_residual_heads(phi: np.ndarray, damage: np.ndarray, seed_bits: int, **fit_options) -> ResidualHeads:
+    """Residual heads from per-sequence measured damage (`damage_samples`), one head per kind and drop b+1 -> b."""
+    blocks, b_from, b_to, rows, y = damage_samples(phi, damage, seed_bits)
+    return ResidualHeads.fit(damage.shape[2] - 1, blocks, b_from, b_to, rows, y, damage.shape[1], **fit_options)

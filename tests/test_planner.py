@@ -222,7 +222,9 @@ def test_confidence_zero_reduces_to_global_estimate_exactly():
     heads = ResidualHeads.zeros(8)
     heads.weight[:] = rng.normal(0, 1, heads.weight.shape)
     heads.bias[:] = rng.normal(0, 1, heads.bias.shape)
-    phi = rng.lognormal(0, 1, (n, 3))
+    heads.feat_mean = rng.normal(0, 1, (n, 4))
+    phi = rng.lognormal(0, 1, (n, 4))
+    phi[::5] = 0.0  # experts without tokens this step
     mu = rng.uniform(0.5, 2, n)
     plain = damage_rows(t, mu, EPS)
     with_heads = damage_rows(t, mu, EPS, eta_rows(t, heads, phi, alpha=1.0, clip=(-2, 2)))
@@ -243,12 +245,22 @@ def test_eta_rows_matches_per_block_reference():
     for arr in (heads.weight, heads.bias):
         arr[:] = rng.normal(0, 1, arr.shape)
     heads.confidence[:] = rng.uniform(0, 1, heads.confidence.shape)
-    phi = rng.lognormal(0, 1, (t.n_blocks, 3))
+    heads.feat_mean = rng.normal(0, 1, (t.n_blocks, 4))
+    heads.feat_scale = rng.uniform(0.5, 2, 4)
+    phi = rng.lognormal(0, 1, (t.n_blocks, 4))
+    phi[1] = 0.0  # an expert without tokens: x = 0, rho = bias
     mu = rng.uniform(0.5, 2, t.n_blocks)
     got = damage_rows(t, mu, EPS, eta_rows(t, heads, phi, 0.7, (-1.0, 1.5)))
 
     def eta(i, a, b):
-        return heads.eta(np.array([i % 2]), np.array([a]), np.array([b]), phi[i:i + 1], 0.7, (-1.0, 1.5))[0]
+        u = i % 2
+        x = [0.0] * 4 if phi[i, 3] == 0 else [(math.log(phi[i, f]) - heads.feat_mean[i, f]) / heads.feat_scale[f]
+                                             for f in range(4)]
+        rho = sum(heads.weight[u, a, b, f] * x[f] for f in range(4)) + heads.bias[u, a, b]
+        want = math.exp(0.7 * heads.confidence[u, a, b] * min(max(rho, -1.0), 1.5))
+        row = heads.eta(np.array([i]), np.array([a]), np.array([b]), phi[i:i + 1], 0.7, (-1.0, 1.5))[0]
+        assert row == pytest.approx(want, rel=1e-12)  # the per-row form agrees with the loop
+        return want
 
     for i in range(t.n_blocks):
         ws = np.flatnonzero(t.supported[i])
@@ -404,22 +416,35 @@ def test_router_stats_observer_matches_reference():
                 assert phi[0] == pytest.approx((r * nrm).sum() / r.sum(), rel=1e-5)
                 assert phi[1] == pytest.approx(np.sqrt((r * nrm**2).sum() / r.sum()), rel=1e-5)
                 assert phi[2] == pytest.approx(nrm.max(), rel=1e-5)
+                assert phi[3] == pytest.approx(r.sum() / stats.mass[layer].sum(), rel=1e-5)
             else:
                 assert (phi == 0).all()
 
 
 def test_residual_head_fit_recovers_planted_relation():
+    """Blocks differ in their usual feature level; the planted target depends on the deviation from it."""
     rng = np.random.default_rng(11)
-    m = 400
-    phi = rng.lognormal(0, 0.5, (m, 3))
-    kinds = rng.integers(0, 2, m)
-    b_from = np.full(m, 8)
-    b_to = np.full(m, 7)
-    logphi = np.log(phi)
-    truth = np.where(kinds == 0, 0.8 * logphi[:, 0] - 0.3, -0.5 * logphi[:, 2] + 0.2)
-    heads = ResidualHeads.fit(8, kinds, b_from, b_to, phi, truth + rng.normal(0, 0.01, m))
-    pred = np.log(heads.eta(kinds, b_from, b_to, phi, 1.0, (-10, 10)) ) / heads.confidence[kinds, 8, 7]
-    assert np.allclose(pred, truth, atol=0.05)
+    m, n_blocks = 800, 6
+    blocks = rng.integers(0, n_blocks, m)
+    level = rng.normal(0, 2, (n_blocks, 4))
+    dev = rng.normal(0, 0.5, (m, 4))
+    phi = np.exp(level[blocks] + dev)
+    kinds = blocks % 2
+    b_from, b_to = np.full(m, 8), np.full(m, 7)
+    truth = np.where(kinds == 0, 0.8 * dev[:, 0] - 0.3, -0.5 * dev[:, 3] + 0.2)
+    heads = ResidualHeads.fit(8, blocks, b_from, b_to, phi, truth + rng.normal(0, 0.01, m), n_blocks)
+    for i in range(n_blocks):  # each block's mean log features
+        np.testing.assert_allclose(heads.feat_mean[i], np.log(phi[blocks == i]).mean(axis=0), rtol=1e-9)
+    pred = np.log(heads.eta(blocks, b_from, b_to, phi, 1.0, (-10, 10))) / heads.confidence[kinds, 8, 7]
+    assert np.abs(pred - truth).max() < 0.1
     assert (heads.confidence[:, 8, 7] > 0.95).all() and heads.confidence[:, 7, 6].max() == 0
+    # a head on the global feature level (no per-block centring) cannot see the deviation this well
+    glob = np.log(phi) - np.log(phi).mean(axis=0)
+    x = np.concatenate([glob, np.ones((m, 1))], axis=1)
+    sel = kinds == 0
+    coef = np.linalg.lstsq(x[sel], truth[sel], rcond=None)[0]
+    assert 1 - ((x[sel] @ coef - truth[sel]) ** 2).mean() / truth[sel].var() < 0.9
     again = ResidualHeads.from_dict(heads.to_dict())
-    assert np.array_equal(again.weight, heads.weight) and np.array_equal(again.confidence, heads.confidence)
+    assert all(np.array_equal(getattr(again, k), getattr(heads, k)) for k in heads.to_dict())
+    with pytest.raises(ValueError, match="weight"):
+        ResidualHeads.from_dict({**heads.to_dict(), "weight": np.zeros((2, 9, 9, 3))})
