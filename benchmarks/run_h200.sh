@@ -19,8 +19,8 @@ step() { local limit=$1; shift; echo "== $* (limit ${limit}s)" | tee -a "$log";
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(exchange mover enginetest engine pressure)
 for s in "${steps[@]}"; do case $s in
-  exchange) step 40 python3 -m benchmarks.budget_exchange ;;
-  mover) step 40 python3 -m benchmarks.page_mover_bench --trials 3 ;;
+  exchange) step 60 python3 -m benchmarks.budget_exchange ;;
+  mover) step 60 python3 -m benchmarks.page_mover_bench --trials 3 ;;
   # ncu's stall reasons and DRAM figures for the decode kernel (Mixtral 4-bit T=1), first launches skipped
   ncu) step 150 ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
          ${NCU_ARGS:---set full} -o "$OUT/ncu_gemv" python3 -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
@@ -31,8 +31,8 @@ for s in "${steps[@]}"; do case $s in
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
   enginetest) step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \
-                tests/test_engine.py -k "ap_ or pressure or preempts" ;;
-  engine) step "${ENGINE_LIMIT:-155}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6 --time-budget-s 110} \
+                tests/test_engine.py -k "ap_ or pressure or preempts or cuda_graph" ;;
+  engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             --profile "$OUT/engine_profile.txt" ;;
   pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
