@@ -32,8 +32,9 @@ for s in "${steps[@]}"; do case $s in
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
   enginetest) step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \
                 tests/test_engine.py -k "ap_ or pressure or preempts or cuda_graph" ;;
+  # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
-            --profile "$OUT/engine_profile.txt" ;;
+            ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
   pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
 esac; done
