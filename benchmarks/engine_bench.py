@@ -19,6 +19,7 @@ import io
 import pstats
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -167,9 +168,12 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     t0 = time.perf_counter()
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     gc.collect()
+    reserved_before = None
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # what an earlier configuration left reserved (nothing, unless one leaked): the peak below includes it
+        reserved_before = torch.cuda.memory_reserved() / 2**30
     model = random_model(cfg, weights is None, dtype, args.device)
     llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
@@ -193,6 +197,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     row = {"config": name, "batch": batch, "seq_len": seq_len, "prompt_tokens": seq_len - gen, "gen_tokens": gen,
            **res, "budget_gib": budget / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
+           "reserved_before_gib": reserved_before,
            "weights_outside_pool_gib": param_bytes(llm.model) / 2**30,
            "resident_expert_gib": st["resident_weight_bytes"] / 2**30,
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
@@ -261,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new configuration once this many seconds have passed (default: no limit)")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
-        return write_result("engine_bench", rows, out_dir=args.out_dir,
+        return write_result("engine_bench", rows, out_dir=args.out_dir, label=args.label,
                             extra={**extra, "complete": complete, "skipped_configs": skipped})
 
     save()
@@ -308,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
             logger.exception("{} batch {} failed", name, batch)
             row = {"config": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            # the traceback's frames hold the failed engine (its whole pool): drop them before the next config
+            traceback.clear_frames(exc.__traceback__)
         rows.append(row)
         save()
     print(save(complete=True))

@@ -229,8 +229,12 @@ def pressure_run(ap_dir):
         used.append(llm.kv.num_used_blocks)
         llm.table.check()
     during = llm.stats()
-    for _ in range(6):  # pressure gone: the idle loop reloads
+    # pressure gone: the idle loop reloads. Reloads are paced per step (a GPU step is short, so its byte cap is
+    # small): step until the mover is idle, within a bound that a stuck reload would hit.
+    for _ in range(400):
         llm.step()
+        if llm.mover.idle() and _mean_width(llm) == 8.0:
+            break
     return llm, start, widths, used, done, during
 
 
