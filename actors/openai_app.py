@@ -443,6 +443,8 @@ class AppArgs(BaseModel):
     num_gpus_per_replica: float | None = None  # None: 1 when the cluster has GPUs, else 0
     engine_num_cpus: float = 1.0  # CPUs of a CPU-only engine replica
     engine_options: dict = {}
+    expert_impl: str = "auto"  # "reference": the torch twin of the fused kernel (no kernel compile)
+    store_root: str = "/dev/shm"  # tmpfs where the node's page store writes the planes
 
 
 def _cluster_has_gpus() -> bool:
@@ -469,7 +471,7 @@ def build_app(args: AppArgs) -> serve.Application:
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() else 0.0
     cfg = EngineConfig(resolve_model_dir(args.model_dir), args.gpu_memory_budget, "cuda" if gpus else "cpu",
-                       dict(args.engine_options))
+                       dict(args.engine_options), store_root=args.store_root, expert_impl=args.expert_impl)
     actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
     engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options).bind(cfg)
     return OpenAIIngress.bind(engine, args.api_key)

@@ -20,7 +20,12 @@ the planes once, starts N EngineActors, then measures:
     adopts the merge; the merge is recomputed here from the planner's stored tables, and each engine's planner
     must then cut exactly the merged buckets;
 (d) eval: the batch evaluation job's own code (actors/jobs/evaluate.py) over engines[:1] and all N (or the
-    --eval-counts given): throughput, and perplexity and greedy samples identical to the one-engine run.
+    --eval-counts given): throughput, and perplexity and greedy samples identical to the one-engine run;
+(e) serve: the OpenAI-compatible Serve app (actors/openai_app.py) with N, then 1 engine replicas (one per
+    --gpus-per-engine share; the ingress takes no CPU), under a closed-loop HTTP load of --serve-clients threads
+    (stdlib urllib), non-streaming then streaming completions of exactly --serve-tokens tokens: requests, errors,
+    tokens/s, P50/P99 latency and time to first token, and the N-vs-1 ratios. The engine sections' actors are
+    gone by then, so each replica has its GPU share to itself. --sections picks a subset.
 Experts (--expert-impl): "reference" (default) runs the torch twin of the fused kernel on the GPU: the point here
 is the actor plumbing, and the kernel's first compile (~67 s on the H200) would take half the time budget; "auto"
 runs the kernel, compiled once in a child process into NUMBA_CACHE_DIR, which every engine then loads.
@@ -35,8 +40,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "models" / "pw-tiny-moe"
 DATA = ROOT / "data"
 _MAP_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+\s")
+ENGINE_SECTIONS = ("store", "reload", "planner", "eval")  # over EngineActors (measure)
+SECTIONS = (*ENGINE_SECTIONS, "serve")  # serve: Serve replicas behind the HTTP ingress (measure_serve)
 
 
 # ---------------------------------------------------------------- run inside an engine (EngineActor.call)
@@ -287,7 +298,8 @@ def _phase(name: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:6.1f} s] {name}", flush=True)
 
 
-def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
+def measure(args, ap_dir: Path, sections: set[str]) -> tuple[list[dict], dict, dict]:
+    """Sections store, reload, planner and eval, over N EngineActors."""
     import ray
 
     from pagedweight.actors.engine_actor import EngineConfig, start_engines
@@ -319,117 +331,294 @@ def measure(args, ap_dir: Path) -> tuple[list[dict], dict, dict]:
     _phase(f"{len(engines)} engines up on {[i['device'] for i in infos]}, gpu ids {[i['gpu_ids'] for i in infos]}",
            t_start)
 
+    ceiling, planner_extra = None, {}
+    texts = {"code": (DATA / "eval.txt").read_text(), "prose": (DATA / "eval_prose.txt").read_text()}
     # (b) reloads, alone then together (first, so that (a) sees every store page touched by every engine)
-    low = ap.seed_bits
-    solo_copy = [ray.get(e.call.remote(store_copy, args.probe_copies, None, True)) for e in engines]
-    solo_reload = [ray.get(e.call.remote(reload_cycles, low, args.probe_cycles, None)) for e in engines]
-    ceiling = max(s["ceiling_gb_per_s"] for s in solo_copy)
+    if "reload" in sections:
+        low = ap.seed_bits
+        solo_copy = [ray.get(e.call.remote(store_copy, args.probe_copies, None, True)) for e in engines]
+        solo_reload = [ray.get(e.call.remote(reload_cycles, low, args.probe_cycles, None)) for e in engines]
+        ceiling = max(s["ceiling_gb_per_s"] for s in solo_copy)
 
-    def rate(res: dict) -> float:
-        return res["bytes"] / sum(b - a for a, b in res["intervals"]) / 1e9
+        def rate(res: dict) -> float:
+            return res["bytes"] / sum(b - a for a, b in res["intervals"]) / 1e9
 
-    def add_rows(mode: str, path: str, results: list[dict]) -> None:
-        for name, res in zip(names, results):
-            rows.append({"phase": "reload", "mode": mode, "path": path, "engine": name, "bytes": res["bytes"],
-                         "s": sum(b - a for a, b in res["intervals"]), "gb_per_s": rate(res),
-                         "frac_of_copy_ceiling": rate(res) / ceiling})
-        union, overlap = union_and_overlap([iv for res in results for iv in res["intervals"]])
-        total = sum(res["bytes"] for res in results)
-        rows.append({"phase": "reload", "mode": mode, "path": path, "engine": "all", "bytes": total, "s": union,
-                     "gb_per_s": total / union / 1e9, "frac_of_copy_ceiling": total / union / 1e9 / ceiling,
-                     "overlap_frac": overlap / union if union else 0.0})
+        def add_rows(mode: str, path: str, results: list[dict]) -> None:
+            for name, res in zip(names, results):
+                rows.append({"phase": "reload", "mode": mode, "path": path, "engine": name, "bytes": res["bytes"],
+                             "s": sum(b - a for a, b in res["intervals"]), "gb_per_s": rate(res),
+                             "frac_of_copy_ceiling": rate(res) / ceiling})
+            union, overlap = union_and_overlap([iv for res in results for iv in res["intervals"]])
+            total = sum(res["bytes"] for res in results)
+            rows.append({"phase": "reload", "mode": mode, "path": path, "engine": "all", "bytes": total, "s": union,
+                         "gb_per_s": total / union / 1e9, "frac_of_copy_ceiling": total / union / 1e9 / ceiling,
+                         "overlap_frac": overlap / union if union else 0.0})
 
-    add_rows("solo", "store_copy", solo_copy)
-    add_rows("solo", "mover", solo_reload)
-    copies = [max(1, round(args.reload_seconds * rate(s) * 1e9 / (s["bytes"] / args.probe_copies))) for s in solo_copy]
-    cycles = [max(1, round(args.reload_seconds * rate(s) * 1e9 / (s["bytes"] / args.probe_cycles)))
-              for s in solo_reload]
-    start_at = time.time() + args.barrier_s
-    together = ray.get([e.call.remote(store_copy, n, start_at) for e, n in zip(engines, copies)])
-    add_rows("concurrent", "store_copy", together)
-    start_at = time.time() + args.barrier_s
-    together = ray.get([e.call.remote(reload_cycles, low, n, start_at) for e, n in zip(engines, cycles)])
-    add_rows("concurrent", "mover", together)
-    _phase("reloads measured", t_start)
+        add_rows("solo", "store_copy", solo_copy)
+        add_rows("solo", "mover", solo_reload)
+        copies = [max(1, round(args.reload_seconds * rate(s) * 1e9 / (s["bytes"] / args.probe_copies)))
+                  for s in solo_copy]
+        cycles = [max(1, round(args.reload_seconds * rate(s) * 1e9 / (s["bytes"] / args.probe_cycles)))
+                  for s in solo_reload]
+        start_at = time.time() + args.barrier_s
+        together = ray.get([e.call.remote(store_copy, n, start_at) for e, n in zip(engines, copies)])
+        add_rows("concurrent", "store_copy", together)
+        start_at = time.time() + args.barrier_s
+        together = ray.get([e.call.remote(reload_cycles, low, n, start_at) for e, n in zip(engines, cycles)])
+        add_rows("concurrent", "mover", together)
+        _phase("reloads measured", t_start)
 
     # (a) the planes exist once on the node
-    maps = ray.get([e.call.remote(mapping_info) for e in engines])
-    used.append(root_used_bytes(args.store_root))
-    store_file = Path(store_dir) / "pages.bin"
-    st = store_file.stat()
-    for name, m in zip(names, maps):
-        rows.append({"phase": "store", "engine": name, **{k: v for k, v in m.items() if k != "mapped_inodes"},
-                     "mapped_inode": m["mapped_inodes"][0] if len(m["mapped_inodes"]) == 1 else m["mapped_inodes"]})
-    rows.append({"phase": "store", "engine": "node", "store_dir": store_dir, "store_file_bytes": st.st_size,
-                 "store_allocated_bytes": st.st_blocks * 512, "engines": len(engines),
-                 "bytes_if_one_copy_per_engine": len(engines) * st.st_size,
-                 "sum_mapping_pss_bytes": sum(m["mapping_pss_bytes"] for m in maps),
-                 "root_used_by_store_bytes": used[1] - used[0], "root_used_by_engines_bytes": used[2] - used[1],
-                 "same_file_and_inode": len({(m["store_file"], m["file_dev"], m["file_inode"]) for m in maps}) == 1
-                 and all(m["mapped_inodes"] == [st.st_ino] for m in maps)})
-    _phase("store mappings read", t_start)
+    if "store" in sections:
+        maps = ray.get([e.call.remote(mapping_info) for e in engines])
+        used.append(root_used_bytes(args.store_root))
+        store_file = Path(store_dir) / "pages.bin"
+        st = store_file.stat()
+        for name, m in zip(names, maps):
+            rows.append({"phase": "store", "engine": name, **{k: v for k, v in m.items() if k != "mapped_inodes"},
+                         "mapped_inode": m["mapped_inodes"][0] if len(m["mapped_inodes"]) == 1 else m["mapped_inodes"]})
+        rows.append({"phase": "store", "engine": "node", "store_dir": store_dir, "store_file_bytes": st.st_size,
+                     "store_allocated_bytes": st.st_blocks * 512, "engines": len(engines),
+                     "bytes_if_one_copy_per_engine": len(engines) * st.st_size,
+                     "sum_mapping_pss_bytes": sum(m["mapping_pss_bytes"] for m in maps),
+                     "root_used_by_store_bytes": used[1] - used[0], "root_used_by_engines_bytes": used[2] - used[1],
+                     "same_file_and_inode": len({(m["store_file"], m["file_dev"], m["file_inode"]) for m in maps}) == 1
+                     and all(m["mapped_inodes"] == [st.st_ino] for m in maps)})
+        _phase("store mappings read", t_start)
 
     # (c) planner: different traffic per engine, push, merge, adopt
-    texts = {"code": (DATA / "eval.txt").read_text(), "prose": (DATA / "eval_prose.txt").read_text()}
-    kinds = ["code" if i % 2 == 0 else "prose" for i in range(len(engines))]
-    params = SamplingParams(max_tokens=args.traffic_tokens, ignore_eos=True)
-    traffic = []
-    for i, (e, kind) in enumerate(zip(engines, kinds)):
-        text = texts[kind][i * len(texts[kind]) // len(engines):]
-        traffic.append(e.generate_batch.remote([(p, params) for p in prompts_from(text, args.traffic_prompts, 300)]))
-    ray.get(traffic)
-    local = ray.get([e.call.remote(routing_view) for e in engines])
-    pushed = [ray.get(e.sync_routing.remote(True)) for e in engines]  # one at a time: each adds its table
-    adopted = ray.get([e.sync_routing.remote(False) for e in engines])  # everyone takes the full merge
-    planner = get_or_create_planner()
-    final = decode_reply(ray.get(planner.merged.remote()))
-    tables = decode_tables(ray.get(planner.tables.remote()))
-    want = merge_here(tables)
-    n_buckets = local[0]["n_buckets"]
-    for name, kind, loc, push, adopt in zip(names, kinds, local, pushed, adopted):
-        rows.append({"phase": "planner", "engine": name, "traffic": kind, "pushed_tokens": push["pushed_tokens"],
-                     "pushed_equals_local": bool(np.allclose(push["pushed_mass"], loc["mass"], atol=1e-6)),
-                     "adopted_version": int(adopt["version"]), "merged_engines": len(adopt["engines"]),
-                     "local_vs_merged_l1": float(np.abs(loc["mass"] - final["mass"]).sum(1).mean()),
-                     "local_buckets_changed": int((buckets_here(loc["mass"], n_buckets) != final["buckets"]).sum()),
-                     "engine_buckets_equal_merged": bool(np.array_equal(adopt["engine_buckets"], final["buckets"]))})
-    rows.append({"phase": "planner", "engine": "planner", "version": int(final["version"]),
-                 "engines_merged": final["engines"], "tokens": final["tokens"],
-                 "merge_max_abs_err_vs_recomputed": float(np.abs(final["mass"] - want).max()),
-                 "buckets_equal_recomputed": bool(np.array_equal(final["buckets"], buckets_here(want, n_buckets)))})
-    planner_extra = {"merged_buckets": final["buckets"].tolist(),
-                     "merged_mass": np.round(final["mass"], 5).tolist(),
-                     "local_mass": {n: np.round(loc["mass"], 5).tolist() for n, loc in zip(names, local)}}
-    _phase("planner merge checked", t_start)
+    if "planner" in sections:
+        kinds = ["code" if i % 2 == 0 else "prose" for i in range(len(engines))]
+        params = SamplingParams(max_tokens=args.traffic_tokens, ignore_eos=True)
+        traffic = []
+        for i, (e, kind) in enumerate(zip(engines, kinds)):
+            text = texts[kind][i * len(texts[kind]) // len(engines):]
+            prompts = prompts_from(text, args.traffic_prompts, 300)
+            traffic.append(e.generate_batch.remote([(p, params) for p in prompts]))
+        ray.get(traffic)
+        local = ray.get([e.call.remote(routing_view) for e in engines])
+        pushed = [ray.get(e.sync_routing.remote(True)) for e in engines]  # one at a time: each adds its table
+        adopted = ray.get([e.sync_routing.remote(False) for e in engines])  # everyone takes the full merge
+        planner = get_or_create_planner()
+        final = decode_reply(ray.get(planner.merged.remote()))
+        tables = decode_tables(ray.get(planner.tables.remote()))
+        want = merge_here(tables)
+        n_buckets = local[0]["n_buckets"]
+        for name, kind, loc, push, adopt in zip(names, kinds, local, pushed, adopted):
+            rows.append({"phase": "planner", "engine": name, "traffic": kind, "pushed_tokens": push["pushed_tokens"],
+                         "pushed_equals_local": bool(np.allclose(push["pushed_mass"], loc["mass"], atol=1e-6)),
+                         "adopted_version": int(adopt["version"]), "merged_engines": len(adopt["engines"]),
+                         "local_vs_merged_l1": float(np.abs(loc["mass"] - final["mass"]).sum(1).mean()),
+                         "local_buckets_changed": int((buckets_here(loc["mass"], n_buckets) != final["buckets"]).sum()),
+                         "engine_buckets_equal_merged": bool(np.array_equal(adopt["engine_buckets"],
+                                                                            final["buckets"]))})
+        rows.append({"phase": "planner", "engine": "planner", "version": int(final["version"]),
+                     "engines_merged": final["engines"], "tokens": final["tokens"],
+                     "merge_max_abs_err_vs_recomputed": float(np.abs(final["mass"] - want).max()),
+                     "buckets_equal_recomputed": bool(np.array_equal(final["buckets"], buckets_here(want, n_buckets)))})
+        planner_extra = {"merged_buckets": final["buckets"].tolist(),
+                         "merged_mass": np.round(final["mass"], 5).tolist(),
+                         "local_mass": {n: np.round(loc["mass"], 5).tolist() for n, loc in zip(names, local)}}
+        _phase("planner merge checked", t_start)
 
     # (d) the evaluation job's code over 1 and N engines
-    job = build_parser().parse_args([str(ap_dir), "--mode", "all", "--ctx", str(args.eval_ctx), "--windows",
-                                     str(args.eval_windows), "--num-prompts", str(args.eval_prompts),
-                                     "--max-tokens", str(args.eval_tokens), "--shard", str(args.eval_shard)])
-    warm = token_windows(ap_dir, texts["code"], args.eval_ctx, 1)
-    ray.get([e.score.remote(warm) for e in engines])  # first forward at this shape (allocator, kernels) off the clock
-    first = None
-    counts = sorted({len(engines) if c == "all" else int(c) for c in args.eval_counts.split(",")} | {1})
-    if counts[-1] > len(engines):
-        raise SystemExit(f"--eval-counts asks for {counts[-1]} engines, {len(engines)} are running")
-    for n in counts:
-        res = evaluate(job, engines[:n])
-        ppl, gen = res["perplexity"], res["generation"]
-        samples = [s["text"] for s in gen["samples"]]
-        first = first or (ppl["ppl"], samples, ppl["elapsed_s"], gen["elapsed_s"])
-        rows.append({"phase": "eval", "engines": n, "ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"],
-                     "ppl_tokens_per_s": ppl["tokens"] / ppl["elapsed_s"], "ppl_windows_per_engine": ppl["windows_per_engine"],
-                     "gen_tokens": gen["generated_tokens"], "gen_tokens_per_s": gen["tokens_per_s"],
-                     "gen_prompts_per_engine": gen["prompts_per_engine"],
-                     "ppl_speedup_vs_1": first[2] / ppl["elapsed_s"], "gen_speedup_vs_1": first[3] / gen["elapsed_s"],
-                     "identical_ppl": ppl["ppl"] == first[0], "identical_samples": samples == first[1]})
-        _phase(f"evaluation over {n} engine(s)", t_start)
+    if "eval" in sections:
+        job = build_parser().parse_args([str(ap_dir), "--mode", "all", "--ctx", str(args.eval_ctx), "--windows",
+                                         str(args.eval_windows), "--num-prompts", str(args.eval_prompts),
+                                         "--max-tokens", str(args.eval_tokens), "--shard", str(args.eval_shard)])
+        warm = token_windows(ap_dir, texts["code"], args.eval_ctx, 1)
+        ray.get([e.score.remote(warm) for e in engines])  # first forward at this shape off the clock
+        first = None
+        counts = sorted({len(engines) if c == "all" else int(c) for c in args.eval_counts.split(",")} | {1})
+        if counts[-1] > len(engines):
+            raise SystemExit(f"--eval-counts asks for {counts[-1]} engines, {len(engines)} are running")
+        for n in counts:
+            res = evaluate(job, engines[:n])
+            ppl, gen = res["perplexity"], res["generation"]
+            samples = [s["text"] for s in gen["samples"]]
+            first = first or (ppl["ppl"], samples, ppl["elapsed_s"], gen["elapsed_s"])
+            rows.append({"phase": "eval", "engines": n, "ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"],
+                         "ppl_tokens_per_s": ppl["tokens"] / ppl["elapsed_s"],
+                         "ppl_windows_per_engine": ppl["windows_per_engine"],
+                         "gen_tokens": gen["generated_tokens"], "gen_tokens_per_s": gen["tokens_per_s"],
+                         "gen_prompts_per_engine": gen["prompts_per_engine"],
+                         "ppl_speedup_vs_1": first[2] / ppl["elapsed_s"],
+                         "gen_speedup_vs_1": first[3] / gen["elapsed_s"],
+                         "identical_ppl": ppl["ppl"] == first[0], "identical_samples": samples == first[1]})
+            _phase(f"evaluation over {n} engine(s)", t_start)
     for e in engines:
         ray.kill(e, no_restart=True)
-    ceilings = {"pinned_h2d_gb_per_s" if not cpu else "private_copy_gb_per_s": ceiling}
+    ceilings = {} if ceiling is None else {"pinned_h2d_gb_per_s" if not cpu else "private_copy_gb_per_s": ceiling}
     extra = {"engines": infos, "expert_impl": args.expert_impl, "checkpoint": str(ap_dir),
              "planner": planner_extra, "wall_s": time.perf_counter() - t_start}
     return rows, ceilings, extra
+
+
+# ---------------------------------------------------------------- (e) serve: HTTP load on the OpenAI app
+
+@dataclass
+class Reply:
+    """One HTTP completion as the client saw it; `error` says why it does not count."""
+
+    start: float
+    end: float
+    ttft_s: float | None  # streaming: time to the first token chunk
+    tokens: int
+    text: str
+    error: str | None
+
+
+def http_completion(url: str, model: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 120.0) -> Reply:
+    """POST /v1/completions (greedy, ignore_eos: every request generates exactly max_tokens) with the stdlib client;
+    a non-200 status, an error chunk, a stream without [DONE] or a short completion is an error."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, text, tokens, done, error = None, [], 0, not stream, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            if not stream:
+                out = json.loads(resp.read())
+                text.append(out["choices"][0]["text"])
+                tokens = out["usage"]["completion_tokens"]
+            for raw in resp if stream else ():
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    error = f"error chunk: {event['error']['message']}"
+                    break
+                if event["choices"]:
+                    ttft = time.perf_counter() - t0 if ttft is None else ttft
+                    text.append(event["choices"][0]["text"])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    except urllib.error.HTTPError as exc:
+        error = f"HTTP {exc.code}: {exc.read()[:300]!r}"
+    except (OSError, ValueError, KeyError) as exc:  # connection refused/reset, timeout, a malformed body
+        error = f"{type(exc).__name__}: {exc}"
+    if error is None and not done:
+        error = "the stream ended without [DONE]"
+    if error is None and tokens != max_tokens:
+        error = f"{tokens} completion tokens, asked for {max_tokens}"
+    return Reply(t0, time.perf_counter(), ttft, tokens, "".join(text), error)
+
+
+def http_load(url: str, model: str, prompts: list[str], clients: int, seconds: float, max_tokens: int,
+              stream: bool) -> dict:
+    """A closed loop: `clients` threads each send one request after another until `seconds` have passed (requests
+    in flight then still finish and count). Tokens/s = completion tokens of the good requests / wall time."""
+    replies: list[Reply] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+
+    def client(i: int) -> None:
+        k = i
+        while time.perf_counter() < deadline:
+            reply = http_completion(url, model, prompts[k % len(prompts)], max_tokens, stream)
+            with lock:
+                replies.append(reply)
+            k += clients
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = max([r.end for r in replies], default=time.perf_counter()) - t0
+    good = [r for r in replies if r.error is None]
+    latency = np.array([r.end - r.start for r in good]) * 1e3
+    ttft = np.array([r.ttft_s for r in good if r.ttft_s is not None]) * 1e3
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q)) if a.size else None
+
+    tokens = sum(r.tokens for r in good)
+    return {"clients": clients, "wall_s": wall, "requests": len(good), "errors": len(replies) - len(good),
+            "error_examples": sorted({r.error for r in replies if r.error})[:3], "completion_tokens": tokens,
+            "tokens_per_s": tokens / wall, "requests_per_s": len(good) / wall,
+            "latency_p50_ms": pct(latency, 50), "latency_p99_ms": pct(latency, 99), "latency_max_ms": pct(latency, 100),
+            "ttft_p50_ms": pct(ttft, 50) if stream else None, "ttft_p99_ms": pct(ttft, 99) if stream else None}
+
+
+def running_replicas(app_name: str, deployment: str = "EngineReplica") -> int:
+    from ray import serve
+
+    states = serve.status().applications[app_name].deployments[deployment].replica_states
+    return int(sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING"))
+
+
+def measure_serve(args, ap_dir: Path) -> list[dict]:
+    """Section serve: the OpenAI app with N, then 1 engine replica(s) (each `--gpus-per-engine` of a GPU, or
+    `--engine-cpus` CPUs on a CPU), under the same closed-loop HTTP load, non-streaming then streaming.
+    Joins a running Serve instance (its HTTP port) under its own app name and route prefix, and deletes the app
+    afterwards; starts Serve on 127.0.0.1:--serve-port otherwise, and shuts it down afterwards."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from pagedweight.actors.jobs.evaluate import prompts_from
+    from pagedweight.actors.openai_app import AppArgs, build_app
+
+    t_start = time.perf_counter()
+    cpu = args.device == "cpu"
+    had_serve = _get_global_client(raise_if_no_controller_running=False) is not None
+    if not had_serve:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.serve_port})
+    prefix = f"/{args.serve_app}"
+    url = f"http://127.0.0.1:{_get_global_client().http_config.port}{prefix}"
+    prompts = prompts_from((DATA / "eval.txt").read_text(), args.serve_prompts, args.serve_prompt_chars)
+    opts = {"kv_cache_bytes": args.kv_cache_mib << 20, "max_num_seqs": 32}
+    rows: list[dict] = []
+    texts: dict[int, list[str]] = {}
+    # Each serve.run deploys new code versions, so Serve replaces every replica: each configuration starts cold
+    # (its own engines, each warmed up by the unrecorded load) and the order does not matter.
+    try:
+        for n in sorted({1, args.engines}, reverse=True):
+            app = build_app(AppArgs(model_dir=str(ap_dir), num_replicas=n, num_gpus_per_replica=0 if cpu
+                                    else args.gpus_per_engine, engine_num_cpus=args.engine_cpus,
+                                    engine_options=opts, expert_impl=args.expert_impl, store_root=args.store_root))
+            serve.run(app, name=args.serve_app, route_prefix=prefix)  # returns once the new replicas are up
+            deadline = time.monotonic() + 60
+            while (replicas := running_replicas(args.serve_app)) != n and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as resp:
+                model = json.loads(resp.read())["data"][0]["id"]
+            _phase(f"serve: {replicas} replica(s) running at {url}", t_start)
+            clients = args.serve_clients * (n if args.serve_clients_per_replica else 1)
+            warm = http_load(url, model, prompts, clients, args.serve_warmup_s, args.serve_tokens, False)
+            # greedy text, one request at a time (batch 1: the same numerics in every configuration)
+            checks = [http_completion(url, model, p, args.serve_tokens, False) for p in prompts[:4]]
+            texts[n] = [r.text for r in checks]
+            for stream in (False, True):
+                res = http_load(url, model, prompts, clients, args.serve_seconds, args.serve_tokens, stream)
+                rows.append({"phase": "serve", "replicas": n, "replicas_running": replicas, "stream": stream,
+                             "max_tokens": args.serve_tokens, **res, "warmup_errors": warm["errors"],
+                             "text_check_errors": sum(r.error is not None for r in checks)})
+                _phase(f"serve: {n} replica(s), stream={stream}: {res['requests']} requests, "
+                       f"{res['errors']} errors, {res['tokens_per_s']:.0f} tokens/s", t_start)
+    finally:
+        serve.delete(args.serve_app)
+        if not had_serve:
+            serve.shutdown()
+    rows.sort(key=lambda r: (r["replicas"], r["stream"]))
+    base = {r["stream"]: r for r in rows if r["replicas"] == 1}
+    for r in rows:
+        one = base[r["stream"]]
+        r["tokens_per_s_vs_1"] = r["tokens_per_s"] / one["tokens_per_s"] if one["tokens_per_s"] else None
+        r["latency_p99_vs_1"] = (r["latency_p99_ms"] / one["latency_p99_ms"]
+                                 if r["latency_p99_ms"] and one["latency_p99_ms"] else None)
+        r["identical_text_vs_1"] = texts[r["replicas"]] == texts[1]
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -458,6 +647,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=16)
     p.add_argument("--eval-shard", type=int, default=2)
     p.add_argument("--eval-counts", default="1,all", help="engine counts of the evaluation (1 always runs first)")
+    p.add_argument("--serve-clients", type=int, default=16, help="serve: client threads (a closed loop each)")
+    p.add_argument("--serve-clients-per-replica", action="store_true",
+                   help="serve: --serve-clients per replica (load grows with N) instead of in all")
+    p.add_argument("--serve-seconds", type=float, default=6.0, help="serve: load duration per configuration/mode")
+    p.add_argument("--serve-warmup-s", type=float, default=2.0, help="serve: unrecorded load after each deploy")
+    p.add_argument("--serve-tokens", type=int, default=32, help="serve: max_tokens of every request")
+    p.add_argument("--serve-prompts", type=int, default=16)
+    p.add_argument("--serve-prompt-chars", type=int, default=200)
+    p.add_argument("--serve-port", type=int, default=8000, help="serve: HTTP port if Serve is not running yet")
+    p.add_argument("--serve-app", default="multi-engine-bench", help="serve: app name and route prefix")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster (default: all)")
     p.add_argument("--object-store-mib", type=int, default=512)
@@ -468,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections or not sections <= set(SECTIONS):
+        raise SystemExit(f"--sections {args.sections!r}: choose from {','.join(SECTIONS)}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the engine processes
     if args.device == "cpu" and args.expert_impl == "auto":
@@ -482,14 +685,21 @@ def main(argv: list[str] | None = None) -> Path:
 
     started = start_cluster(args)
     try:
-        rows, ceilings, extra = measure(args, ap_dir)
+        rows, ceilings, extra = measure(args, ap_dir, sections) if sections & set(ENGINE_SECTIONS) else ([], {}, {})
+        if "serve" in sections:  # the sections so far are kept if Serve fails (e.g. a package missing)
+            write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir,
+                         extra={**extra, "complete": False})
+            t0 = time.perf_counter()
+            rows += measure_serve(args, ap_dir)
+            extra["serve_wall_s"] = time.perf_counter() - t0
     finally:
         if started:
             from pagedweight.actors.page_store_actor import page_store_for_node
 
             ray.get(page_store_for_node(root=args.store_root).destroy.remote())
             ray.shutdown()
-    path = write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir, extra=extra)
+    path = write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir,
+                        extra={**extra, "complete": True})
     for row in rows:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
     print(f"results -> {path}")

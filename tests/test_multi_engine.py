@@ -1,4 +1,5 @@
-"""benchmarks/multi_engine.py on the session's CPU Ray cluster: two engines, one page store, planner, eval job."""
+"""benchmarks/multi_engine.py on the session's CPU Ray cluster: two engines, one page store, planner, eval job,
+and the Serve app with 2 and 1 engine replicas under concurrent HTTP load."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,9 @@ import json
 from pagedweight.apformat import load_ap
 from pagedweight.bitplanes import lut_bytes
 
-CYCLES, COPIES = 1, 2
+from conftest import free_port
+
+CYCLES, COPIES, SERVE_TOKENS = 1, 2, 6
 
 
 def test_multi_engine_benchmark_on_cpu(ray_cluster, ap_model_dir, tmp_path):
@@ -16,7 +19,9 @@ def test_multi_engine_benchmark_on_cpu(ray_cluster, ap_model_dir, tmp_path):
                  "--kv-cache-mib", "16", "--probe-copies", str(COPIES), "--probe-cycles", str(CYCLES),
                  "--reload-seconds", "0.05", "--barrier-s", "0.5", "--traffic-prompts", "2", "--traffic-tokens", "8",
                  "--eval-ctx", "64", "--eval-windows", "4", "--eval-prompts", "4", "--eval-tokens", "6",
-                 "--eval-shard", "1", "--out-dir", str(tmp_path)])
+                 "--eval-shard", "1", "--serve-clients", "4", "--serve-seconds", "1", "--serve-warmup-s", "0.3",
+                 "--serve-tokens", str(SERVE_TOKENS), "--serve-prompts", "8", "--serve-port", str(free_port()),
+                 "--out-dir", str(tmp_path)])
     result = json.loads(path.read_text())
     rows = result["rows"]
     by = lambda phase, **kv: [r for r in rows if r["phase"] == phase and all(r.get(k) == v for k, v in kv.items())]
@@ -58,3 +63,17 @@ def test_multi_engine_benchmark_on_cpu(ray_cluster, ap_model_dir, tmp_path):
     assert 1 < one["ppl"] < 100 and two["identical_ppl"] and two["identical_samples"]
     assert min(two["ppl_windows_per_engine"]) >= 1 and min(two["gen_prompts_per_engine"]) >= 1
     assert one["ppl_tokens"] == two["ppl_tokens"] == 4 * 64
+
+    # (e) Serve: 1 and 2 replicas running behind the ingress, every HTTP request answered in full, same greedy text
+    serve = by("serve")
+    assert [(r["replicas"], r["stream"]) for r in serve] == [(1, False), (1, True), (2, False), (2, True)]
+    for r in serve:
+        assert r["replicas_running"] == r["replicas"] and r["clients"] == 4
+        assert r["errors"] == r["warmup_errors"] == r["text_check_errors"] == 0, r["error_examples"]
+        assert r["requests"] >= 1 and r["completion_tokens"] == r["requests"] * SERVE_TOKENS
+        assert r["tokens_per_s"] > 0 and 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] <= r["latency_max_ms"]
+        assert r["identical_text_vs_1"] and r["tokens_per_s_vs_1"] > 0
+        if r["stream"]:  # the first token comes before the last one
+            assert 0 < r["ttft_p50_ms"] <= r["latency_p50_ms"] and r["ttft_p99_ms"] <= r["latency_max_ms"]
+        else:
+            assert r["ttft_p50_ms"] is None
