@@ -489,6 +489,9 @@ class LLM:
             # [pages: KV relocation] compactions for weight reloads, and the KV bytes they copied
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
+            # [pages: weight relocation] weight runs those compactions moved, and their bytes
+            "weight_relocations": self.pool.relocated_weight_runs,
+            "weight_relocated_bytes": self.pool.bytes_of(self.pool.relocated_weight_pages),
         }
         if self.table is not None:
             q = self.table.host_q.numpy()

@@ -14,9 +14,10 @@ the copy has stopped writing them.
 Pacing (`ReloadPace`): a reload's pages are allocated at once, but its bytes are issued at most `cap()` per step,
 so reloads trickle beside decode steps instead of saturating the link and HBM in one burst. Offloads are never
 paced (they copy one small LUT and free the pages KV is waiting for), nor is a block's first load (q_i = 0: no
-step can run before it). When a reload finds enough free pages but no run long enough (KV blocks in the holes),
-the pool relocates KV pages out of a window (`PagePool._compact`), which is why `request` must only be called at
-a step boundary.
+step can run before it). When a reload finds enough free pages but no run long enough (KV blocks in the holes,
+or weight runs of other sizes), the pool relocates KV pages and the weight runs this mover vouches for
+(`_movable_runs`) out of a window (`PagePool._compact`), which is why `request` must only be called at a step
+boundary.
 """
 from __future__ import annotations
 
@@ -107,7 +108,10 @@ class ReloadPace:
 
     bytes_per_step: int | None = None  # a fixed cap; None: link_bytes_per_s * duty * measured step time
     link_bytes_per_s: float = PINNED_LINK_BYTES_PER_S
-    duty: float = 0.5  # share of a step time the link may spend on reloads
+    # share of a step time the link may spend on reloads. Measured on the H200 beside a memory-bound decode loop
+    # (page_mover-nvidia-h200-20261129*.json): unpaced 5.3-7.6 % slowdown, duty 0.5 7.9-9.8 % (its per-step copies
+    # still spanned the whole step), duty 0.2 2.4-2.8 % at 10.9 GB/s of reloads.
+    duty: float = 0.2
     step_s: float = 1e-3  # step time estimate (starting value, then the measured average)
     min_bytes: int = 1 << 20  # derived caps never go below this (per-copy issue cost)
 
@@ -182,6 +186,7 @@ class PageMover:
         reserve = max(lut_pages, self.lut_reserve_pages or 0)
         if self.pool.reserve_pages < reserve:
             self.pool.set_reserve(reserve)
+        self.pool.set_weight_guard(self._movable_runs)
 
     # ---- planner side ----
     def pending(self, i: int) -> bool:
@@ -301,6 +306,27 @@ class PageMover:
         return None if self.pace is None else self.pace.cap()
 
     # ---- internals ----
+    def _movable_runs(self) -> set[int]:
+        """Starts of the weight runs the pool may relocate now (its guard; called only from `alloc_run` inside
+        `request`, at a step boundary).
+
+        A run may move when its slot is complete in the pool (GPU: no copy writes it), it is not retiring (a step
+        launched before an offload's commit may still read it; it is about to be freed anyway), and its block has no
+        move pending (a cancelled or failed move's pages, or slots a reload reuses, stay put until it resolves). On
+        top, every launched step must have finished (its fence polled here): then no kernel reads a run's old pages
+        at all, and the copy, the republished device tables (both on the compute stream) and every later write into
+        the old pages (KV in later steps, reloads whose copy stream waits for the compute stream) follow in stream
+        order. An engine steps its boundary after the previous step's tokens reached the host, so this rarely
+        refuses; when it does, the reload is refused this step and requested again at the next.
+        """
+        while self._inflight and self._inflight[0][1].done():
+            self.completed = self._inflight.popleft()[0]
+        if self._inflight:
+            return set()
+        gpu, retiring = PageState.GPU, self._retiring
+        return {s.page for i in range(len(self.table.rows)) if i not in self._moves
+                for what, idx, s in self.table.slots(i) if s.state is gpu and (i, what, idx) not in retiring}
+
     def _issue(self, i: int, move: Move) -> None:
         """Issue the move's remaining copies: all of them, or for a paced reload what the step's cap leaves (a
         plane may be split across steps). The move keeps every piece's fence and commits when all are done."""

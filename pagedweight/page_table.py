@@ -3,7 +3,8 @@
 The host table is the truth; the device tables the kernels read (`q`, `plane_off`, `lut_off`, SPEC.md) are a
 derived copy written only at commit points: `commit` edits a host staging buffer, `publish` (at a step boundary)
 moves it to the device in one copy on the compute stream, so the tables keep their addresses (CUDA graphs stay
-valid) and no kernel sees a half-written row. Rules: DESIGN.md §3.
+valid) and no kernel sees a half-written row. The one other writer is weight-run relocation (pool compaction at a
+step boundary): the table follows the moved slots and republishes at once (`_relocated`). Rules: DESIGN.md §3.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class WeightPageTable:
         self._dirty = True
         self._publish_event = None
         self.publish()
+        self.pool.add_weight_listener(self._relocated)
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         L, E, P = self.num_layers, self.num_experts, self.parent_bits
@@ -141,8 +143,12 @@ class WeightPageTable:
         if not self.can_commit(i, b):
             raise RuntimeError(f"block {i}: width {b} is not resident and complete")
         self._wait_publish()
-        row = self.rows[i]
-        row.q = b
+        self.rows[i].q = b
+        self._stage(i)
+
+    def _stage(self, i: int) -> None:
+        """Write block i's committed width and the offsets of the slots it reads into the staging tables."""
+        row, b = self.rows[i], self.rows[i].q
         l, rem = divmod(i, 2 * self.num_experts)
         e, u = divmod(rem, 2)
         words_per_page = self.pool.page_bytes // 4
@@ -151,6 +157,26 @@ class WeightPageTable:
             [s.page * words_per_page if p < b else -1 for p, s in enumerate(row.planes)], dtype=torch.int64)
         self.host_lut_off[l, e, u] = row.luts[b].page * (self.pool.page_bytes // 2)
         self._dirty = True
+
+    def _relocated(self, moves: dict[int, int]) -> None:
+        """The pool moved weight runs old start -> new start (bytes already copied on the compute stream): follow
+        them, restage the rows of blocks whose committed width reads a moved slot, and publish at once, on the
+        compute stream after those copies, so the device tables never point at the old pages when the next step
+        runs (whoever calls the pool need not publish). Only slots complete in the pool may move (the mover's guard).
+        """
+        self._wait_publish()
+        restage = set()
+        for i, row in enumerate(self.rows):
+            for what, idx, s in self.slots(i):
+                if s.page in moves:
+                    if s.state is not PageState.GPU:
+                        raise RuntimeError(f"block {i} {what}{idx}: moved while {s.state.name}")
+                    s.page = moves[s.page]
+                    if row.q and (idx < row.q if what == "plane" else idx == row.q):
+                        restage.add(i)
+        for i in sorted(restage):
+            self._stage(i)
+        self.publish()
 
     def publish(self, stream: torch.cuda.Stream | None = None) -> bool:
         """Copy the staged tables to the device tables (one copy, on the compute stream); True if anything changed."""

@@ -12,6 +12,9 @@ Fragmentation: after offloads, KV blocks land in the holes the planes left, so a
 pages but no run long enough. Then `alloc_run(..., relocate=True)` compacts: it picks the window of the run's
 length that holds no weight page and the fewest KV pages, copies those KV pages to free pages outside it and tells
 the KV holders their new places (`add_kv_listener`). Kernels are untouched: weights stay contiguous runs.
+When weight runs themselves fragment the free pages (planes and LUTs are runs of many sizes), no window is free of
+weight pages; then the window may also hold weight runs that their owner vouches are movable (`set_weight_guard`):
+each moves whole to a free extent outside the window and the owner follows it (`add_weight_listener`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 
 PAGE_ALIGN = 256  # page sizes are multiples of this, so every page starts word- and half-aligned
 FREE, WEIGHT, KV = 0, 1, 2  # what a page holds (PagePool._kind)
+RELOCATION_TRIES = 64  # windows with weight runs tried per compaction (fewest used pages first): bounds host time
 
 
 class PoolExhausted(RuntimeError):
@@ -68,6 +72,8 @@ class PagePool:
     _allocs: dict[int, Allocation] = field(init=False, repr=False)
     _kind: np.ndarray = field(init=False, repr=False)  # int8 [capacity_pages]: FREE | WEIGHT | KV
     _kv_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
+    _weight_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
+    _weight_guard: Callable[[], set[int]] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGN:
@@ -87,10 +93,14 @@ class PagePool:
         self._allocs = {}
         self._kind = np.zeros(self.capacity_pages, dtype=np.int8)
         self._kv_listeners = []
+        self._weight_listeners = []
+        self._weight_guard = None
         self.weight_pages = 0
         self.kv_pages = 0
         self.relocations = 0  # compactions done (one per weight run that needed one)
         self.relocated_pages = 0  # KV pages copied by them
+        self.relocated_weight_runs = 0  # weight runs moved by them
+        self.relocated_weight_pages = 0  # pages of those runs
 
     # ---- views the kernels and the KV cache read ----
     @property
@@ -168,8 +178,9 @@ class PagePool:
     def alloc_run(self, npages: int, use_reserve: bool = False, relocate: bool = False) -> int:
         """Contiguous weight run of `npages`: the smallest free extent that fits, lowest first; returns its first page.
 
-        With `relocate` and no free extent long enough, KV pages are moved out of the way (`_compact`); the caller
-        vouches that it runs at a step boundary (see `_compact` for why that is enough).
+        With `relocate` and no free extent long enough, KV pages (and weight runs the guard lets move) are moved out of
+        the way (`_compact`); the caller vouches that it runs at a step boundary (see `_compact` for why that is
+        enough).
         """
         limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
         if npages <= 0 or npages > limit:
@@ -252,53 +263,144 @@ class PagePool:
             kind[a.start:a.start + a.npages] = WEIGHT if a.tag == "weight" else KV
         assert np.array_equal(kind, self._kind), "page kind map differs from the allocations"
 
-    # ---- relocation (compaction of KV pages) ----
+    # ---- relocation (compaction of KV pages and movable weight runs) ----
     def add_kv_listener(self, fn: Callable[[dict[int, int]], None]) -> None:
         """`fn({old KV block id: new id})` runs after every relocation; whoever keeps pool KV block ids registers
-        one. Without any listener the pool never relocates (nobody could follow the moves)."""
+        one. Without any listener the pool never relocates KV (nobody could follow the moves)."""
         self._kv_listeners.append(fn)
 
+    def add_weight_listener(self, fn: Callable[[dict[int, int]], None]) -> None:
+        """`fn({old weight run start: new start})` runs after weight runs moved (bytes already copied); whoever keeps
+        run starts (the page table) registers one."""
+        self._weight_listeners.append(fn)
+
+    def set_weight_guard(self, fn: Callable[[], set[int]] | None) -> None:
+        """`fn()` -> starts of the weight runs that may move now (the page mover: resident, no copy or step uses
+        them). Without a guard (or a weight listener) weight runs never move."""
+        self._weight_guard = fn
+
     def can_relocate(self) -> bool:
-        return bool(self._kv_listeners) and self.pages_per_kv == 1
+        weights = self._weight_guard is not None and bool(self._weight_listeners)
+        return self.pages_per_kv == 1 and (bool(self._kv_listeners) or weights)
 
     def _compact(self, npages: int) -> int:
-        """Empty a window of `npages` pages for a weight run by moving its KV pages; returns the window's start.
+        """Empty a window of `npages` pages for a weight run by moving what it holds; returns the window's start.
 
-        The window holds no weight page and the fewest KV pages (lowest start on ties, so weights stay low). Its KV
-        pages go to the highest free pages outside it (KV lives high); each one's bytes are copied with a plain
-        device copy on the current stream, then the listeners learn the new ids. Used/free counts do not change.
+        First choice: the window with no weight page and the fewest KV pages (lowest start on ties, so weights stay
+        low). When every window holds weight pages (weight runs of many sizes fragment the free pages), windows
+        whose weight runs are all movable (`set_weight_guard`) are tried, fewest used pages first: each such run
+        moves whole to the best-fitting free extent outside the window, lowest first. KV pages go to the highest
+        free pages outside the window (KV lives high). Every copy is a plain device copy on the current (compute)
+        stream; then the listeners learn the new places. Used/free counts do not change.
 
         Why this is safe at a step boundary (the only place the mover allocates): (1) ordering on the device: the
-        copies go on the current (compute) stream, so they run after every step already enqueued has finished
-        reading and writing those KV pages, and before the next step, whose KV indices are built after this
-        returns (the KV cache refuses a move while a step's layout is live); the reload copy into the emptied
-        window waits for the compute stream before it starts (CudaBackend.copy), so it cannot overwrite the
+        copies go on the compute stream, so they run after every step already enqueued has finished reading and
+        writing those pages, and before the next step, whose KV indices are built after this returns (the KV cache
+        refuses a move while a step's layout is live) and whose weight offsets come from the device tables that the
+        page table republishes on the compute stream from its listener, after the copies; the reload copy into the
+        emptied window waits for the compute stream before it starts (CudaBackend.copy), so it cannot overwrite the
         pages before they are copied out. (2) the destination pages are free: no weight copy targets them (a
-        copy's pages stay allocated until its fence is done) and a step that still reads a freed KV page is
-        ahead of this copy on the same stream. (3) only KV pages move; weight runs and the device tables that
-        point at them stay put, so no published table changes.
+        copy's pages stay allocated until its fence is done) and a step that still reads a freed page is ahead of
+        this copy on the same stream. (3) a weight run moves only when the guard vouches for it: complete in the
+        pool (no copy writes it), not retiring, no move pending on its block, and (the mover's rule) no launched
+        step still in flight, so no kernel can read its old pages even before the stream order is counted.
         """
         if self.pages_per_kv != 1:
             raise PoolExhausted("relocation needs one page per KV block")
         cap = self.capacity_pages
         if npages > cap:
             raise PoolExhausted(f"no window of {npages} pages in a pool of {cap}")
-        weight = np.concatenate(([0], np.cumsum(self._kind == WEIGHT, dtype=np.int64)))
-        kv = np.concatenate(([0], np.cumsum(self._kind == KV, dtype=np.int64)))
-        w_in = weight[npages:] - weight[:-npages]
-        kv_in = kv[npages:] - kv[:-npages]
-        kv_in = np.where(w_in == 0, kv_in, np.iinfo(np.int64).max)
-        start = int(np.argmin(kv_in))  # first minimum = lowest start
-        if w_in[start] != 0:
-            raise PoolExhausted(f"every window of {npages} pages holds weight pages (weights are fragmented)")
-        src = start + np.flatnonzero(self._kind[start:start + npages] == KV)
-        free_out = np.flatnonzero(self._kind == FREE)
-        free_out = free_out[(free_out < start) | (free_out >= start + npages)]
-        if len(free_out) < len(src):
-            raise PoolExhausted(f"{len(src)} KV pages to move, {len(free_out)} free pages outside the window")
-        dst = free_out[len(free_out) - len(src):]  # the highest free pages
-        self._move_kv_pages(src, dst)
-        return start
+        big = np.iinfo(np.int64).max
+
+        def per_window(mask: np.ndarray) -> np.ndarray:
+            c = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
+            return c[npages:] - c[:-npages]
+
+        w_in, kv_in = per_window(self._kind == WEIGHT), per_window(self._kind == KV)
+        if self._kv_listeners:
+            start = int(np.argmin(np.where(w_in == 0, kv_in, big)))  # first minimum = lowest start
+            if w_in[start] == 0 and self._relocate_window(start, npages, {}, []):
+                return start
+        guard = self._weight_guard if self._weight_listeners else None
+        movable = guard() if guard is not None else set()
+        every = self.allocations("weight")
+        runs, starts = {s: every[s] for s in movable}, sorted(every)
+        if runs:
+            pinned = self._kind == WEIGHT
+            for s, a in runs.items():
+                pinned[s:s + a.npages] = False
+            if not self._kv_listeners:
+                pinned |= self._kind == KV
+            cost = np.where(per_window(pinned) == 0, w_in + kv_in, big)
+            for start in np.argsort(cost, kind="stable")[:RELOCATION_TRIES].tolist():
+                if cost[start] == big:
+                    break
+                if self._relocate_window(start, npages, runs, starts):
+                    return start
+        raise PoolExhausted(f"no window of {npages} pages can be emptied: every one holds weight pages that cannot "
+                            f"move now, or the free pages outside it do not fit what it holds")
+
+    def _relocate_window(self, start: int, npages: int, runs: dict[int, Allocation], starts: list[int]) -> bool:
+        """Move every weight run meeting [start, start+npages) and every KV page in it to free pages outside; False,
+        with nothing changed, if a run is not movable (not in `runs`; `starts`: every weight run's start, sorted) or
+        they do not fit outside."""
+        end = start + npages
+        window = self._kind[start:end]
+        owners = {starts[bisect.bisect_right(starts, start + int(p)) - 1] for p in np.flatnonzero(window == WEIGHT)}
+        if any(s not in runs for s in owners):
+            return False
+        pieces: list[list[int]] = []  # free extents outside the window: [start, length]
+        for s in self._free_starts:
+            e = s + self._free_len[s]
+            for a, b in ((s, min(e, start)), (max(s, end), e)):
+                if b > a:
+                    pieces.append([a, b - a])
+        weight_moves: dict[int, int] = {}
+        for s in sorted(owners, key=lambda s: -runs[s].npages):
+            n = runs[s].npages
+            fit = [p for p in pieces if p[1] >= n]
+            if not fit:
+                return False
+            piece = min(fit, key=lambda p: (p[1], p[0]))
+            weight_moves[s] = piece[0]
+            piece[0] += n
+            piece[1] -= n
+        src = start + np.flatnonzero(window == KV)
+        dst: list[np.ndarray] = []  # the highest free pages left, for KV
+        need = len(src)
+        for a, n in sorted(pieces, reverse=True):
+            if need == 0:
+                break
+            take = min(n, need)
+            dst.append(np.arange(a + n - take, a + n))
+            need -= take
+        if need:
+            return False
+        self._move_weight_runs(weight_moves)
+        if len(src):
+            self._move_kv_pages(src, np.sort(np.concatenate(dst)))
+        self.relocations += 1
+        return True
+
+    def _move_weight_runs(self, moves: dict[int, int]) -> None:
+        """Copy weight runs old start -> new start (free pages, disjoint from every source) and update the maps and
+        the weight listeners."""
+        if not moves:
+            return
+        pb = self.page_bytes
+        for old, new in moves.items():
+            n = self._allocs[old].npages
+            self._take(new, n)
+            self.data[new * pb:(new + n) * pb].copy_(self.data[old * pb:(old + n) * pb])
+            del self._allocs[old]
+            self._allocs[new] = Allocation(new, n, "weight")
+            self._kind[old:old + n] = FREE
+            self._kind[new:new + n] = WEIGHT
+            self._give(old, n)
+            self.relocated_weight_runs += 1
+            self.relocated_weight_pages += n
+        for fn in self._weight_listeners:
+            fn(dict(moves))
 
     def _move_kv_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy KV pages src[j] -> dst[j] (disjoint sets, both ascending) and update every map and listener."""
@@ -316,7 +418,6 @@ class PagePool:
             self._give(old, 1)
         self._kind[dst] = KV
         self._kind[src] = FREE
-        self.relocations += 1
         self.relocated_pages += len(src)
         moves = dict(zip(src.tolist(), dst.tolist()))
         for fn in self._kv_listeners:

@@ -210,15 +210,14 @@ def _mean_width(llm: LLM) -> float:
     return float(llm.committed_widths().mean())
 
 
-@pytest.fixture(scope="module")
-def pressure_run(ap_dir):
+def _pressure_run(ap_dir, dtype: str | None):
     """Four 96-token requests in a budget of 8-bit experts + the mover's reserve + 8 KV blocks (they need ~28)."""
     store = str(ap_dir / "store")
-    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store, dtype=dtype)
     weights_8 = probe.stats()["resident_weight_bytes"]
     budget = (param_bytes(probe.model) + weights_8 + probe.pool.bytes_of(probe.pool.reserve_pages)
               + 8 * probe.kv.block_bytes)
-    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
+    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store, dtype=dtype)
     start = _mean_width(llm)
     for p in PROMPTS:
         llm.add_request(p, greedy(96))
@@ -238,6 +237,21 @@ def pressure_run(ap_dir):
     return llm, start, widths, used, done, during
 
 
+@pytest.fixture(scope="module")
+def pressure_run(ap_dir):
+    return _pressure_run(ap_dir, None)
+
+
+@pytest.fixture(scope="module")
+def pressure_run_fp16(ap_dir, request):
+    """The same run with float16 KV on CPU: KV pages are half as large, so LUT_8 runs span up to 16 pages and the
+    free pages left between weight runs after the pressure are too short for them: only weight-run relocation
+    brings the widths back. (On a GPU the default run is already float16.)"""
+    if DEVICE != "cpu":
+        return request.getfixturevalue("pressure_run")
+    return _pressure_run(ap_dir, "float16")
+
+
 def test_pressure_drops_widths_and_generation_continues(pressure_run):
     llm, start, widths, used, done, during = pressure_run
     assert start == 8.0
@@ -251,9 +265,21 @@ def test_pressure_drops_widths_and_generation_continues(pressure_run):
     llm.table.check()
 
 
-def test_widths_return_after_pressure(pressure_run):
-    llm = pressure_run[0]
+@pytest.mark.parametrize("run", ["pressure_run", "pressure_run_fp16"])
+def test_widths_return_after_pressure(run, request):
+    llm = request.getfixturevalue(run)[0]
     assert _mean_width(llm) == 8.0
+    assert llm.mover.idle() and llm.pool.free_pages >= llm.pool.reserve_pages
+    llm.table.check()
+    pool, store = llm.pool, llm.mover.store
+    for i, row in enumerate(llm.table.rows):  # every plane and LUT the kernels read equals the store's bytes
+        for p in range(row.q):
+            got = pool.page_view(row.planes[p].page, row.spec.plane_bytes)
+            assert torch.equal(got.cpu(), store.tensor(i, "plane", p)), f"block {i} plane {p} differs from the store"
+        got = pool.page_view(row.luts[row.q].page, row.spec.lut_bytes[row.q])
+        assert torch.equal(got.cpu(), store.tensor(i, "lut", row.q)), f"block {i} LUT differs from the store"
+    if run == "pressure_run_fp16" and DEVICE == "cpu":
+        assert llm.stats()["weight_relocations"] > 0, "the fp16 run no longer needs weight relocation"
 
 
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):

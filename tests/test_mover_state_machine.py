@@ -7,6 +7,10 @@ premature release shows up as wrong bytes.
 
 KV pages get a pattern of their own when allocated (a KV write) and are freed in scattered subsets, so KV lands
 in the holes offloads leave and reloads need relocation (KV compaction); the pattern must follow every move.
+`spread_weights` scatters weight runs over the whole pool (reloads placed in KV holes, then the KV freed), so the
+holes left between weight runs of many sizes are too short for a long run and reloads need weight-run relocation:
+the moved runs' old pages are poisoned at once (their worst case of reuse), so a run moved while a step that may
+read it is in flight, or a device table left pointing at the old pages, shows up as wrong bytes.
 Reloads run under a pace cap drawn per example (or unpaced): the bytes of paced copies issued between two
 `end_step` calls never exceed it, and `settle` proves every paced reload still completes.
 """
@@ -36,6 +40,7 @@ POISON = 0xA5
 SPECS = [BlockSpec(plane_bytes=100 + 211 * (i % 5), lut_bytes={b: 2 * (1 << b) * (8 + 4 * (i % 3)) for b in range(S, P + 1)})
          for i in range(L * E * 2)]
 RELOCATIONS = [0]  # over every example: fragmentation must actually have forced compactions
+WEIGHT_RELOCATIONS = [0]  # ... and weight-run relocations
 
 
 def kv_pattern(tag: int) -> torch.Tensor:
@@ -50,6 +55,12 @@ class PoisonPool(PagePool):
         n = super().free_run(start)
         self.page_view(start, self.bytes_of(n)).fill_(POISON)
         return n
+
+    def _move_weight_runs(self, moves: dict[int, int]) -> None:
+        sizes = {old: self._allocs[old].npages for old in moves}
+        super()._move_weight_runs(moves)
+        for old, n in sizes.items():
+            self.page_view(old, self.bytes_of(n)).fill_(POISON)
 
 
 class ManualFence:
@@ -111,7 +122,9 @@ def store(tmp_path_factory):
 class MoverMachine(RuleBasedStateMachine):
     store: PageStore
 
-    @initialize(budget_pages=st.integers(200, 320), pace=st.sampled_from([None, 40, 150, 600]))
+    # tight pools (every block at P takes 136 pages + a 2-page reserve) leave weight runs only short holes
+    @initialize(budget_pages=st.one_of(st.integers(140, 170), st.integers(200, 320)),
+                pace=st.sampled_from([None, 40, 150, 600]))
     def setup(self, budget_pages, pace):
         self.pool = PoisonPool(budget_pages * PAGE, PAGE)
         self.table = WeightPageTable(SPECS, L, E, P, self.pool)
@@ -123,6 +136,7 @@ class MoverMachine(RuleBasedStateMachine):
         self.kv: dict[int, int] = {}  # pool KV block -> tag of the pattern written there
         self.tags = itertools.count()
         self.pool.add_kv_listener(self._kv_moved)
+        self.pool.add_weight_listener(self._weights_moved)
         self.paced_bytes = 0  # bytes of paced reload copies issued in this step (counted here)
         self.stepped = True  # a step was launched since the last boundary
         self.inflight: list[list[tuple[int, bytes]]] = []  # per in-flight step: (byte offset, bytes it may read)
@@ -159,6 +173,16 @@ class MoverMachine(RuleBasedStateMachine):
         tags = {new: self.kv.pop(old) for old, new in moves.items()}
         self.kv.update(tags)
         RELOCATIONS[0] += 1
+
+    def _weights_moved(self, moves: dict[int, int]) -> None:
+        """Runs after the table's listener: each moved run is a complete slot at its new start, not one a copy
+        writes or an offload retires."""
+        owner = {s.page: (i, w, x, s) for i in range(len(SPECS)) for w, x, s in self.table.slots(i) if s.page >= 0}
+        for new in moves.values():
+            i, what, idx, slot = owner[new]
+            assert slot.state is PageState.GPU and not self.mover.pending(i)
+            assert (i, what, idx) not in self.mover._retiring
+        WEIGHT_RELOCATIONS[0] += len(moves)
 
     def _boundary(self) -> None:
         """A boundary with no step launched since the previous one is an idle engine step: a new pace budget."""
@@ -321,6 +345,40 @@ class MoverMachine(RuleBasedStateMachine):
             if not self.mover.pending(i):
                 self.plan(i, b)
 
+    @rule(seed=st.integers(0, 2**16), rounds=st.integers(2, 6))
+    def spread_weights(self, seed, rounds):
+        """Pressure comes and goes, as in an engine: each round KV takes every free page, a random third of it is
+        freed again, some blocks move to random widths (reloads land in the KV holes, through KV relocation) and a
+        step commits what finished. Then the KV goes, every step finishes, and every block is asked for P (twice,
+        all moves finished in between): weight runs of many sizes lie all over the pool with short holes between
+        them."""
+        rng = random.Random(seed)
+        for _ in range(rounds):
+            got = self.pool.alloc_kv_blocks(self.pool.kv_capacity())
+            self._kv_write(got)
+            gone = rng.sample(sorted(self.kv), len(self.kv) // 3)
+            self.pool.free_kv_blocks(gone)
+            for b in gone:
+                del self.kv[b]
+            for i in rng.sample(range(len(SPECS)), 4):
+                self.plan(i, rng.randint(S, P))
+            while self.backend.copies:
+                self.backend.finish_copy(0)
+            self.launch_step()
+        self.pool.free_kv_blocks(list(self.kv))
+        self.kv.clear()
+        for _ in range(2):  # the first reloads take the holes; the ones left over need runs the holes lack
+            self.quiet_reload_all(P)
+            self._drain()
+
+    @rule(b=st.integers(S + 1, P))
+    def quiet_reload_all(self, b):
+        """Every launched step finishes (an engine between decode steps), then every block is asked for width b:
+        now weight runs may move out of a reload's way."""
+        while self.inflight:
+            self._finish_step()
+        self.reload_all(b)
+
     @rule(pages=st.integers(100, 320))
     def budget(self, pages):
         if pages > self.pool.capacity_pages:
@@ -385,9 +443,10 @@ def test_mover_state_machine(store):
     run = settings(max_examples=70, stateful_step_count=80, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     MoverMachine.TestCase.settings = run
-    before = RELOCATIONS[0]
+    before, before_w = RELOCATIONS[0], WEIGHT_RELOCATIONS[0]
     MoverMachine.TestCase().runTest()
     assert RELOCATIONS[0] > before, "no example fragmented the pool enough to need a relocation"
+    assert WEIGHT_RELOCATIONS[0] > before_w, "no example fragmented the weights enough to need a weight relocation"
 
 
 def test_page_mover_bench_cpu_smoke(tmp_path, monkeypatch):

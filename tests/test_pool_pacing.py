@@ -32,11 +32,11 @@ def _step(mover, backend) -> None:
 
 def test_reload_pace_cap_is_derived_from_link_and_step_time():
     pace = ReloadPace()
-    assert pace.cap() == int(55e9 * 0.5 * 1e-3)
+    assert pace.cap() == int(55e9 * pace.duty * 1e-3)
     pace.observe(0.1)  # a long gap counts at most 4x the estimate
     assert pace.step_s == pytest.approx(0.8e-3 + 0.2 * 4e-3)
     pace.observe(pace.step_s)
-    assert pace.cap() == int(55e9 * 0.5 * pace.step_s)
+    assert pace.cap() == int(55e9 * pace.duty * pace.step_s)
     assert ReloadPace(step_s=1e-6).cap() == 1 << 20  # never below min_bytes
     assert ReloadPace(bytes_per_step=4096).cap() == 4096
     for bad in (dict(bytes_per_step=0), dict(duty=0.0), dict(duty=1.5), dict(link_bytes_per_s=0)):

@@ -180,3 +180,92 @@ def test_relocation_while_a_step_layout_is_live_is_refused():
     page = llm.kv.block_pages[seq.block_table[0]][0]
     with pytest.raises(RuntimeError, match="layout is live"):
         llm.kv._relocated({page: page + 1})  # ... so a move now would misdirect its writes
+
+
+def test_weight_runs_move_out_of_the_window_when_weights_fragment():
+    """Weight runs of several sizes leave only short holes: the window for a long run holds weight runs, which move
+    whole (bytes and owner) only when the guard vouches for them; KV pages in the window move too."""
+    pool = PagePool(24 * PAGE, PAGE)
+    sizes = [2, 1, 3, 1, 2, 1, 2, 1, 3, 1, 2]  # runs tiling pages 0..18
+    runs = [pool.alloc_run(n) for n in sizes]
+    assert runs == [0, 2, 3, 6, 7, 9, 10, 12, 13, 16, 17] and pool.free_pages == 5
+    kv = pool.alloc_kv_blocks(2)  # pages 22, 23
+    kv_bytes = _fill(pool, kv)
+    w_bytes = {}
+    for r, n in zip(runs, sizes):
+        w_bytes[r] = ((torch.arange(n * PAGE) * 5 + r * 7 + 3) % 249).to(torch.uint8)
+        pool.page_view(r, n * PAGE).copy_(w_bytes[r])
+    for r in (2, 6, 10, 16):  # holes between weight runs: 2, 6, 10..11, 16
+        pool.free_run(r)
+    assert pool.largest_free_run() == 3  # pages 19..21
+    kv_seen, w_seen = [], []
+    pool.add_kv_listener(kv_seen.append)
+    with pytest.raises(PoolExhausted, match="weight pages"):
+        pool.alloc_run(6, relocate=True)  # no guard: weight runs never move
+    pool.add_weight_listener(w_seen.append)
+    pool.set_weight_guard(lambda: set())
+    with pytest.raises(PoolExhausted, match="weight pages"):
+        pool.alloc_run(6, relocate=True)  # nothing movable
+    pool.check()
+    pinned = {13}  # e.g. a run a copy still writes, or one retiring
+    pool.set_weight_guard(lambda: {s for s in pool.allocations("weight") if s not in pinned})
+    used, free, wp = pool.used_pages, pool.free_pages, pool.weight_pages
+    start = pool.alloc_run(6, relocate=True)
+    # no weight-free window of 6; the one with the fewest used pages and no pinned page (13..15) is 16..21: it
+    # holds only the 2-page run 17, which goes to the best-fitting free extent outside (10..11)
+    assert start == 16
+    assert w_seen == [{17: 10}] and kv_seen == []
+    assert pool.relocated_weight_runs == 1 and pool.relocated_weight_pages == 2 and pool.relocations == 1
+    assert pool.used_pages == used + 6 and pool.free_pages == free - 6 and pool.weight_pages == wp + 6
+    w_bytes[10] = w_bytes.pop(17)
+    for r, want in w_bytes.items():
+        if r in (2, 6, 16):
+            continue
+        assert torch.equal(pool.page_view(r, len(want)), want), f"weight run {r} lost its bytes"
+    for b, want in kv_bytes.items():
+        assert torch.equal(pool.kv_block_view(b), want)
+    assert pool.allocations("weight")[10].npages == 2
+    pool.check()
+
+
+def test_weight_runs_refused_when_no_hole_outside_fits_them_then_a_run_moves_whole():
+    pool = PagePool(8 * PAGE, PAGE)
+    pool.add_kv_listener(lambda moves: None)
+    moved = []
+    pool.add_weight_listener(moved.append)
+    pool.set_weight_guard(lambda: set(pool.allocations("weight")))
+    for n in (2, 1, 2, 1, 2):
+        pool.alloc_run(n)  # 0-1, 2, 3-4, 5, 6-7
+    pool.free_run(2)
+    pool.free_run(5)
+    with pytest.raises(PoolExhausted, match="do not fit"):
+        pool.alloc_run(2, relocate=True)  # every 2-page window holds a 2-page run, and no 2-page hole is left
+    assert moved == [] and pool.relocations == 0
+    pool.check()
+
+    pool = PagePool(12 * PAGE, PAGE)
+    pool.add_kv_listener(lambda moves: None)
+    pool.add_weight_listener(moved.append)
+    pool.set_weight_guard(lambda: set(pool.allocations("weight")))
+    sizes = {pool.alloc_run(n): n for n in (2, 1, 2, 1, 2, 1)}  # 0-1, 2, 3-4, 5, 6-7, 8
+    kv_bytes = _fill(pool, pool.alloc_kv_blocks(3))  # 9..11
+    run_bytes = {s: ((torch.arange(n * PAGE) * 9 + s) % 247).to(torch.uint8) for s, n in sizes.items()}
+    for s, want in run_bytes.items():
+        pool.page_view(s, len(want)).copy_(want)
+    pool.free_run(0)
+    pool.free_run(5)
+    pool.free_kv_blocks([10])
+    del kv_bytes[10]  # free: 0-1, 5, 10; no 4-page window without weight pages
+    start = pool.alloc_run(4, relocate=True)
+    # window 0..3 (2 used pages) is refused: run 3-4 lies partly in it and must move whole, to a 2-page hole; the
+    # next cheapest windows hold 3 used pages and 2..5 is the lowest: run 3 (largest first) -> 0-1, run 2 -> 10
+    assert start == 2 and moved == [{3: 0, 2: 10}]
+    assert torch.equal(pool.page_view(0, 2 * PAGE), run_bytes[3])
+    assert torch.equal(pool.page_view(10, PAGE), run_bytes[2])
+    for s in (6, 8):
+        assert torch.equal(pool.page_view(s, len(run_bytes[s])), run_bytes[s])
+    for blk, want in kv_bytes.items():
+        assert torch.equal(pool.kv_block_view(blk), want)
+    assert pool.relocated_weight_runs == 2 and pool.relocated_weight_pages == 3 and pool.relocated_pages == 0
+    assert pool.weight_pages == 1 + 2 + 2 + 1 + 4 and pool.kv_pages == 2  # runs 2, 3, 6, 8 and the new one
+    pool.check()
