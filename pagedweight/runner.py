@@ -131,8 +131,11 @@ class APExperts(nn.Module):
                        self.inter, self.table.parent_bits, lut_width)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        # the widest committed block of the layer sizes the kernel's LUT staging (host copy, no device read)
-        lut_width = int(self.table.host_q[self.layer].max())
+        # The widest committed block of the layer sizes the kernel's LUT staging (host copy, no device read). Widths
+        # up to 7 all fit the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per
+        # block, which still lets the register-bound 8 blocks per SM in), so only 8 bits needs more: two classes,
+        # and a layer's graph is recaptured only when it crosses 7 <-> 8, not at every change of its widest block.
+        lut_width = 7 if int(self.table.host_q[self.layer].max()) <= 7 else 8
         if self.graph_pool is None or x.shape[0] > GRAPH_MAX_TOKENS:
             return self._call(x, topk_ids, topk_weights, lut_width)
         key = (x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, topk_weights.dtype, lut_width)
