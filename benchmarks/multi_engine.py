@@ -29,6 +29,10 @@ the planes once, starts N EngineActors, then measures:
 Experts (--expert-impl): "reference" (default) runs the torch twin of the fused kernel on the GPU: the point here
 is the actor plumbing, and the kernel's first compile (~67 s on the H200) would take half the time budget; "auto"
 runs the kernel, compiled once in a child process into NUMBA_CACHE_DIR, which every engine then loads.
+On the GPU box (no Ray there) carry the wheels of `../shared/tools/gpu-wheels --ray fastapi==0.165.0
+starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 opentelemetry-api==1.45.2 grpcio-reflection==1.84.0 protobuf==7.36.2`: grpcio-reflection
+must match the image's grpcio (1.84.0 on 2026-11-29; 1.85.1 refused to import there and section (e) failed).
 """
 from __future__ import annotations
 
