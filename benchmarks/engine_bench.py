@@ -203,7 +203,8 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
            "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
-           "preemptions": st["preemptions"], "config_s": time.perf_counter() - t0}
+           "preemptions": st["preemptions"], "kv_relocations": st.get("kv_relocations"),
+           "weight_relocations": st.get("weight_relocations"), "config_s": time.perf_counter() - t0}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row
