@@ -340,6 +340,16 @@ class PagePool:
         raise PoolExhausted(f"no window of {npages} pages can be emptied: every one holds weight pages that cannot "
                             f"move now, or the free pages outside it do not fit what it holds")
 
+    def _free_pieces(self, start: int, end: int, descending: bool = False):
+        """Free extents outside [start, end), clipped to it, as [first page, length], by ascending (or descending)
+        first page; lazy, so a caller that needs only the top few pages does not visit every extent."""
+        for s in (reversed(self._free_starts) if descending else self._free_starts):
+            e = s + self._free_len[s]
+            low, high = (s, min(e, start)), (max(s, end), e)
+            for a, b in ((high, low) if descending else (low, high)):
+                if b > a:
+                    yield [a, b - a]
+
     def _relocate_window(self, start: int, npages: int, runs: dict[int, Allocation], starts: list[int]) -> bool:
         """Move every weight run meeting [start, start+npages) and every KV page in it to free pages outside; False,
         with nothing changed, if a run is not movable (not in `runs`; `starts`: every weight run's start, sorted) or
@@ -349,26 +359,25 @@ class PagePool:
         owners = {starts[bisect.bisect_right(starts, start + int(p)) - 1] for p in np.flatnonzero(window == WEIGHT)}
         if any(s not in runs for s in owners):
             return False
-        pieces: list[list[int]] = []  # free extents outside the window: [start, length]
-        for s in self._free_starts:
-            e = s + self._free_len[s]
-            for a, b in ((s, min(e, start)), (max(s, end), e)):
-                if b > a:
-                    pieces.append([a, b - a])
         weight_moves: dict[int, int] = {}
-        for s in sorted(owners, key=lambda s: -runs[s].npages):
-            n = runs[s].npages
-            fit = [p for p in pieces if p[1] >= n]
-            if not fit:
-                return False
-            piece = min(fit, key=lambda p: (p[1], p[0]))
-            weight_moves[s] = piece[0]
-            piece[0] += n
-            piece[1] -= n
+        if owners:  # weight runs need best-fit extents: every free extent outside the window is a candidate
+            pieces = list(self._free_pieces(start, end))
+            for s in sorted(owners, key=lambda s: -runs[s].npages):
+                n = runs[s].npages
+                fit = [p for p in pieces if p[1] >= n]
+                if not fit:
+                    return False
+                piece = min(fit, key=lambda p: (p[1], p[0]))
+                weight_moves[s] = piece[0]
+                piece[0] += n
+                piece[1] -= n
+            kv_room = iter(sorted(pieces, reverse=True))
+        else:  # KV only (the common case): walk down from the top, only as far as the KV pages need
+            kv_room = self._free_pieces(start, end, descending=True)
         src = start + np.flatnonzero(window == KV)
         dst: list[np.ndarray] = []  # the highest free pages left, for KV
         need = len(src)
-        for a, n in sorted(pieces, reverse=True):
+        for a, n in kv_room:
             if need == 0:
                 break
             take = min(n, need)
