@@ -121,6 +121,7 @@ class APExperts(nn.Module):
         super().__init__()
         self.layer, self.table, self.pool, self.hidden, self.inter, self.fn = layer, table, pool, hidden, inter, fn
         self._rows = (table.q[layer], table.plane_off[layer], table.lut_off[layer])
+        self._host_q = table.host_q[layer].numpy()  # a view of the staged widths: numpy reads need no torch op
         self.graph_pool = graph_pool  # None: eager; else the memory pool every layer's graphs share
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _MoEGraph] = {}
@@ -135,7 +136,7 @@ class APExperts(nn.Module):
         # up to 7 all fit the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per
         # block, which still lets the register-bound 8 blocks per SM in), so only 8 bits needs more: two classes,
         # and a layer's graph is recaptured only when it crosses 7 <-> 8, not at every change of its widest block.
-        lut_width = 7 if int(self.table.host_q[self.layer].max()) <= 7 else 8
+        lut_width = 7 if int(self._host_q.max()) <= 7 else 8
         if self.graph_pool is None or x.shape[0] > GRAPH_MAX_TOKENS:
             return self._call(x, topk_ids, topk_weights, lut_width)
         key = (x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, topk_weights.dtype, lut_width)

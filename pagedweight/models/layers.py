@@ -31,25 +31,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalised in float32 by one fused op (a decode step is bound by host time per op), cast back, then
+        # scaled in the input dtype: the published models' order of rounding
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, head_dim] for integer positions [B, T]; angles in float32 whatever `dtype` is."""
+    """cos, sin [B, 1, T, head_dim] (broadcast over heads) for integer positions [B, T]; angles in float32
+    whatever `dtype` is. Computed once per forward, shaped once: every layer's q and k use them as they are."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
                                 / head_dim))
     freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd]; rotate-half convention (first half pairs with second half)."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x [B, H, T, hd], cos/sin [B, 1, T, hd]; rotate-half convention (first half pairs with second half)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
