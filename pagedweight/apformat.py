@@ -323,12 +323,6 @@ def heads_from_manifest(manifest: dict[str, Any], path: str | Path) -> ResidualH
     return heads
 
 
-def read_residual_heads(ap_dir: str | Path) -> ResidualHeads | None:
-    """The residual heads stored in an AP checkpoint's manifest (reads the manifest only)."""
-    path = Path(ap_dir) / MANIFEST
-    return heads_from_manifest(read_manifest(path), path)
-
-
 def load_ap(ap_dir: str | Path, verify: bool = True) -> APCheckpoint:
     """Open an AP checkpoint; sizes are always checked, blake2b checksums too when `verify`."""
     ap_dir = Path(ap_dir)

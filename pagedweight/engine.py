@@ -24,7 +24,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
-from pagedweight.apformat import MANIFEST, load_ap, read_residual_heads
+from pagedweight.apformat import MANIFEST, load_ap
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
 from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
@@ -80,8 +80,8 @@ class EngineOptions:
     planner_knobs: dict | None = None  # overrides of the checkpoint's PlannerKnobs
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
     cuda_graphs: bool = True  # on CUDA, decode MoE launches replay from CUDA graphs (runner.APExperts)
-    # [pages: reload pacing] reload bytes issued per step: None = derived (55 GB/s x 0.5 x measured step time,
-    # ReloadPace), 0 = unpaced, > 0 = that fixed cap
+    # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
+    # 0 = unpaced, > 0 = that fixed cap
     reload_bytes_per_step: int | None = None
 
 
@@ -208,7 +208,7 @@ class LLM:
         self.table = WeightPageTable(weights.specs, cfg.num_hidden_layers, cfg.num_experts, P, self.pool)
         if self.device.type == "cuda" and hasattr(weights.store, "pin"):
             weights.store.pin()  # reloads copy from page-locked memory, without a second host copy
-        pace = opts.reload_bytes_per_step  # [pages: reload pacing]
+        pace = opts.reload_bytes_per_step
         self.mover = PageMover(self.table, weights.store,
                                pace=None if pace == 0 else ReloadPace(bytes_per_step=pace))
         n = len(weights.specs)
@@ -242,9 +242,8 @@ class LLM:
         if opts.planner_knobs:
             knobs = PlannerKnobs.from_dict({**knobs.to_dict(), **opts.planner_knobs})
         tables = BlockTables(supported, mem, weights.sensitivity, cfg.num_hidden_layers, cfg.num_experts)
-        # issue 7: the checkpoint's trained prompt residual heads (None for from_parts or a version-1 checkpoint)
-        heads = read_residual_heads(self.model_dir) if self.model_dir is not None else None
-        self.planner = Planner(tables, knobs, np.full(n, start), heads=heads, routing_prior=weights.routing_mass,
+        self.planner = Planner(tables, knobs, np.full(n, start), heads=weights.heads,
+                               routing_prior=weights.routing_mass,
                                home_widths=np.full(n, home))
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
 
@@ -486,10 +485,9 @@ class LLM:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
-            # [pages: KV relocation] compactions for weight reloads, and the KV bytes they copied
+            # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
-            # [pages: weight relocation] weight runs those compactions moved, and their bytes
             "weight_relocations": self.pool.relocated_weight_runs,
             "weight_relocated_bytes": self.pool.bytes_of(self.pool.relocated_weight_pages),
         }

@@ -25,6 +25,7 @@ from pagedweight.page_store import PageStore, Record
 from pagedweight.page_table import BlockSpec, WeightPageTable
 from pagedweight.pool import PagePool
 from pagedweight.scheduler import ScheduledBatch
+from pagedweight.signals import ResidualHeads
 from pagedweight.sequence import Sequence
 
 
@@ -45,6 +46,7 @@ class APWeights:
     sensitivity: np.ndarray  # [n_blocks, P+1] s_i^b
     routing_mass: np.ndarray  # [L, E] calibration prior
     knobs: PlannerKnobs
+    heads: ResidualHeads | None = None  # trained prompt residual heads (None: the planner uses the global estimate)
 
 
 def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
@@ -57,7 +59,8 @@ def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
         specs.append(BlockSpec(e.plane_bytes, luts))
     store = PageStore.create(store_dir, ap.planes_file, records)
     knobs = PlannerKnobs.from_dict(ap.planner_knobs) if ap.planner_knobs else PlannerKnobs()
-    return APWeights(specs, ap.seed_bits, ap.parent_bits, store, ap.sensitivity, ap.routing_mass, knobs)
+    return APWeights(specs, ap.seed_bits, ap.parent_bits, store, ap.sensitivity, ap.routing_mass, knobs,
+                     ap.residual_heads)
 
 
 def planes_id(ap: APCheckpoint) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedweight.apformat import MANIFEST, APFormatError, load_ap, read_manifest, read_residual_heads
+from pagedweight.apformat import MANIFEST, APFormatError, load_ap, read_manifest
 from pagedweight.calibrate import DamageProbe, calibration_batches
 from pagedweight.engine import LLM
 from pagedweight.models import ModelConfig, build_model
@@ -143,7 +143,7 @@ def test_convert_trains_and_persists_heads(ap_dir):
     ref = probe.fit()
     for k, v in ref.to_dict().items():
         np.testing.assert_allclose(getattr(heads, k), v, rtol=1e-9, atol=1e-12, err_msg=k)
-    assert read_residual_heads(ap_dir).to_dict().keys() == heads.to_dict().keys()
+    assert load_ap(ap_dir, verify=False).residual_heads.to_dict().keys() == heads.to_dict().keys()
     # the heads learned something here (the test below relies on it): some drops have real confidence
     assert heads.confidence.max() > 0.3
 
@@ -152,7 +152,7 @@ def test_manifest_versions(ap_dir, tmp_path):
     old = tmp_path / "v1"
     shutil.copytree(ap_dir, old)
     rewrite_manifest(old, 1, residual_heads=...)  # a session-1 checkpoint: version 1, no heads
-    assert load_ap(old).residual_heads is None and read_residual_heads(old) is None
+    assert load_ap(old).residual_heads is None
     future = tmp_path / "v3"
     shutil.copytree(ap_dir, future)
     rewrite_manifest(future, 3)
