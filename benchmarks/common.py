@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -68,3 +69,13 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def failed_row(exc: BaseException, **keys) -> dict:
+    """Row for a configuration that raised: logged with its traceback, then the traceback's frames are cleared,
+    since they hold that configuration's engine (its whole memory pool) and would inflate the next one's peak."""
+    from loguru import logger
+
+    logger.opt(exception=exc).error("{} failed", keys)
+    traceback.clear_frames(exc.__traceback__)
+    return {**keys, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -19,15 +19,13 @@ import io
 import pstats
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
-from loguru import logger
 from torch import nn
 
-from benchmarks.common import write_result
+from benchmarks.common import failed_row, write_result
 from pagedweight.bitplanes import lut_bytes
 from pagedweight.engine import LLM, param_bytes, round_up
 from pagedweight.knobs import PlannerKnobs
@@ -313,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=args.parent_bits, paging=True)
                 row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
-            logger.exception("{} batch {} failed", name, batch)
-            row = {"config": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            # the traceback's frames hold the failed engine (its whole pool): drop them before the next config
-            traceback.clear_frames(exc.__traceback__)
+            row = failed_row(exc, config=name, batch=batch)
         rows.append(row)
         save()
     print(save(complete=True))

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from loguru import logger
 
-from benchmarks.common import write_result
+from benchmarks.common import failed_row, write_result
 from benchmarks.engine_bench import ap_weights, expert_pool_bytes, model_config, page_bytes, random_model
 from pagedweight.engine import LLM, param_bytes
 from pagedweight.sampling import SamplingParams
@@ -187,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                    **drive(llm, requests, gen, deadline),
                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
         except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others
-            logger.exception("mode {} failed", name)
-            row = {"mode": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            row = failed_row(exc, mode=name)
         llm = model = None  # free this mode's pool before the next one allocates its own
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
         rows.append(row)

@@ -104,13 +104,17 @@ def _body_source(b: int, tt: int) -> str:
     pf = prefetch_words(b)
     for p in range(b):
         a(f"    pb{p} = poff[{p}] + nn")
+    def load_ring(j: int, word: str, indent: str) -> None:
+        """Ring slot j <- the b plane words of word `word` (zeros past the block's last word)."""
+        a(f"{indent}if {word} < w1:")
+        for p in range(b):
+            a(f"{indent}    r{j}_{p} = uint32(pool_words[pb{p} + ({word}) * NN])")
+        a(f"{indent}else:")
+        for p in range(b):
+            a(f"{indent}    r{j}_{p} = U0")
+
     for j in range(pf):  # ring of the next pf words' plane words, loads issued pf words ahead of use
-        a(f"    if w0 + {j} < w1:")
-        for p in range(b):
-            a(f"        r{j}_{p} = uint32(pool_words[pb{p} + (w0 + {j}) * NN])")
-        a("    else:")
-        for p in range(b):
-            a(f"        r{j}_{p} = U0")
+        load_ring(j, f"w0 + {j}", "    ")
     nx = tt * XS // ROWS  # x values each thread stages per sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
     # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
@@ -129,12 +133,7 @@ def _body_source(b: int, tt: int) -> str:
     for j in range(pf - 1):
         for p in range(b):
             a(f"                r{j}_{p} = r{j + 1}_{p}")
-    a(f"                if wi + {pf} < w1:")
-    for p in range(b):
-        a(f"                    r{pf - 1}_{p} = uint32(pool_words[pb{p} + (wi + {pf}) * NN])")
-    a("                else:")
-    for p in range(b):
-        a(f"                    r{pf - 1}_{p} = U0")
+    load_ring(pf - 1, f"wi + {pf}", "                ")
     a("                xb = i * 32")
     for g in range(groups):
         terms = []

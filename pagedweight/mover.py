@@ -268,8 +268,7 @@ class PageMover:
         if self.launched == self._launched_at_boundary:
             self.step_reload_bytes = 0  # no step since the last boundary (an idle engine step): a new step's budget
         self._launched_at_boundary = self.launched
-        while self._inflight and self._inflight[0][1].done():
-            self.completed = self._inflight.popleft()[0]
+        self._poll_steps()
         for i, move in list(self._moves.items()):  # oldest first: a started reload finishes before the next
             if move.todo:
                 self._issue(i, move)
@@ -306,6 +305,12 @@ class PageMover:
         return None if self.pace is None else self.pace.cap()
 
     # ---- internals ----
+    def _poll_steps(self) -> int:
+        """Advance `completed` past every launched step whose fence is done; returns how many are still running."""
+        while self._inflight and self._inflight[0][1].done():
+            self.completed = self._inflight.popleft()[0]
+        return len(self._inflight)
+
     def _movable_runs(self) -> set[int]:
         """Starts of the weight runs the pool may relocate now (its guard; called only from `alloc_run` inside
         `request`, at a step boundary).
@@ -319,9 +324,7 @@ class PageMover:
         order. An engine steps its boundary after the previous step's tokens reached the host, so this rarely
         refuses; when it does, the reload is refused this step and requested again at the next.
         """
-        while self._inflight and self._inflight[0][1].done():
-            self.completed = self._inflight.popleft()[0]
-        if self._inflight:
+        if self._poll_steps():
             return set()
         gpu, retiring = PageState.GPU, self._retiring
         return {s.page for i in range(len(self.table.rows)) if i not in self._moves
