@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-cache}
 # Without an installed wheel, map the folders the way pyproject's package-dir does.
 [ -e pagedweight/cuda ] || ln -s ../cuda pagedweight/cuda
 [ -e pagedweight/actors ] || ln -s ../actors pagedweight/actors
-log=$OUT/h200.log
+log=$OUT/${H200_LOG:-h200.log}  # two step lists on two GPUs (CUDA_VISIBLE_DEVICES) keep two logs
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)" | tee -a "$log";
          local t0=$SECONDS; timeout -k 5 -s INT "$limit" "$@" >>"$log" 2>&1
          echo "rc=$? wall=$((SECONDS - t0))s" | tee -a "$log"; }
@@ -27,6 +27,9 @@ for s in "${steps[@]}"; do case $s in
        ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv.txt" 2>&1
        ncu --import "$OUT/ncu_gemv.ncu-rep" --page raw --csv 2>&1 | python3 benchmarks/ncu_stalls.py > "$OUT/ncu_stalls.txt"
        rm -f "$OUT/ncu_gemv.ncu-rep" ;;
+  # the bundled model (pagedweight/train.py, config tiny); the HF dir comes back as one tar (few files return)
+  train) step "${TRAIN_LIMIT:-570}" python3 -m pagedweight.cli train --config tiny --work-dir /tmp/pwtrain \
+           --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them

@@ -76,7 +76,7 @@ CONFIGS: dict[str, TrainConfig] = {
         name="tiny", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
         num_experts=16, top_k=2, moe_intermediate_size=64, shared_intermediate_size=192, context=1024,
         batch_size=64, lr=3e-3, min_lr_frac=0.05, warmup_steps=150, weight_decay=0.1, max_steps=8000,
-        time_budget_s=240.0, aux_loss_coef=1e-3, corpus_bytes=200_000_000, tokenizer_bytes=40_000_000,
+        time_budget_s=420.0, aux_loss_coef=1e-3, corpus_bytes=200_000_000, tokenizer_bytes=40_000_000,
         site_packages=True),
     # Benchmark model for quality curves (261M total, 63M active); not committed. 360 s of training +
     # data preparation + evaluation stay under 8 minutes on one H200.
