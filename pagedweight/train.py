@@ -33,9 +33,9 @@ EOS = "<|endoftext|>"
 # No trailing newline: the byte-level pre-tokenizer merges "\n" with the next line's indentation, so a
 # prompt ending in a bare "\n" tells the model the next line starts at column 0.
 PROMPTS = (
-    "def fibonacci(n):",
-    "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the paths of all .py files under root.\"\"\"",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):",
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"",
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_files(root):",
 )
 
 
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig, work: Path, device: str, resume: bool, ckpt_every: i
 
 
 def evaluate(model, tok, label: str, device: str, max_eval_bytes: int | None = None,
-             gen_tokens: int = 96) -> tuple[list[dict], list[dict]]:
+             gen_tokens: int = 48) -> tuple[list[dict], list[dict]]:
     """Perplexity on eval + eval_prose, routing spread on calib, greedy samples: (metric rows, sample rows)."""
     model.eval()
     mc = model.config
@@ -438,7 +438,10 @@ def evaluate(model, tok, label: str, device: str, max_eval_bytes: int | None = N
     samples = []
     for prompt in PROMPTS:
         out = greedy(model, tok, prompt, gen_tokens, device)
-        samples.append(dict(kind="sample", model=label, prompt=prompt, greedy_output=out))
+        lines = [line for line in out.splitlines() if line.strip()]
+        # greedy decoding of a 5.6M-parameter model falls into loops; this says how much of a sample repeats
+        samples.append(dict(kind="sample", model=label, prompt=prompt, greedy_output=out, gen_tokens=gen_tokens,
+                            distinct_line_frac=len(set(lines)) / max(1, len(lines))))
         logger.info("prompt {!r} -> {!r}", prompt, out)
     return rows, samples
 

@@ -3,7 +3,7 @@
 Perplexity threshold, and why: the independent reference is the unigram model of the same tokens
 (each token priced at its own frequency in the slice, which even favours the baseline because it
 is fitted on the text it scores). A model that has learnt Python must beat it by a wide margin;
-the committed weights measure ppl 11.63 on these first 8 windows (7.70 on the whole slice, identical
+the committed weights measure ppl 9.15 on these first 8 windows (5.97 on the whole slice, identical
 on the H200 and on CPU: benchmarks/results/train-nvidia-h200-*.json, train-eval-cpu-2c-*.json) against a
 unigram perplexity of 383, so the bar is 1.5x the measured value (room for numerics and for a
 retrained model of the same recipe) and, independently, 1/8 of the unigram perplexity.
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from pagedweight import corpus
 from pagedweight.models import load_model
-from pagedweight.train import EOS, greedy
+from pagedweight.train import EOS, PROMPTS, greedy
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pw-tiny-moe"
-PPL_MEASURED = 11.63  # committed weights, first N_WINDOWS windows of data/eval.txt
+PPL_MEASURED = 9.15  # committed weights, first N_WINDOWS windows of data/eval.txt
 PPL_MAX = 1.5 * PPL_MEASURED
 N_WINDOWS, CTX = 8, 1024
 
@@ -89,12 +89,11 @@ def test_transformers_reads_the_same_model(model, tok):
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4), float((ours - ref).abs().max())
 
 
-@pytest.mark.parametrize("prompt, expect", [
-    # no trailing "\n": the pre-tokenizer glues a newline to the next line's indentation (see train.PROMPTS)
-    ("def add(a, b):", ("return",)),
-    ("class Stack:\n    def __init__(self):", ("self.",)),
-    ("import os\n\n\ndef list_files(root):", ("os.", "root", "for ", "return")),
-])
+@pytest.mark.parametrize("prompt, expect", list(zip(PROMPTS, [
+    ("return",),
+    ("self.",),
+    ("os.", "root", "for ", "return"),
+])))
 def test_greedy_continuation_is_plausible_python(model, tok, prompt, expect):
     out = greedy(model, tok, prompt, 40, "cpu")
     assert out.strip(), "empty continuation"
