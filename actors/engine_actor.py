@@ -82,6 +82,9 @@ def build_llm(cfg: EngineConfig):
         for module in llm.model.modules():  # the same pool and tables, read through the twin
             if isinstance(module, APExperts):
                 module.fn = moe_forward_reference
+                # the twin reads routing on the host (.tolist(), nonzero): it cannot be captured in a CUDA graph,
+                # and a failed capture leaves the graph pool recording, which breaks every later capture
+                module.graph_pool = None
     return llm
 
 

@@ -44,6 +44,8 @@ def main() -> None:
                          "ppl_elapsed_s": res["perplexity"]["elapsed_s"],
                          "gen_tokens_per_s": res["generation"]["tokens_per_s"],
                          "gen_prompts_per_engine": res["generation"]["prompts_per_engine"],
+                         "finish_reasons": res["generation"]["finish_reasons"],
+                         "samples_differing_from_first": sum(a != b for a, b in zip(samples, first[1])),
                          "identical_to_first": res["perplexity"]["ppl"] == first[0] and samples == first[1]})
             print(rows[-1])
     write_result("eval_job_scaling", rows)
