@@ -33,12 +33,21 @@ for s in "${steps[@]}"; do case $s in
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
-  enginetest) step 120 env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \
+  enginetest) step "${ENGINETEST_LIMIT:-240}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -x -q -p no:cacheprovider \
                 tests/test_engine.py -k "ap_ or pressure or preempts or cuda_graph" ;;
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
   pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ;;
+  # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py):
+  # Serve replicas under HTTP load with two half-GPU engines, then the evaluation as real `ray job submit` jobs
+  serve) step 150 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine 0.5 --sections serve \
+           --serve-seconds 6 --out-dir "$OUT" ;;
+  evaljob) ray start --head --num-cpus 8 --num-gpus 1 --dashboard-host 127.0.0.1 --disable-usage-stats >>"$log" 2>&1
+           step 150 python3 -m benchmarks.eval_job_scaling /tmp/pagedweight-multi-engine/pw-tiny-moe-ap-s8 \
+             --engines 1,2 --gpus-per-engine 0.5 --job-args "--mode all --windows 64 --ctx 256 --num-prompts 16 \
+             --max-tokens 32 --expert-impl reference"
+           ray stop --force >>"$log" 2>&1 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
 esac; done
 grep -E "^(==|rc=)|passed|failed|Error|error" "$log" | tail -40
