@@ -6,6 +6,8 @@ cut-short run still leaves a valid partial result):
                decode (T <= 64) and prefill (T > 64) paths.
   graph        one capture; q, plane offsets and LUT offsets rewritten in the device tables between replays;
                each replay checked against the reference with the new tables (no recapture).
+  prefill      the large-T path alone (no decode compile): correctness at mixed widths, eager time per layer, host
+               time per call, one dequantize launch against the copy ceiling; T in {64, 256, 2048}, fp16 and bf16.
   speed        per-layer MoE time under CUDA graphs for Qwen1.5-MoE / Mixtral-8x7B / Qwen3-30B-A3B expert shapes,
                T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
                than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
@@ -15,6 +17,7 @@ Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -25,7 +28,7 @@ import torch.nn.functional as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
-from pagedweight.bitplanes import lut_bytes, plane_bytes  # noqa: E402
+from pagedweight.bitplanes import lut_bytes, num_words, plane_bytes  # noqa: E402
 from pagedweight.cuda import moe_kernels as mk  # noqa: E402
 from pagedweight.cuda.moe_kernels import moe_forward  # noqa: E402
 from pagedweight.cuda.reference import moe_forward_reference  # noqa: E402
@@ -284,18 +287,82 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
                 f"fp16 {us_fp16:.1f} us (x{us_fp16 / us:.2f}), grouped {us_grouped}")
         del fp16
         _KEEP.clear()
-    # prefill: dequantize + tensor-core GEMMs vs the decode kernel at T = 64, and T = 256 (prefill only)
-    moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)
-    for T in (64, 256):
-        ids, w = routing(T, E, k, gen)
-        h = torch.randn(T, D, generator=gen, device=DEV).half()
-        args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
-        us_pre = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
-        us_dec = time_cycle([lambda: moe_forward(*args)], reps=5, warm=1) if T <= 64 else None
-        add(dict(section="prefill", shape=name, T=T, plan="w4", us_prefill_path_eager=us_pre,
-                         us_decode_kernel_eager=us_dec))
-        log(f"{name} prefill T={T}: dequant+GEMM {us_pre:.0f} us, decode kernel {us_dec} us (eager)")
     del moe, wgu, wd
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+BEFORE = Path(__file__).resolve().parent / "results" / "moe_kernel_bench-nvidia-h200-20261129-full.json"
+
+
+def prefill(shapes: list[str]) -> None:
+    """The prefill path (T > 64) alone, so it needs no decode-kernel compile: per shape, correctness at mixed widths
+    3..8 (fp16, bf16) against the twin; then at 4 bits for T in {64, 256, 2048} (2048 = the engine's 4 x 512-token
+    chunk) and both dtypes: GPU time per layer (eager, CUDA events), host time of one call from an idle GPU, and one
+    dequantize launch alone (bytes written + read against the copy ceiling). `us_before` is the same measurement
+    (fp16, T 64/256) of the previous prefill path, from the committed result file named in `before_file`."""
+    before = {}
+    if BEFORE.is_file():
+        for r in json.loads(BEFORE.read_text())["rows"]:
+            if r.get("section") == "prefill":
+                before[(r["shape"], r["T"])] = r["us_prefill_path_eager"]
+    for name in shapes:
+        E, D, F, k = SHAPES[name]
+        moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
+        gen = torch.Generator(device=DEV).manual_seed(9)
+        gcpu = torch.Generator().manual_seed(10)
+        mixed = torch.randint(SEED_BITS, P + 1, (E, 2), generator=gcpu)
+        q_dev, po_dev, lo_dev = moe.tables(mixed)
+        for dtype in (torch.float16, torch.bfloat16):
+            ids, w = routing(256, E, k, gen)
+            h = torch.randn(256, D, generator=gen, device=DEV).to(dtype)
+            args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
+            out = moe_forward(*args)
+            err = rel(out, moe_forward_reference(*args))
+            ok = bool(torch.isfinite(out).all()) and out.dtype == dtype and err <= 1e-2
+            add(dict(section="prefill", check="correctness", shape=name, T=256, dtype=str(dtype).split(".")[-1],
+                     plan="mixed3-8", rel_err=err, passed=ok))
+            log(f"{name} prefill correctness {dtype}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+        moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)
+        G = mk.prefill_group(D, F)
+        for T in (64, 256, 2048):
+            ids, w = routing(T, E, k, gen)
+            n_routed = int(torch.unique(ids).numel())
+            for dtype in (torch.float16, torch.bfloat16):
+                h = torch.randn(T, D, generator=gen, device=DEV).to(dtype)
+                args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
+                us = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
+                host = []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    mk._prefill(*args)
+                    host.append((time.perf_counter() - t0) * 1e6)
+                # one dequantize launch of a full group (the first G routed experts), both kinds
+                n = min(G, n_routed)
+                wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+                w_gu = torch.empty(n, num_words(D) * 32, 2 * F, dtype=wdt, device=DEV)
+                w_d = torch.empty(n, num_words(F) * 32, D, dtype=wdt, device=DEV)
+                slots = torch.unique(ids).long()
+                us_dq = time_cycle([lambda: mk._dequantize(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev,
+                                                           slots, 0, n, D, F, P, w_gu, w_d)], reps=10)
+                dq_bytes = (w_gu.numel() + w_d.numel()) * 2 + n * block_bytes(D, F, 4, 4)
+                tbs = dq_bytes / (us_dq * 1e-6) / 1e12
+                del w_gu, w_d
+                row = dict(section="prefill", check="speed", shape=name, T=T, dtype=str(dtype).split(".")[-1],
+                           plan="w4", routed_experts=n_routed, group=G, us_prefill_path_eager=us,
+                           host_us_per_call=statistics.median(host), us_dequant_launch=us_dq,
+                           dequant_experts=n, dequant_bytes=dq_bytes, dequant_tb_per_s=tbs,
+                           dequant_frac_of_copy_ceiling=tbs / CEIL["copy_tb_per_s"],
+                           grouped_mm_kernel=dtype == torch.bfloat16 and mk._has_grouped_kernel(h.device),
+                           us_before=before.get((name, T)) if dtype == torch.float16 else None,
+                           before_file=BEFORE.name)
+                add(row)
+                log(f"{name} prefill T={T} {dtype}: {us:.0f} us/layer (before {row['us_before']}), host "
+                    f"{row['host_us_per_call']:.0f} us, dequant {n} experts {us_dq:.0f} us {tbs:.2f} TB/s "
+                    f"({row['dequant_frac_of_copy_ceiling']:.0%})")
+        del moe
+        torch.cuda.empty_cache()
 
 
 def table() -> None:
@@ -305,8 +372,9 @@ def table() -> None:
             g = f"{r['us_grouped_mm_bf16_graph']:.1f}" if r["us_grouped_mm_bf16_graph"] else "-"
             print(f"{r['shape'][:18]:18s} {r['T']:2d} {r['plan']:5s} {r['us']:7.1f} {r['tb_per_s']:5.2f} "
                   f"{r['frac_of_copy_ceiling']:5.0%} {r['us_fp16_cublas_graph']:7.1f} {r['speedup_vs_fp16']:6.2f} {g}")
-    bad = [r for r in ROWS if r["section"] in ("correctness", "graph") and not r["passed"]]
-    print(f"correctness+graph checks: {sum(r['section'] in ('correctness', 'graph') for r in ROWS)} run, "
+    checks = [r for r in ROWS if "passed" in r]
+    bad = [r for r in checks if not r["passed"]]
+    print(f"correctness+graph+prefill checks: {len(checks)} run, "
           f"{len(bad)} failed; copy ceiling {CEIL.get('copy_tb_per_s', 0):.2f} TB/s")
 
 
@@ -317,7 +385,7 @@ def main() -> int:
     global CMD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer T values and checks")
-    ap.add_argument("--sections", default="correctness,graph,speed")
+    ap.add_argument("--sections", default="correctness,graph,speed,prefill")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
     a = ap.parse_args()
@@ -328,15 +396,16 @@ def main() -> int:
     CEIL["copy_tb_per_s"] = copy_ceiling()
     CEIL["device"] = torch.cuda.get_device_name(0)
     log(f"copy ceiling {CEIL['copy_tb_per_s']:.2f} TB/s")
-    t = time.time()
-    moe = build_synthetic_moe(2, 256, 128, P, SEED_BITS, device=DEV)
-    qd, po, lo = moe.tables(torch.full((2, 2), 4))
-    moe_forward(torch.randn(1, 256, device=DEV).half(), torch.tensor([[0, 1]], dtype=torch.int32, device=DEV),
-                torch.ones(1, 2, device=DEV), moe.pool_words, moe.pool_halves, qd, po, lo, 256, 128, P)
-    torch.cuda.synchronize()
-    CEIL["first_call_compile_s"] = time.time() - t
-    log(f"first call (Numba compile) {CEIL['first_call_compile_s']:.1f}s")
     sections = a.sections.split(",")
+    if {"correctness", "graph", "speed"} & set(sections):  # the decode kernel's compile, timed on its own
+        t = time.time()
+        moe = build_synthetic_moe(2, 256, 128, P, SEED_BITS, device=DEV)
+        qd, po, lo = moe.tables(torch.full((2, 2), 4))
+        moe_forward(torch.randn(1, 256, device=DEV).half(), torch.tensor([[0, 1]], dtype=torch.int32, device=DEV),
+                    torch.ones(1, 2, device=DEV), moe.pool_words, moe.pool_halves, qd, po, lo, 256, 128, P)
+        torch.cuda.synchronize()
+        CEIL["first_call_compile_s"] = time.time() - t
+        log(f"first call (Numba compile) {CEIL['first_call_compile_s']:.1f}s")
     for sec, fn in (("correctness", lambda: correctness(a.quick)), ("graph", graph_test)):
         if sec in sections:
             try:
@@ -346,6 +415,12 @@ def main() -> int:
                 log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
     if "speed" in sections:
         speed(a.quick, a.shapes.split(","))
+    if "prefill" in sections:
+        try:
+            prefill(a.shapes.split(","))
+        except Exception as exc:  # noqa: BLE001 - recorded as a failed check
+            add(dict(section="prefill", passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"prefill: FAILED {type(exc).__name__}: {exc}")
     save(complete=True)
     table()
     return 0 if all(r.get("passed", True) for r in ROWS) else 1

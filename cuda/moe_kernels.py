@@ -20,17 +20,24 @@ Compile time grows faster than linearly with the number of specialised bodies (2
 Each block reads its committed width q and plane/LUT offsets from the device tables, so changing the tables
 between graph replays changes what is read without recapture.
 
-Prefill path (T > DECODE_MAX_T): the routed blocks of a group of experts are dequantized at their committed widths
-by one kernel launch per kind into a bounded scratch (written as W^T so that stores coalesce), and torch's
-tensor-core matmuls do the rest, one per expert.
+Prefill path (T > DECODE_MAX_T): one host read (tokens per expert), then per group of routed experts one
+`_dequant_kernel` launch writes both kinds of every block of the group at its committed width into a bounded scratch
+(W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they are or rounded to bf16),
+and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90, one matmul per expert
+otherwise). Numba views of tensors are cached by (address, shape, strides, dtype): a launch converts nothing that it
+converted before.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import numpy as np
 import torch
+import torch.nn.functional as tf
+
+from pagedweight.bitplanes import num_words
 
 from ._compat import SIMULATOR, cuda
 
@@ -51,8 +58,9 @@ MAX_EXPERTS = 1024
 TARGET_BLOCKS = 2048  # enough 2-warp blocks for ~8 per SM on 132 SMs, two waves
 MIN_SPLIT_WORDS = 16
 
-float32, float16, uint32, int32 = np.float32, np.float16, np.uint32, np.int32
-DT_F16, DT_F32, DT_U32, DT_I32 = (np.dtype(t) for t in (float16, float32, uint32, int32))  # array dtypes (simulator too)
+float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
+# array dtypes (the simulator's too)
+DT_F16, DT_F32, DT_U32, DT_I32, DT_U16 = (np.dtype(t) for t in (float16, float32, uint32, int32, uint16))
 
 
 @cuda.jit(device=True, inline=True)
@@ -80,16 +88,72 @@ def prefetch_words(b: int) -> int:
     return 4 if b <= 4 else (3 if b <= 6 else 2)
 
 
+def _lanes(b: int) -> tuple[int, int, int]:
+    """(lanes, bits per lane, groups) of the index registers of width b: 8 nibble lanes up to 4 bits, else 4 bytes."""
+    lanes, lane_bits = (8, 4) if b <= 4 else (4, 8)
+    return lanes, lane_bits, 32 // lanes
+
+
+def _ring_lines(b: int, j: int, word: str, indent: str) -> list[str]:
+    """Ring slot j <- the b plane words of word `word` of this thread's row (zeros past the block's last word)."""
+    lines = [f"{indent}if {word} < w1:"]
+    lines += [f"{indent}    r{j}_{p} = uint32(pool_words[pb{p} + ({word}) * NN])" for p in range(b)]
+    lines += [f"{indent}else:"] + [f"{indent}    r{j}_{p} = U0" for p in range(b)]
+    return lines
+
+
+def _ring_lines_setup(b: int, pf: int, first: str) -> list[str]:
+    """Row bases of the b planes and the ring's first pf words (loads issued pf words ahead of their decode)."""
+    lines = ["    nn = n if n < N else 0", "    NN = np.int64(N)"]
+    lines += [f"    pb{p} = poff[{p}] + nn" for p in range(b)]
+    for j in range(pf):
+        lines += _ring_lines(b, j, f"{first} + {j}", "    ")
+    return lines
+
+
+def _ring_advance(b: int, pf: int, ahead: str, indent: str) -> list[str]:
+    """c_p <- the oldest ring slot; the ring shifts and its last slot loads word `ahead`."""
+    lines = [f"{indent}c{p} = r0_{p}" for p in range(b)]
+    lines += [f"{indent}r{j}_{p} = r{j + 1}_{p}" for j in range(pf - 1) for p in range(b)]
+    return lines + _ring_lines(b, pf - 1, ahead, indent)
+
+
+def _index_lines(b: int, es: int, indent: str) -> list[str]:
+    """Index registers s_g of the 32 columns of word c_0..c_{b-1}: plane word p shifted by g and masked puts the
+    bits of columns g, g+groups, ... in nibble (byte) lanes; widened and pre-scaled by ROWS << es so that one funnel
+    shift + one LOP3 give lane m's LUT byte offset without the row."""
+    lanes, lane_bits, groups = _lanes(b)
+    lane_mask = 0x11111111 if b <= 4 else 0x01010101
+    lines = []
+    for g in range(groups):
+        terms = []
+        for p in range(b):
+            sh = (b - 1 - p) - g  # bit g of each lane moves to bit (b-1-p) of the lane
+            mask = f"uint32({(lane_mask << (b - 1 - p)) & 0xFFFFFFFF})"
+            if sh > 0:
+                terms.append(f"((c{p} << uint32({sh})) & {mask})")
+            elif sh < 0:
+                terms.append(f"((c{p} >> uint32({-sh})) & {mask})")
+            else:
+                terms.append(f"(c{p} & {mask})")
+        lines.append(f"{indent}s{g} = np.uint64(" + " | ".join(terms) + f") << np.uint64({LOG_ROWS + es})")
+    return lines
+
+
+def _lut_index(b: int, es: int, g: int) -> str:
+    """LUT element index of lane `sh` of s_g for this thread's row (a byte offset with known-zero low bits, indexed
+    by e >> es so that the compiler drops the scaling LEA)."""
+    mask = f"np.uint64({((1 << b) - 1) << (LOG_ROWS + es)})"
+    return f"((uint32((s{g} >> sh) & {mask}) | ubyte) >> uint32({es}))"
+
+
 def _body_source(b: int, tt: int) -> str:
     """Source of `_work_{b}_{tt}`: one block's K range for one token tile at width b.
 
     The 32 columns of a word are straight-line code; the token loop has a constant trip count (LLVM unrolls it
     and keeps `acc` in registers); plane words are loaded `prefetch_words(b)` words ahead of their decode.
     """
-    nib = b <= 4
-    lanes, lane_bits = (8, 4) if nib else (4, 8)
-    groups = 32 // lanes  # g: columns g, g+groups, g+2*groups, ... share one index register
-    lane_mask = 0x11111111 if nib else 0x01010101
+    lanes, lane_bits, groups = _lanes(b)
     es = 2 if b <= LUT32_MAX_WIDTH else 1  # log2 of the LUT entry's bytes (fp32 / fp16)
     L = []
     a = L.append
@@ -99,22 +163,8 @@ def _body_source(b: int, tt: int) -> str:
     a(f"    for t in range({tt}):")
     a("        acc[t] = float32(0.0)")
     a(f"    ubyte = utid << uint32({es})  # this row's byte offset inside a LUT line")
-    a("    nn = n if n < N else 0")
-    a("    NN = np.int64(N)")
     pf = prefetch_words(b)
-    for p in range(b):
-        a(f"    pb{p} = poff[{p}] + nn")
-    def load_ring(j: int, word: str, indent: str) -> None:
-        """Ring slot j <- the b plane words of word `word` (zeros past the block's last word)."""
-        a(f"{indent}if {word} < w1:")
-        for p in range(b):
-            a(f"{indent}    r{j}_{p} = uint32(pool_words[pb{p} + ({word}) * NN])")
-        a(f"{indent}else:")
-        for p in range(b):
-            a(f"{indent}    r{j}_{p} = U0")
-
-    for j in range(pf):  # ring of the next pf words' plane words, loads issued pf words ahead of use
-        load_ring(j, f"w0 + {j}", "    ")
+    L += _ring_lines_setup(b, pf, "w0")
     nx = tt * XS // ROWS  # x values each thread stages per sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
     # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
@@ -128,33 +178,14 @@ def _body_source(b: int, tt: int) -> str:
     a(f"        for i in range({WS}):")
     a("            wi = w + i")
     a("            if wi < w1:")
-    for p in range(b):
-        a(f"                c{p} = r0_{p}")
-    for j in range(pf - 1):
-        for p in range(b):
-            a(f"                r{j}_{p} = r{j + 1}_{p}")
-    load_ring(pf - 1, f"wi + {pf}", "                ")
+    L += _ring_advance(b, pf, f"wi + {pf}", "                ")
     a("                xb = i * 32")
-    for g in range(groups):
-        terms = []
-        for p in range(b):
-            sh = (b - 1 - p) - g  # bit g of each lane moves to bit (b-1-p) of the lane
-            mask = f"uint32({(lane_mask << (b - 1 - p)) & 0xFFFFFFFF})"
-            if sh > 0:
-                terms.append(f"((c{p} << uint32({sh})) & {mask})")
-            elif sh < 0:
-                terms.append(f"((c{p} >> uint32({-sh})) & {mask})")
-            else:
-                terms.append(f"(c{p} & {mask})")
-        # widened and pre-scaled by ROWS: one funnel shift + one LOP3 give lane m's index * ROWS | row
-        a(f"                s{g} = np.uint64(" + " | ".join(terms) + f") << np.uint64({LOG_ROWS + es})")
+    L += _index_lines(b, es, "                ")
     a(f"                for m in range({lanes}):  # runtime loop keeps the kernel small enough to compile fast")
     a(f"                    sh = np.uint64({lane_bits}) * np.uint64(m)")
     a(f"                    xm = uint32(xb + {groups} * m)")
-    mask = f"np.uint64({((1 << b) - 1) << (LOG_ROWS + es)})"
     for g in range(groups):
-        # a byte offset (low bits known zero): indexing by e >> es lets the compiler drop the scaling LEA
-        e = f"((uint32((s{g} >> sh) & {mask}) | ubyte) >> uint32({es}))"
+        e = _lut_index(b, es, g)
         if b <= LUT32_MAX_WIDTH:
             a(f"                    wv = lut32[{e}]")
         else:
@@ -173,38 +204,64 @@ def _body_source(b: int, tt: int) -> str:
     return "\n".join(L) + "\n"
 
 
-def _make_work(b: int, tt: int):
-    scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_x_value": _x_value,
-             "DT_F32": DT_F32}
-    exec(compile(_body_source(b, tt), f"<moe_kernels:_work_{b}_{tt}>", "exec"), scope)
-    return cuda.jit(device=True, inline=True)(scope[f"_work_{b}_{tt}"])
+def _dequant_body_source(b: int) -> str:
+    """Source of `_dq_{b}`: W^T of one block's row tile and K range at width b into the flat dst, from element o on.
 
-
-_WORK = {(b, tt): _make_work(b, tt) for b in WIDTHS for tt in TILES}
-
-
-def _dispatch_source() -> str:
-    """`_dispatch(b, tt, ...)`: if-chain from the runtime width and tile to the specialised bodies."""
-    args = ("kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, N, K, F, w0, w1, n, tid, "
-            "utid")
-    L = [f"def _dispatch(b, tt, {args}):"]
-    first = True
-    for b in WIDTHS:
-        for tt in TILES:
-            kw = "if" if first else "elif"
-            first = False
-            L.append(f"    {kw} b == {b} and tt == {tt}:")
-            L.append(f"        _w_{b}_{tt}({args})")
+    The same decode as the GEMV bodies (index registers, LUT [2^b][ROWS] in shared memory, plane words
+    `prefetch_words(b)` words ahead); each decoded 16-bit entry is stored as it is: a warp's 32 rows are 64
+    contiguous bytes of one output row. Columns are visited in order, so the store index only grows by N, and it is
+    unsigned (Numba adds a negative-index wraparound to every signed index: 3 more instructions per store).
+    dst's K is padded to whole words, so no column needs a bound check.
+    """
+    lanes, lane_bits, groups = _lanes(b)
+    pf = prefetch_words(b)
+    L = [f"def _dq_{b}(pool_words, poff, lut, dst, o, N, w0, w1, n, utid):",
+         "    ubyte = utid << uint32(1)  # this row's byte offset inside a LUT line of 16-bit entries",
+         "    UN = np.uint64(N)"]
+    L += _ring_lines_setup(b, pf, "w0")
+    L += ["    w = w0", "    while w < w1:"]
+    L += _ring_advance(b, pf, f"w + {pf}", "        ")
+    L += _index_lines(b, 1, "        ")
+    L += ["        if n < N:",
+          f"            for m in range({lanes}):",
+          f"                sh = np.uint64({lane_bits}) * np.uint64(m)"]
+    for g in range(groups):
+        L += [f"                dst[o] = lut[{_lut_index(b, 1, g)}]", "                o += UN"]
+    L += ["        w += 1"]
     return "\n".join(L) + "\n"
 
 
-def _make_dispatch():
-    scope = {f"_w_{b}_{tt}": fn for (b, tt), fn in _WORK.items()}
-    exec(compile(_dispatch_source(), "<moe_kernels:_dispatch>", "exec"), scope)
+def _device_fn(source: str, name: str):
+    """The inlined device function `name` defined by generated `source`."""
+    scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_x_value": _x_value,
+             "DT_F32": DT_F32}
+    exec(compile(source, f"<moe_kernels:{name}>", "exec"), scope)
+    return cuda.jit(device=True, inline=True)(scope[name])
+
+
+_WORK = {(b, tt): _device_fn(_body_source(b, tt), f"_work_{b}_{tt}") for b in WIDTHS for tt in TILES}
+_DQ = {(b,): _device_fn(_dequant_body_source(b), f"_dq_{b}") for b in WIDTHS}
+
+
+def _dispatch_source(keys: tuple[str, ...], bodies: dict, args: str) -> str:
+    """`_dispatch(<keys>, <args>)`: if-chain from runtime key values (width, tile) to the specialised bodies."""
+    L = [f"def _dispatch({', '.join(keys)}, {args}):"]
+    for i, key in enumerate(bodies):
+        cond = " and ".join(f"{k} == {v}" for k, v in zip(keys, key))
+        L.append(f"    {'if' if i == 0 else 'elif'} {cond}:")
+        L.append(f"        _f{i}({args})")
+    return "\n".join(L) + "\n"
+
+
+def _make_dispatch(keys: tuple[str, ...], bodies: dict, args: str):
+    scope = {f"_f{i}": fn for i, fn in enumerate(bodies.values())}
+    exec(compile(_dispatch_source(keys, bodies, args), "<moe_kernels:_dispatch>", "exec"), scope)
     return cuda.jit(device=True)(scope["_dispatch"])
 
 
-_dispatch = _make_dispatch()
+_dispatch = _make_dispatch(("b", "tt"), _WORK, "kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, "
+                           "pair_w, pair0, rem, N, K, F, w0, w1, n, tid, utid")
+_dq_dispatch = _make_dispatch(("b",), _DQ, "pool_words, poff, lut, dst, o, N, w0, w1, n, utid")
 
 
 # Register cap of the decode kernel. Uncapped it takes 161 registers (6 blocks of 2 warps per SM); at 128 (8 blocks,
@@ -293,40 +350,93 @@ def _route_kernel(topk_ids, topk_w, n_experts, slot_expert, slot_start, slot_cou
         pair_w[j] = topk_w[t, i % k]
 
 
-@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
-def _dequant_kernel(pool_words, pool_halves, q_tab, plane_off, lut_off, experts, kind, N, K, out):
-    """out[j, k, n] = LUT_b[idx_b[n, k], n] of block (experts[j], kind) at its committed width b (prefill).
+@cuda.jit(device=True, inline=True)
+def _bf16_bits(h):
+    """bf16 bit pattern of the fp16 value with bit pattern h (round to nearest even, as torch's .to(bfloat16)):
+    integer-only, so the simulator runs it too. Subnormal fp16 values become normal bf16 values."""
+    h = uint32(h)
+    e = (h >> uint32(10)) & uint32(0x1F)
+    m = h & uint32(0x3FF)
+    if e == uint32(0x1F):  # inf stays inf, NaN becomes a quiet NaN
+        r = uint32(0x7FC0) if m != uint32(0) else uint32(0x7F80)
+    elif e == uint32(0) and m == uint32(0):
+        r = uint32(0)
+    else:
+        ex = e + uint32(112)  # bf16 exponent (bias 127)
+        if e == uint32(0):  # subnormal: normalise m until its implicit bit (bit 10) is set
+            ex = uint32(113)
+            while m < uint32(0x400):
+                m = m << uint32(1)
+                ex -= uint32(1)  # at least 103 after at most 10 shifts
+            m = m & uint32(0x3FF)
+        v = (ex << uint32(10)) | m  # exponent over the 10-bit mantissa
+        r = (v + uint32(3) + ((v >> uint32(3)) & uint32(1))) >> uint32(3)  # RNE to 7 bits; a carry bumps the exponent
+    return uint16(r | ((h >> uint32(15)) << uint32(15)))
 
-    Written transposed, [K, N] per block, so that the threads of a warp (consecutive rows n) store consecutive
-    halves; the matmul then reads it as W^T. grid (ceil(N/ROWS), W, len(experts)), block ROWS."""
-    n = cuda.blockIdx.x * ROWS + cuda.threadIdx.x
-    w = cuda.blockIdx.y
-    if n >= N:
+
+DQ_WORDS = 32  # plane words (1024 columns) per dequantize block: LUT staging is <= 1/4 load per stored weight
+
+
+@cuda.jit(cache=True)  # reuse the compile across processes
+def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert, s0, D, F, to_bf16, out_gu, out_d):
+    """out_gu[j] = W_gate_up^T ([D_pad, 2F]) and out_d[j] = W_down^T ([F_pad, D]) of expert slot_expert[s0 + j] at
+    its committed widths, as 16-bit patterns (the fp16 LUT entries, or their bf16 rounding when to_bf16) (prefill).
+    out_gu and out_d are the flat [slots, K_pad, N] scratch buffers (K_pad: K rounded up to whole words).
+
+    Transposed so that a warp's rows store contiguously; both kinds of a group in one launch.
+    grid (ceil(max(2F, D) / ROWS), ceil(max words / DQ_WORDS), 2 * slots), block ROWS, dynamic shared memory
+    dequant_shared_bytes(P): the LUT of the block's rows, [2^b][ROWS], staged once for DQ_WORDS words."""
+    kind = cuda.blockIdx.z & 1
+    j = cuda.blockIdx.z >> 1
+    N = 2 * F if kind == 0 else D
+    W = ((D if kind == 0 else F) + 31) // 32
+    w0 = cuda.blockIdx.y * DQ_WORDS
+    row0 = cuda.blockIdx.x * ROWS
+    if w0 >= W or row0 >= N:  # the other kind's grid is larger: whole blocks leave before any barrier
         return
-    e = experts[cuda.blockIdx.z]
+    e = slot_expert[s0 + j]
     b = q_tab[e, kind]
+    tid = cuda.threadIdx.x
+    n = row0 + tid
+    lut = cuda.shared.array(0, dtype=DT_U16)
     lo = lut_off[e, kind]
-    words = cuda.local.array(MAX_WIDTH, dtype=DT_U32)
-    for p in range(b):
-        words[p] = uint32(pool_words[plane_off[e, kind, p] + np.int64(w) * N + n])
-    for j in range(min(32, K - w * 32)):
-        c = uint32(0)
-        for p in range(b):
-            c = (c << uint32(1)) | ((words[p] >> uint32(j)) & uint32(1))
-        out[cuda.blockIdx.z, w * 32 + j, n] = pool_halves[lo + np.int64(c) * N + n]
+    for c in range(1 << b):
+        v = pool_h16[lo + c * N + n] if n < N else uint16(0)
+        lut[c * ROWS + tid] = _bf16_bits(v) if to_bf16 else v
+    cuda.syncthreads()
+    dst = out_gu if kind == 0 else out_d
+    o = np.uint64((j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
+    _dq_dispatch(b, pool_words, plane_off[e, kind], lut, dst, o, N, w0, min(W, w0 + DQ_WORDS), n, uint32(tid))
 
 
 # ----------------------------------------------------------------------------------------------- launcher
 
+# Array-interface type of each tensor dtype the kernels take; uint32 travels as int32 (kernels reinterpret each word).
+_TYPESTR = {torch.float32: "<f4", torch.float16: "<f2", torch.uint16: "<u2", torch.int32: "<i4",
+            torch.uint32: "<i4", torch.int64: "<i8"}
+VIEW_CACHE = 4096  # Numba views kept: the pool, 3 table rows per layer, and the per-call buffers the allocator reuses
+
+
 def _dev(t: torch.Tensor):
     """Numba view of a tensor: zero-copy device array on the GPU, numpy view under the simulator.
-    uint32 travels as int32 (torch's array interface may not export uint32); kernels reinterpret each word."""
-    t = t.detach()
-    if t.dtype == torch.uint32:
-        t = t.view(torch.int32)
+
+    On the GPU the view is built from (address, shape, strides, dtype, device) alone and cached on exactly that key:
+    cuda.as_cuda_array costs ~20-80 us per call (the array interface dict, a context lookup), a launch takes 7-16
+    arrays, and most are the same pool and tables every call. A view holds no reference to the tensor, so a cached
+    one can never keep freed memory alive, and a tensor reallocated elsewhere or reshaped gets another key."""
     if SIMULATOR:
-        return t.cpu().numpy()
-    return cuda.as_cuda_array(t, sync=False)
+        return (t.view(torch.int32) if t.dtype == torch.uint32 else t).detach().cpu().numpy()
+    return _device_view(t.data_ptr(), tuple(t.shape), None if t.is_contiguous() else t.stride(), _TYPESTR[t.dtype],
+                        t.device.index)
+
+
+@functools.lru_cache(maxsize=VIEW_CACHE)
+def _device_view(ptr: int, shape: tuple, strides: tuple | None, typestr: str, device: int | None):
+    """A view owning nothing: whatever tensor lives at `ptr` with this shape, strides and dtype, it describes it."""
+    itemsize = int(typestr[2:])
+    desc = dict(shape=shape, strides=None if strides is None else tuple(s * itemsize for s in strides),
+                data=(ptr, False), typestr=typestr, version=3)
+    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
 
 
 def lut_shared_bytes(P: int) -> int:
@@ -345,7 +455,13 @@ def _words_per_split(W: int, row_tiles: int, slots: int) -> int:
 def _stream():
     if SIMULATOR:
         return 0
-    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    return _external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int):
+    """Numba's wrapper of a torch stream, made once per stream handle (it is only the handle)."""
+    return cuda.external_stream(handle)
 
 
 def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool_words: torch.Tensor,
@@ -394,40 +510,82 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 
 PREFILL_SCRATCH_BYTES = 128 << 20  # dequantized blocks in flight during prefill (outside the pool's budget)
+GROUPED_MAX = 1023  # torch._grouped_mm takes fewer than 1024 groups
 
 
-def _dequantize(pool_words, pool_halves, q, plane_off, lut_off, experts: torch.Tensor, kind: int, N: int, K: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The blocks (experts[j], kind) at their committed widths as W^T, [len(experts), K, N] in `dtype`."""
-    out = torch.empty(experts.numel(), K, N, dtype=torch.float16, device=pool_words.device)
-    grid = (-(-N // ROWS), (K + 31) // 32, experts.numel())
-    _dequant_kernel[grid, ROWS, _stream()](_dev(pool_words), _dev(pool_halves), _dev(q), _dev(plane_off),
-                                           _dev(lut_off), _dev(experts), kind, N, K, _dev(out))
-    return out if dtype == torch.float16 else out.to(dtype)
+def dequant_shared_bytes(P: int) -> int:
+    """Dynamic shared memory of one dequantize block: the 16-bit LUT of width up to P of ROWS rows."""
+    return (1 << P) * ROWS * 2
+
+
+def prefill_group(D: int, F: int) -> int:
+    """Experts dequantized per launch: as many as PREFILL_SCRATCH_BYTES holds (K padded to whole words), at least 1."""
+    return max(1, PREFILL_SCRATCH_BYTES // (2 * (num_words(D) * 32 * 2 * F + num_words(F) * 32 * D)))
+
+
+def _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, s0: int, n: int, D: int,
+                F: int, P: int, w_gu: torch.Tensor, w_d: torch.Tensor) -> None:
+    """w_gu[j] <- W_gate_up^T and w_d[j] <- W_down^T of expert slot_expert[s0 + j], j < n, at committed widths; fp16
+    or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. The whole scratch is
+    passed (the same buffers, hence the same cached views, for every group of a call)."""
+    words = max(num_words(D), num_words(F))
+    grid = (-(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS), 2 * n)
+    _dequant_kernel[grid, ROWS, _stream(), dequant_shared_bytes(P)](
+        _dev(pool_words), _dev(pool_halves.view(torch.uint16)), _dev(q), _dev(plane_off), _dev(lut_off),
+        _dev(slot_expert), s0, D, F, w_gu.dtype == torch.bfloat16, _dev(w_gu.view(torch.uint16).view(-1)),
+        _dev(w_d.view(torch.uint16).view(-1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _has_grouped_kernel(device: torch.device) -> bool:
+    """torch._grouped_mm has a CUTLASS kernel (no host sync) only for bf16 on sm90/sm100 (GroupedBlas.cpp); other
+    dtypes and devices take its fallback, which reads the offsets back to the host and loops over mm."""
+    return (device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
+    """Rows of `a` in consecutive runs of `sizes`, run j times b[j] ([K, N]), in a's dtype: torch's grouped GEMM when
+    given the runs' device end offsets `offs`, else one matmul per run into one output."""
+    if offs is not None:
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[2])
+    r = 0
+    for j, c in enumerate(sizes):
+        torch.mm(a[r:r + c], b[j].to(a.dtype), out=out[r:r + c])
+        r += c
+    return out
 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P):
-    """Large T: group tokens by expert (one host read), dequantize the routed blocks a group of experts at a time
-    (one launch per kind and group, at most PREFILL_SCRATCH_BYTES of scratch), tensor-core GEMMs per expert."""
+    """Large T: pairs sorted by expert (one host read: the per-expert counts), then per group of routed experts one
+    dequantize launch (both kinds, at most PREFILL_SCRATCH_BYTES of scratch) and two grouped GEMMs over the group's
+    rows; one weighted scatter back to the tokens at the end."""
     T, k = topk_ids.shape
-    out = torch.zeros(T, D, dtype=torch.float32, device=hidden.device)
+    dev = hidden.device
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    counts = torch.zeros(q.shape[0], dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
     counts_h = counts.tolist()
-    ex32 = experts.to(torch.int32)
-    group = max(1, PREFILL_SCRATCH_BYTES // (3 * F * D * 2))
-    weights = topk_weights.reshape(-1)[order].float().unsqueeze(1)
-    start = 0
-    for g0 in range(0, len(counts_h), group):
-        ids = ex32[g0:g0 + group]
-        w_gu = _dequantize(pool_words, pool_halves, q, plane_off, lut_off, ids, 0, 2 * F, D, hidden.dtype)
-        w_d = _dequantize(pool_words, pool_halves, q, plane_off, lut_off, ids, 1, D, F, hidden.dtype)
-        for j, c in enumerate(counts_h[g0:g0 + group]):
-            pairs = order[start:start + c]
-            tok = pairs // k
-            hg = (hidden[tok] @ w_gu[j]).float()
-            act = (torch.nn.functional.silu(hg[:, :F]) * hg[:, F:]).to(hidden.dtype)
-            out.index_add_(0, tok, (act @ w_d[j]).float() * weights[start:start + c])
-            start += c
-    return out.to(hidden.dtype)
+    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)  # routed experts first, by id: the slots
+    ends = torch.cumsum(counts[slot_expert], 0).to(torch.int32)  # slot j's pairs end at row ends[j] of `order`
+    sizes = [c for c in counts_h if c]
+    tok = order // k
+    x = hidden.index_select(0, tok)
+    wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
+    grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
+    G = min(prefill_group(D, F), len(sizes), GROUPED_MAX)
+    w_gu = torch.empty(G, num_words(D) * 32, 2 * F, dtype=wdt, device=dev)
+    w_d = torch.empty(G, num_words(F) * 32, D, dtype=wdt, device=dev)
+    ys, row = [], 0
+    for s0 in range(0, len(sizes), G):
+        sz = sizes[s0:s0 + G]
+        n, rows = len(sz), sum(sz)
+        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert, s0, n, D, F, P, w_gu, w_d)
+        offs = ends[s0:s0 + n] - row if grouped else None
+        h = _grouped_mm(x[row:row + rows], w_gu[:n, :D], offs, sz)
+        ys.append(_grouped_mm(tf.silu(h[:, :F]) * h[:, F:], w_d[:n, :F], offs, sz))
+        row += rows
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]
+    w = topk_weights.reshape(-1)[order].float().unsqueeze(1)
+    return torch.zeros(T, D, dtype=torch.float32, device=dev).index_add_(0, tok, y.float() * w).to(hidden.dtype)

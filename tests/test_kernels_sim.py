@@ -1,4 +1,5 @@
-"""The Numba MoE kernels under the CUDA simulator (tiny sizes) against the float32 torch twin.
+"""The Numba MoE kernels under the CUDA simulator (tiny sizes) against the float32 torch twin, decode and prefill
+(mixed widths up to 8 bits, fp16 and bf16), and the prefill's fp16 -> bf16 rounding against torch's.
 
 The simulator must be chosen before numba.cuda is first imported, so the checks run in a child process with
 NUMBA_ENABLE_CUDASIM=1 and the rest of the test session keeps the real CUDA target.
@@ -13,9 +14,11 @@ from helpers import run_child_json
 
 CHILD = textwrap.dedent(r"""
     import json, sys
+    import numpy as np
     import torch
     torch.set_num_threads(1)
-    from pagedweight.cuda.moe_kernels import moe_forward
+    from pagedweight.bitplanes import num_words
+    from pagedweight.cuda.moe_kernels import _bf16_bits, _dequantize, _grouped_mm, moe_forward
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
@@ -24,12 +27,15 @@ CHILD = textwrap.dedent(r"""
 
     results = {}
     # E=5 experts, D=80 (3 words, last one padded), F=40 (2 words): partial words and rows past N are covered.
-    moe = build_synthetic_moe(E=5, D=80, F=40, P=6, seed_bits=3, seed=1)
+    # P=6 with widths 3..6 (fp32 LUTs in the decode kernel), P=8 with widths 3..8 (fp16 LUTs above 6 bits).
+    moes = {P: build_synthetic_moe(E=5, D=80, F=40, P=P, seed_bits=3, seed=1) for P in (6, 8)}
     g = torch.Generator().manual_seed(2)
-    # T=65 takes the prefill path (dequantize kernel + matmul); the others the fused decode kernels
-    for case, (T, k, dtype) in enumerate([(1, 2, torch.float16), (3, 2, torch.bfloat16), (6, 3, torch.float16),
-                                          (65, 2, torch.bfloat16)]):
-        q = torch.randint(3, 7, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
+    # T=65 takes the prefill path (dequantize kernel + grouped matmuls); the others the fused decode kernels
+    cases = [(1, 2, torch.float16, 6), (3, 2, torch.bfloat16, 6), (6, 3, torch.float16, 6), (65, 2, torch.bfloat16, 6),
+             (65, 2, torch.float16, 8), (65, 3, torch.bfloat16, 8)]
+    for case, (T, k, dtype, P) in enumerate(cases):
+        moe = moes[P]
+        q = torch.randint(3, P + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
         qd, po, lo = moe.tables(q)
         hidden = torch.randn(T, moe.D, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
@@ -47,9 +53,42 @@ CHILD = textwrap.dedent(r"""
                 wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), moe.D, moe.F)
                 hh = wg @ hidden[t].float()
                 dense[t] += w[t, j] * (wd @ (torch.nn.functional.silu(hh[:moe.F]) * hh[moe.F:]))
-        results[f"case{case}"] = dict(T=T, k=k, dtype=str(dtype), dtype_ok=out.dtype == dtype,
+        results[f"case{case}"] = dict(T=T, k=k, P=P, dtype=str(dtype), dtype_ok=out.dtype == dtype,
                                       shape_ok=tuple(out.shape) == (T, moe.D), finite=bool(torch.isfinite(out).all()),
                                       rel_kernel=rel(out, dense), rel_twin=rel(ref, dense))
+    # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
+    # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
+    moe = moes[8]
+    q = torch.randint(3, 9, (moe.E, 2), generator=g)
+    qd, po, lo = moe.tables(q)
+    D, F = moe.D, moe.F
+    for dtype in (torch.float16, torch.bfloat16):
+        w_gu = torch.full((moe.E, num_words(D) * 32, 2 * F), float("nan"), dtype=dtype)
+        w_d = torch.full((moe.E, num_words(F) * 32, D), float("nan"), dtype=dtype)
+        slots = torch.randperm(moe.E, generator=g)
+        _dequantize(moe.pool_words, moe.pool_halves, qd, po, lo, slots, 1, moe.E - 1, D, F, moe.P, w_gu, w_d)
+        exact, untouched = True, bool(torch.isnan(w_gu[moe.E - 1]).all() and torch.isnan(w_d[moe.E - 1]).all())
+        for j in range(moe.E - 1):
+            e = int(slots[1 + j])
+            wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * F, D)
+            wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), D, F)
+            exact &= torch.equal(w_gu[j, :D], wg.t().to(dtype)) and torch.equal(w_d[j, :F], wd.t().to(dtype))
+        results[f"dequant_{str(dtype).split('.')[-1]}"] = dict(exact=bool(exact), untouched=untouched)
+    # torch._grouped_mm (the GPU's bf16 path; torch runs it on the CPU too) on that scratch layout, a K-padded slice
+    # of [slots, K_pad, N], with end offsets, equals one matmul per run (an empty run included)
+    sizes = [3, 0, 5, 1]
+    x = torch.randn(sum(sizes), D, generator=g).to(torch.bfloat16)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    results["grouped_mm"] = dict(equal=torch.equal(_grouped_mm(x, w_gu[:4, :D], offs, sizes),
+                                                   _grouped_mm(x, w_gu[:4, :D], None, sizes)))
+    # the prefill's bf16 scratch rounds fp16 LUT entries in the kernel: every finite fp16 value as torch rounds it
+    h = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    want = h.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = np.array([_bf16_bits(np.uint16(i)) for i in range(1 << 16)], dtype=np.uint16)
+    finite = torch.isfinite(h).numpy()
+    results["bf16_bits"] = dict(mismatches=int((want != got)[finite].sum()), inf_ok=bool(
+        got[0x7C00] == 0x7F80 and got[0xFC00] == 0xFF80), nan_ok=bool(((got[~finite] & 0x7FFF) >= 0x7F81).sum()
+                                                                        == int((~finite).sum()) - 2))
     json.dump(results, sys.stdout)
 """)
 
@@ -59,9 +98,24 @@ def sim_results() -> dict:
     return run_child_json(CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
 
 
-@pytest.mark.parametrize("case", ["case0", "case1", "case2", "case3"])
+@pytest.mark.parametrize("case", [f"case{i}" for i in range(6)])
 def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> None:
     r = sim_results[case]
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r
+
+
+def test_bf16_rounding_matches_torch(sim_results: dict) -> None:
+    r = sim_results["bf16_bits"]
+    assert r["mismatches"] == 0 and r["inf_ok"] and r["nan_ok"], r
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dequantize_kernel_is_exact(sim_results: dict, dtype: str) -> None:
+    r = sim_results[f"dequant_{dtype}"]
+    assert r["exact"] and r["untouched"], r  # slots s0.. s0+n-1 only, each block exactly its twin's weights
+
+
+def test_grouped_mm_contract(sim_results: dict) -> None:
+    assert sim_results["grouped_mm"]["equal"]
