@@ -40,8 +40,11 @@ QWEN15_MOE = dict(family="qwen2_moe", vocab_size=151936, hidden_size=2048, moe_i
                   num_hidden_layers=24, num_experts=60, top_k=4, norm_topk_prob=False, num_attention_heads=16,
                   num_key_value_heads=16, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
                   max_position_embeddings=8192, shared_expert_intermediate_size=5632, qkv_bias=True)
-TINY = dict(QWEN15_MOE, vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-            num_experts=8, top_k=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+# Toy shapes whose bytes stand to each other as the full shape's do at seq len 2048, batch 4: KV of the batch about
+# half of the experts at 4 bits, and the 4 -> 6-bit planes about 2.5x that KV (full shape 0.24 and 2.3), so the
+# paging loop meets the same pressure on a CPU.
+TINY = dict(QWEN15_MOE, vocab_size=512, hidden_size=128, moe_intermediate_size=256, num_hidden_layers=2,
+            num_experts=32, top_k=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
             shared_expert_intermediate_size=64, max_position_embeddings=4096)
 
 
@@ -201,7 +204,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
            "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
-           "preemptions": st["preemptions"], "kv_relocations": st.get("kv_relocations"),
+           "preemptions": st["preemptions"], "sync_waits": llm.paging.syncs, "kv_relocations": st.get("kv_relocations"),
            "weight_relocations": st.get("weight_relocations"), "config_s": time.perf_counter() - t0}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall-time budget: each mode's replay gets an equal share of what is left and is cut "
                         "short past it; no mode starts once the budget is spent (default: no limit)")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     tiny = args.tiny
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
-        return write_result("kv_pressure", rows, out_dir=args.out_dir,
+        return write_result("kv_pressure", rows, out_dir=args.out_dir, label=args.label,
                             extra={**meta, "complete": complete, "skipped_modes": skipped})
 
     save()

@@ -1,11 +1,13 @@
 """The engine: `LLM` (SPEC.md's engine contract) and the per-step loop that ties the pieces together.
 
-One step = (1) the paging loop at the step boundary: the planner sees KV pressure (free blocks vs. what the
-next step wants), routing statistics and prompt features, and the mover commits whatever is ready (lower widths
-free pool pages for KV; higher widths come back when pressure falls); (2) the scheduler packs running and
-waiting requests into a token budget, preempting the newest when even the largest safe release leaves the KV
-cache short; (3) the runner computes the batch; (4) sampling, detokenization and stop checks. Every request
-ends with a finish reason: stop, length, abort or error; none is dropped.
+One step = (1) the paging loop at the step boundary: the planner sees KV pressure (free blocks, counting the
+pages that moves in flight give back, against every block the admitted requests will still need, so it frees
+room once when work arrives rather than one prefill chunk at a time), routing statistics and prompt features,
+and the mover commits whatever is ready (lower widths free pool pages for KV; higher widths come back when
+pressure falls); (2) the scheduler packs running and waiting requests into a token budget, preempting the
+newest when even the largest safe release leaves the KV cache short; (3) the runner computes the batch;
+(4) sampling, detokenization and stop checks. Every request ends with a finish reason: stop, length, abort or
+error; none is dropped.
 
 Memory: `gpu_memory_budget` covers model weights and the KV cache. Weights that are not paged (attention,
 embeddings, norms, router, shared experts; all weights on the dense path) are taken off the top; the rest is
@@ -184,7 +186,7 @@ class LLM:
         if weights is not None:
             self._setup_weights(model, weights)
         self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size)
-        self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(model, self.kv, self.device)
         self.sampler = Sampler()
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
@@ -354,14 +356,16 @@ class LLM:
         if self.planner is not None:
             t0 = time.perf_counter()
             committed = self.committed_widths()
-            plan = self.planner.step(KVState(self.kv.num_free_blocks, wanted, self.kv.block_bytes), committed)
+            demand = self.scheduler.blocks_demand()
+            kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes())
+            plan = self.planner.step(kv, committed)
             if plan is not None:
                 self.paging.plan_step = self.num_steps
                 if plan.kind == "release":
                     self.paging.offload_triggers += 1
                 elif plan.kind == "reload":
                     self.paging.reload_triggers += 1
-            self._request_moves(committed)
+            self._request_moves(committed, (demand + 1 + self.planner.knobs.trigger_blocks) * self.kv.block_bytes)
             self.paging.planner_step_ms = (time.perf_counter() - t0) * 1e3
         self.mover.boundary()
         if self.kv.num_free_blocks < wanted and not self.mover.idle() and self.device.type == "cuda":
@@ -371,18 +375,32 @@ class LLM:
             self.paging.syncs += 1
         return not self.mover.idle()
 
-    def _request_moves(self, committed: np.ndarray) -> None:
-        """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on)."""
+    def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> None:
+        """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on).
+
+        Offloads first: their new LUTs need pages. A reload starts only if it leaves `keep_free_bytes` free (the KV
+        blocks the admitted requests still need, plus the trigger margin): it takes its pages when it starts and
+        holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
+        running request is about to write. After the first reload refused, the rest wait for a later boundary
+        (they would mostly be refused too, and thousands of refusals per step cost host time).
+        """
         want = self.planner.desired
-        for i in set(np.flatnonzero(want != committed).tolist()) | set(self._requested):
+        todo = set(np.flatnonzero(want != committed).tolist()) | set(self._requested)
+        keep, reloads_wait = self.pool.pages_for(keep_free_bytes), False
+        for i in sorted(todo, key=lambda i: (bool(want[i] > committed[i]), i)):
             b = int(want[i])
             if self.mover.pending(i):
                 if self._requested.get(i) == b:
                     continue
                 self.mover.cancel(i)
             self._requested.pop(i, None)
-            if b != committed[i] and self.mover.request(i, b):
+            reload = b > committed[i]
+            if b == committed[i] or (reload and reloads_wait):
+                continue
+            if self.mover.request(i, b, keep_free_pages=keep if reload else 0):
                 self._requested[i] = b
+            elif reload:
+                reloads_wait = True
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         """Add a sampled token, extend the text, and finish the request when a stop condition holds."""

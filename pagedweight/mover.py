@@ -138,6 +138,7 @@ class Move:
     reused: list[SlotKey]  # slots that were retiring and this move keeps
     todo: deque[list] = field(default_factory=deque)  # [slot key, bytes issued] of fresh slots not fully issued
     paced: bool = False  # a reload under the pace cap
+    pages: int = 0  # pool pages of fresh + reused (what the move holds beyond the committed footprint)
     fences: list[Fence] = field(default_factory=list)  # copies issued and not yet seen finished
     copied: bool = False  # some copy was issued
     cancelled: bool = False
@@ -195,10 +196,22 @@ class PageMover:
     def idle(self) -> bool:
         return not self._moves and not self._retiring
 
-    def request(self, i: int, b: int) -> bool:
+    def transit_bytes(self) -> int:
+        """Pool bytes held beyond every block's committed footprint M_i^{q_i}: the slots of moves under way (a
+        reload's copies and the retired slots it keeps, an offload's new LUT), of cancelled or failed copies still
+        running, and retired slots waiting for the steps that read them. Each either comes back to the pool or
+        becomes part of the block's new footprint, so the planner counts them with the pending moves, not as
+        taken (a reload's pages are allocated when it starts, before its commit)."""
+        pages = sum(m.pages for m in self._moves.values()) + sum(self.table.slot_pages(*k) for k in self._retiring)
+        return self.pool.bytes_of(pages)
+
+    def request(self, i: int, b: int, keep_free_pages: int = 0) -> bool:
         """Set d_i = b and start the move; False when busy or out of pages (q, d and weight pages unchanged).
 
-        Call only at a step boundary: allocating a reload's runs may relocate KV pages (see PagePool._compact).
+        A reload takes its pages at once and holds the old LUT until its commit; with `keep_free_pages` > 0 it is
+        refused unless that peak leaves this many pages free outside the reserve (the engine keeps the KV blocks
+        that admitted requests still need). Call only at a step boundary: allocating a reload's runs may relocate
+        KV pages (see PagePool._compact).
         """
         row = self.table.rows[i]
         if b not in row.luts:
@@ -221,9 +234,10 @@ class PageMover:
         # The pool's reserve is for LUT overlap only: an offload may use it (it ends up freeing pages); a reload only
         # if its footprint after commit (old LUT freed) fits outside the reserve, so the reserve always comes back.
         if b > row.q:
-            grow = sum(self.table.slot_pages(i, *k) for k in fresh) - (self.table.slot_pages(i, "lut", row.q)
-                                                                       if row.q else 0)
-            if grow > self.pool.free_pages - self.pool.reserve_pages:
+            peak = sum(self.table.slot_pages(i, *k) for k in fresh)
+            grow = peak - (self.table.slot_pages(i, "lut", row.q) if row.q else 0)
+            room = self.pool.free_pages - self.pool.reserve_pages
+            if grow > room or (keep_free_pages > 0 and peak > room - keep_free_pages):
                 return False
         try:
             for n, key in enumerate(fresh):
@@ -236,7 +250,8 @@ class PageMover:
             return False
         for key in reused:
             del self._retiring[(i, *key)]
-        move = Move(b, fresh, reused, deque([k, 0] for k in fresh), paced=self.pace is not None and 0 < row.q < b)
+        move = Move(b, fresh, reused, deque([k, 0] for k in fresh), paced=self.pace is not None and 0 < row.q < b,
+                    pages=sum(self.table.slot_pages(i, *k) for k in fresh + reused))
         self._moves[i] = move
         row.d = b
         self._issue(i, move)
@@ -254,6 +269,7 @@ class PageMover:
         self.stats.cancelled += 1
         for key in move.reused:
             self._retire(i, key)
+            move.pages -= self.table.slot_pages(i, *key)
         move.reused = []
         if not move.copying():
             self._drop_fresh(i, move)

@@ -369,11 +369,18 @@ def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np
 
 @dataclass
 class KVState:
-    """What the KV allocator reports at a step boundary."""
+    """What the KV allocator reports at a step boundary.
+
+    `target_free_blocks` is the demand: every block the admitted work will still need (the engine's scheduler
+    counts remaining prompt and tokens still to generate), so one release covers a request for its whole life and
+    the free blocks minus the target stay put while it runs; a reload needs that margin to grow (a request ends).
+    `transit_bytes` are pool bytes that moves hold beyond the committed widths' footprint (PageMover.transit_bytes).
+    """
 
     free_blocks: int
     target_free_blocks: int
     block_bytes: int
+    transit_bytes: int = 0
 
 
 class Planner:
@@ -382,12 +389,14 @@ class Planner:
     `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
     target + trigger_blocks, the newest queued plan is cut to the demand and written; when they exceed that
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
-    offload within hysteresis_blocks. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh.
+    offload within hysteresis_blocks, and not within `reload_dwell_steps` steps of the last release: work arriving
+    and finishing in turns (a request ends, the next arrives) would otherwise raise and lower the same bits each
+    time. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh.
     """
 
     def __init__(self, tables: BlockTables, knobs: PlannerKnobs, widths: np.ndarray,
                  heads: ResidualHeads | None = None, routing_prior: np.ndarray | None = None,
-                 home_widths: np.ndarray | None = None) -> None:
+                 home_widths: np.ndarray | None = None, reload_dwell_steps: int = 8) -> None:
         self.tables, self.knobs, self.heads = tables, knobs, heads
         self.desired = np.asarray(widths, dtype=np.int64).copy()
         tables.check_widths(self.desired)
@@ -400,6 +409,11 @@ class Planner:
         self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
         self.version = 0
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
+        if reload_dwell_steps < 0:
+            raise ValueError("reload_dwell_steps must be >= 0")
+        self.reload_dwell_steps = reload_dwell_steps
+        self.steps = 0  # decide() calls so far
+        self._released_at = -reload_dwell_steps  # decide() call of the last release written
 
     def observe(self, step_mass: np.ndarray | None = None, features: np.ndarray | None = None) -> None:
         """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 4]."""
@@ -426,7 +440,8 @@ class Planner:
         return float((self.tables.bytes_at(committed) - self.tables.bytes_at(self.desired)).sum())
 
     def _free_bytes(self, kv: KVState, committed: np.ndarray) -> float:
-        return kv.free_blocks * kv.block_bytes + self._pending(committed)
+        """Free KV bytes once every pending move has landed (committed widths -> desired)."""
+        return kv.free_blocks * kv.block_bytes + kv.transit_bytes + self._pending(committed)
 
     def _write(self, plan: Plan) -> Plan:
         self.desired = plan.widths.copy()
@@ -450,13 +465,18 @@ class Planner:
     def decide(self, kv: KVState, committed: np.ndarray) -> Plan | None:
         """Write new desired widths if pressure crossed a threshold; returns the plan written, else None."""
         k = self.knobs
+        self.steps += 1
         free = self._free_bytes(kv, committed)
         low = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes
         if free < low:
             plan = self._release(low - free)
-            return None if np.array_equal(plan.widths, self.desired) else self._write(plan)
+            if np.array_equal(plan.widths, self.desired):
+                return None
+            self._released_at = self.steps
+            return self._write(plan)
         budget = free - low - k.hysteresis_blocks * kv.block_bytes
-        if budget >= kv.block_bytes and (self.desired < self.home).any():
+        dwelt = self.steps - self._released_at >= self.reload_dwell_steps
+        if dwelt and budget >= kv.block_bytes and (self.desired < self.home).any():
             dhat, _ = self.signals()
             plan = plan_reload(self.tables, self.desired, budget, dhat, self.home)
             if plan.delta_bytes > 0:

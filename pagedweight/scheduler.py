@@ -4,10 +4,16 @@ One loop serves prefill and decode: each step has a token budget; running sequen
 costs one token, an unfinished prompt continues in chunks), then waiting sequences start with what is
 left (chunked prefill). When the KV cache cannot hold a running sequence's next tokens, the newest
 running sequence is preempted: its blocks go back at once and it re-enters the front of the waiting
-queue to be recomputed later. The engine asks the weight planner for room before this happens.
+queue to be recomputed later. The engine asks the weight planner for room before this happens: its demand
+(`blocks_demand`) is every block the running requests and the waiting ones that have a seat will still need
+until they finish, so weights make room once, when the work arrives, not one prefill chunk at a time. A running
+request still prefilling that finds no block while others progress this step waits a step with its KV kept
+instead of preempting anyone: a preemption costs a recompute, and the blocks come back as others finish or the
+weights give them up.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,10 +56,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: BlockSpace, max_num_seqs: int = 64, max_num_batched_tokens: int = 512) -> None:
+    def __init__(self, kv: BlockSpace, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
@@ -128,6 +136,22 @@ class Scheduler:
             slots -= 1
         return wanted
 
+    def final_kv_tokens(self, seq: Sequence) -> int:
+        """Tokens whose K/V seq will hold at its longest: it ends at max_tokens or max_model_len, and its last
+        sampled token is never computed."""
+        last = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.max_model_len is not None:
+            last = min(last, self.max_model_len)
+        return max(last - 1, seq.num_tokens)
+
+    def blocks_demand(self) -> int:
+        """KV blocks that the running requests, and the waiting ones a seat is free for, still need until they
+        finish (remaining prompt and every token still to generate): the planner's target. An upper bound, since
+        a request may stop early."""
+        seats = max(self.max_num_seqs - len(self.running), 0)
+        seqs = self.running + list(itertools.islice(self.waiting, seats))
+        return sum(self.kv.blocks_needed(seq, self.final_kv_tokens(seq) - seq.num_computed_tokens) for seq in seqs)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -135,6 +159,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._fit(seq, self._chunk(seq, budget))
+            if n == 0 and batch.seqs and seq.num_uncomputed_tokens > 1:
+                i += 1  # a prompt chunk short of blocks that this step's earlier requests took: wait, keep its KV
+                continue
             while n == 0:
                 victim = self.running[-1]
                 if victim is seq and i == 0:

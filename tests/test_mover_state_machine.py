@@ -408,6 +408,10 @@ class MoverMachine(RuleBasedStateMachine):
         assert pool.used_pages <= pool.budget_pages
         assert self.table.resident_weight_bytes() + pool.bytes_of(pool.kv_pages) <= pool.bytes_of(pool.budget_pages)
         assert self.table.resident_weight_bytes() == pool.bytes_of(pool.weight_pages)
+        # what the planner counts as coming back or becoming the new widths: exactly the weight pages held beyond
+        # every block's committed footprint
+        committed = sum(self.table.memory(i, r.q) for i, r in enumerate(self.table.rows) if r.q)
+        assert self.table.resident_weight_bytes() == committed + self.mover.transit_bytes()
         assert pool.bytes_of(pool.kv_pages) == len(self.kv) * PAGE == pool.bytes_of(len(pool.allocations("kv")))
         assert set(pool.allocations("kv")) == set(self.kv)
         for blk, tag in self.kv.items():  # KV contents survive every relocation
@@ -465,3 +469,24 @@ def test_page_mover_bench_cpu_smoke(tmp_path, monkeypatch):
     # the requests issue the first cap in the step before the timed ones; then at most one cap per step
     assert row["steps"] + 1 >= row["reload_bytes"] // row["pace_fixed_bytes_per_step"]
     assert row["reload_gb_per_s"] > 0 and any(r["test"] == "decode_slowdown" and not r["paced"] for r in rows)
+
+
+def test_reload_keeps_the_free_pages_asked_for(store):
+    """A reload holds its new planes and LUT and the old LUT at once: with keep_free_pages it starts only if that
+    peak leaves those pages free (outside the reserve), and its pages count as in transit until it commits."""
+    pool = PagePool(200 * PAGE, PAGE)
+    table = WeightPageTable(SPECS, L, E, P, pool)
+    mover = PageMover(table, store, pace=None)  # CPU backend: copies finish when issued
+    assert all(mover.request(i, S) for i in range(len(SPECS)))
+    mover.boundary()
+    assert mover.transit_bytes() == 0 and all(r.q == S for r in table.rows)
+    peak = sum(table.slot_pages(0, "plane", p) for p in range(S, P)) + table.slot_pages(0, "lut", P)
+    room = pool.free_pages - pool.reserve_pages
+    assert not mover.request(0, P, keep_free_pages=room - peak + 1)
+    assert table.rows[0].d == table.rows[0].q == S and pool.free_pages - pool.reserve_pages == room
+    assert mover.request(0, P, keep_free_pages=room - peak)
+    assert pool.free_pages - pool.reserve_pages == room - peak and mover.transit_bytes() == pool.bytes_of(peak)
+    mover.end_step()
+    mover.boundary()  # commit; the old LUT retires and, the step being done, is freed
+    assert table.rows[0].q == P and mover.idle() and mover.transit_bytes() == 0
+    assert pool.free_pages - pool.reserve_pages == room - peak + table.slot_pages(0, "lut", S)

@@ -284,8 +284,12 @@ def test_planner_writes_max_release_when_short_and_replans_after_a_write():
     assert plan is not None and not plan.met and (plan.widths == 4).all() and (planner.desired == 4).all()
     assert planner.queue and planner.queue[-1].version == planner.version  # refreshed after the write
     assert planner.decide(huge, top) is None  # everything legal already released: no empty write
-    # nothing committed yet, yet the pending release counts as free: with a small target the planner reloads
-    back = planner.decide(KVState(free_blocks=0, target_free_blocks=1, block_bytes=PAGE), top)
+    # nothing committed yet, yet the pending release counts as free: with a small target the planner reloads, once
+    # reload_dwell_steps decide() calls have passed since the release (two so far)
+    small = KVState(free_blocks=0, target_free_blocks=1, block_bytes=PAGE)
+    for _ in range(planner.reload_dwell_steps - 2):
+        assert planner.decide(small, top) is None
+    back = planner.decide(small, top)
     pending = float((t.mem[:, 8] - t.mem[:, 4]).sum())
     assert back is not None and back.kind == "reload"
     assert back.delta_bytes <= pending - (1 + 1 + knobs.trigger_blocks + knobs.hysteresis_blocks) * PAGE
@@ -334,12 +338,12 @@ def test_queue_plan_prefix_equals_fresh_plan():
                 assert np.array_equal(cut.widths, fresh.widths) and cut.damage == pytest.approx(fresh.damage)
 
 
-def _simulate(hysteresis: int, steps: int = 200, amplitude: int = 2):
+def _simulate(hysteresis: int, steps: int = 200, amplitude: int = 2, dwell: int = 0):
     """KV free blocks fluctuate around the trigger; committed = desired at once; freed weight bytes become KV."""
     rng = np.random.default_rng(10)
     t = make_tables(rng, 2, 8, 8)
     knobs = PlannerKnobs(trigger_blocks=2, hysteresis_blocks=hysteresis, lookahead_blocks=4)
-    planner = Planner(t, knobs, np.full(t.n_blocks, 8))
+    planner = Planner(t, knobs, np.full(t.n_blocks, 8), reload_dwell_steps=dwell)
     block = int(t.mem[:, 8].max())  # one KV block >= any single plane step
     home_bytes = t.mem[np.arange(t.n_blocks), planner.home].sum()
     events = []
@@ -362,6 +366,34 @@ def test_hysteresis_prevents_flapping():
     assert planner.counters["queue_hit"] >= 1  # the standing plan served the triggers
     control, control_flips, _ = _simulate(hysteresis=0)
     assert control_flips > 5  # without hysteresis the same trace flaps: the test can fail
+    # a dwell after each release spaces the flaps out: at most one release/reload pair per dwell + 1 steps
+    _, dwell_flips, _ = _simulate(hysteresis=0, dwell=8)
+    assert dwell_flips <= 2 * 200 // 9 and dwell_flips < control_flips
+
+
+def test_demand_covering_the_whole_request_releases_once():
+    """The engine's target counts what a request will still need, so free - target stays put while it runs: one
+    release when it arrives, none while its prompt chunks and tokens fill the blocks, a reload once it ends."""
+    rng = np.random.default_rng(11)
+    t = make_tables(rng, 2, 8, 8)
+    planner = Planner(t, PlannerKnobs(), np.full(t.n_blocks, 8))
+    block = int(t.mem[:, 8].max())
+    home_bytes = t.mem[np.arange(t.n_blocks), planner.home].sum()
+    need, used, events = 40, 0, []
+    for step in range(60):
+        committed = planner.desired.copy()
+        freed = int((home_bytes - t.mem[np.arange(t.n_blocks), committed].sum()) // block)
+        running = step < 50
+        if running:
+            used = min(need, used + 3)  # a prefill chunk, then decode blocks
+        else:
+            used = 0  # the request ended: its blocks are free and it needs nothing more
+        kv = KVState(free_blocks=10 + freed - used, target_free_blocks=need - used if running else 0,
+                     block_bytes=block)
+        plan = planner.step(kv, committed)
+        if plan is not None:
+            events.append((step, plan.kind))
+    assert events == [(0, "release"), (50, "reload")], events
 
 
 def test_knobs_msgpack_round_trip():
