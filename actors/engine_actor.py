@@ -67,6 +67,10 @@ def build_llm(cfg: EngineConfig):
     from pagedweight.engine import LLM
 
     options = dict(cfg.engine_options)
+    if cfg.expert_impl == "reference":
+        # the twin reads routing on the host (.tolist(), nonzero): no CUDA graph can hold it, and a failed capture
+        # leaves the graph pool recording, which breaks every later capture (seen on the H200: all Serve requests 500)
+        options["cuda_graphs"] = False
     if cfg.use_page_store and ray.is_initialized():
         from pagedweight.actors.page_store_actor import page_store_for_node
 
@@ -82,9 +86,6 @@ def build_llm(cfg: EngineConfig):
         for module in llm.model.modules():  # the same pool and tables, read through the twin
             if isinstance(module, APExperts):
                 module.fn = moe_forward_reference
-                # the twin reads routing on the host (.tolist(), nonzero): it cannot be captured in a CUDA graph,
-                # and a failed capture leaves the graph pool recording, which breaks every later capture
-                module.graph_pool = None
     return llm
 
 

@@ -81,7 +81,8 @@ class EngineOptions:
     verify_checkpoint: bool = False  # blake2b of every checkpoint file at load (slow for large models)
     planner_knobs: dict | None = None  # overrides of the checkpoint's PlannerKnobs
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
-    cuda_graphs: bool = True  # on CUDA, decode MoE launches replay from CUDA graphs (runner.APExperts)
+    cuda_graphs: bool = True  # on CUDA: decode steps replay whole-step graphs (runner.DecodeGraphs), the MoE
+    # launches of small mixed steps per-layer ones (runner.APExperts)
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
     reload_bytes_per_step: int | None = None
@@ -187,7 +188,9 @@ class LLM:
             self._setup_weights(model, weights)
         self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size)
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv, self.device)
+        graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
+        self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
+                                  max_model_len=self.max_model_len)
         self.sampler = Sampler()
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids = set(tok_eos or cfg.eos_token_ids)

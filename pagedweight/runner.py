@@ -2,6 +2,10 @@
 
 A step's sequences are packed into one row of tokens (the paged KV cache keeps them apart with its mask);
 only the rows that end a sequence's pending tokens are sampled, so the LM head runs on those rows alone.
+A decode-only step can instead run at static shapes and, on CUDA, replay from a CUDA graph of the whole step
+(`DecodeGraphs`): launched op by op, a decode step is bound by host time (27 ms for 24 layers on the H200 at
+batch 1, engine_bench 2026-11-29), while a replay costs ~1 us per kernel. Prefill and mixed steps, batches above
+the largest bucket, and the CPU stay eager.
 Experts are either the checkpoint's dense weights (the FP16/FP32 path) or `APExperts`, which read the page
 pool at the widths the page table has committed: through the fused CUDA kernel on a GPU and through its torch
 twin elsewhere. Both see the same pool bytes and the same device tables.
@@ -109,14 +113,24 @@ class _MoEGraph:
 GRAPH_MAX_TOKENS = 64  # decode steps (the fused kernel's range); larger steps run eagerly (prefill path)
 
 
+def lut_width(max_width: int) -> int:
+    """LUT shared-memory class of a layer whose widest committed block has `max_width` bits. Widths up to 7 all fit
+    the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per block, which still
+    lets the register-bound 8 blocks per SM in), so only 8 bits needs more: two classes, and a graph is recaptured
+    only when a layer crosses 7 <-> 8, not at every change of its widest block."""
+    return 7 if max_width <= 7 else 8
+
+
 class APExperts(nn.Module):
     """Layer `layer`'s routed experts, read from the pool at the committed widths `table.q[layer]`.
 
     The layer's table rows are views taken once: commits update the device tables in place, so a forward is the
     kernel call alone (no per-layer indexing, casts or host reads; the kernel converts ids and weights itself).
-    On a GPU, a decode call (T <= GRAPH_MAX_TOKENS) replays a CUDA graph of the kernel launches, captured the
+    On a GPU, a call of T <= GRAPH_MAX_TOKENS tokens replays a CUDA graph of the kernel launches, captured the
     second time a (T, dtype, LUT width) is seen: a Numba launch costs ~0.2 ms of host time (three per layer),
-    a replay ~10 us. The graph reads the device tables when it replays, so commits need no recapture.
+    a replay ~10 us. The graph reads the device tables when it replays, so commits need no recapture. In a whole
+    decode step (`DecodeGraphs`, `in_step_graph`) the launches go straight into that step's graph, or run eagerly
+    on its first sight: no per-layer graph of that step's shape is ever replayed.
     """
 
     def __init__(self, layer: int, table: WeightPageTable, pool: PagePool, hidden: int, inter: int,
@@ -126,6 +140,7 @@ class APExperts(nn.Module):
         self._rows = (table.q[layer], table.plane_off[layer], table.lut_off[layer])
         self._host_q = table.host_q[layer].numpy()  # a view of the staged widths: numpy reads need no torch op
         self.graph_pool = graph_pool  # None: eager; else the memory pool every layer's graphs share
+        self.in_step_graph = False  # set by DecodeGraphs while it runs (or captures) a whole decode step
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _MoEGraph] = {}
 
@@ -135,20 +150,17 @@ class APExperts(nn.Module):
                        self.inter, self.table.parent_bits, lut_width)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        # The widest committed block of the layer sizes the kernel's LUT staging (host copy, no device read). Widths
-        # up to 7 all fit the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per
-        # block, which still lets the register-bound 8 blocks per SM in), so only 8 bits needs more: two classes,
-        # and a layer's graph is recaptured only when it crosses 7 <-> 8, not at every change of its widest block.
-        lut_width = 7 if int(self._host_q.max()) <= 7 else 8
-        if self.graph_pool is None or x.shape[0] > GRAPH_MAX_TOKENS:
-            return self._call(x, topk_ids, topk_weights, lut_width)
-        key = (x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, topk_weights.dtype, lut_width)
+        # the widest committed block of the layer sizes the kernel's LUT staging (host copy, no device read)
+        width = lut_width(int(self._host_q.max()))
+        if self.graph_pool is None or self.in_step_graph or x.shape[0] > GRAPH_MAX_TOKENS:
+            return self._call(x, topk_ids, topk_weights, width)
+        key = (x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, topk_weights.dtype, width)
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:  # first sight: eager (compiles the kernels outside any capture)
                 self._seen.add(key)
-                return self._call(x, topk_ids, topk_weights, lut_width)
-            g = self._capture(x, topk_ids, topk_weights, lut_width)
+                return self._call(x, topk_ids, topk_weights, width)
+            g = self._capture(x, topk_ids, topk_weights, width)
             self._graphs[key] = g
         g.x.copy_(x)
         g.ids.copy_(topk_ids)
@@ -178,8 +190,150 @@ def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: Page
                                            graph_pool))
 
 
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes of static decode steps: the powers of two below max_num_seqs, then max_num_seqs."""
+    return [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
+
+
+@dataclass
+class DecodeStats:
+    eager: int = 0  # static steps run eagerly (the CPU; first sight of a key on CUDA)
+    captured: int = 0
+    replayed: int = 0
+
+
+@dataclass
+class _StepGraph:
+    """One captured decode step: replay after copying the inputs in; `logits` and `records` are its outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    luts: tuple[int, ...]  # LUT class of every layer at capture (baked into the kernels' launch configuration)
+    logits: torch.Tensor
+    records: list[tuple]
+
+
+class DecodeGraphs:
+    """Decode steps at static shapes, captured whole in CUDA graphs on CUDA and run eagerly elsewhere.
+
+    A step of n sequences runs as B rows of one token (B: the smallest of `batch_sizes` >= n) with block tables of
+    nb blocks (nb: the next power of two >= the longest table, at most `max_blocks`). Its inputs are one int64
+    buffer [B, 3 + L*nb] allocated once, copied in before the forward: per row the token, its position, the row whose
+    K/V it writes (padding rows repeat row 0 and rewrite its exact values) and its block tables (padded with its own
+    first block); a graph is keyed by (B, nb), so it does not depend on the context length within a bucket. Buckets
+    of blocks, not one fixed max_model_len: attention reads every block of the table, and a fixed 8k-token table
+    would read 25 GB of KV per step at 32 sequences of a Qwen1.5-MoE.
+
+    What a graph bakes in and why it stays valid: the input buffer, the pool (one allocation: KV pages and weight
+    runs move inside it between steps, and where they are is device data, namely the block tables copied in here
+    and the page table's q / plane_off / lut_off, republished in place), the dense weights and the graph's own
+    memory. Not device data: each layer's LUT class (the kernel's shared-memory size), so a graph remembers the
+    classes it was captured with and is recaptured when one changes. A key is captured the second time it is seen
+    (the first runs eagerly: kernels compile outside any capture). Router observers see the real rows of the step
+    after it ran (a graph records each layer's expert inputs).
+    """
+
+    def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, batch_sizes: list[int], max_blocks: int,
+                 capture: bool) -> None:
+        self.model, self.kv, self.max_blocks, self.capture = model, kv, max_blocks, capture
+        self.num_layers = model.config.num_hidden_layers
+        experts = [layer.mlp.experts for layer in model.layers]
+        self._ap = [e for e in experts if isinstance(e, APExperts)]
+        if capture:  # a graph holds no host read: dense experts must take their gathered formulation
+            limit = min(GRAPH_MAX_TOKENS if isinstance(e, APExperts) else e.gather_limit(kv.view.device)
+                        // model.config.top_k for e in experts)
+            batch_sizes = [b for b in batch_sizes if b <= limit]
+        self.batch_sizes = sorted(batch_sizes)
+        rows = self.batch_sizes[-1] if self.batch_sizes else 0
+        self._inputs = torch.zeros(rows * (3 + self.num_layers * max_blocks), dtype=torch.long,
+                                   device=kv.view.device)
+        self._host_q = self._ap[0].table.host_q.numpy().reshape(self.num_layers, -1) if self._ap else None
+        self._graphs: dict[tuple[int, int], _StepGraph] = {}
+        self._seen: set[tuple] = set()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stats = DecodeStats()
+
+    def fits(self, seqs: list[Sequence]) -> bool:
+        return (bool(self.batch_sizes) and len(seqs) <= self.batch_sizes[-1]
+                and max(len(s.block_table) for s in seqs) <= self.max_blocks)
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [n, V] (float32) of the next token of every sequence, whose one new token each is its last.
+        A view of the graph's output when replayed: valid until the next step."""
+        n = len(seqs)
+        rows = next(b for b in self.batch_sizes if b >= n)
+        longest = max(len(s.block_table) for s in seqs)
+        blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
+        host = np.empty((rows, 3 + self.num_layers * blocks), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            pos = seq.num_computed_tokens
+            tables = self.kv.block_tables(seq)
+            host[i, :3] = seq.token_ids[pos], pos, i
+            padded = host[i, 3:].reshape(self.num_layers, blocks)
+            padded[:, :tables.shape[1]] = tables
+            padded[:, tables.shape[1]:] = tables[:, :1]
+        host[n:] = host[0]
+        inputs = self._inputs[:host.size].view(host.shape)
+        inputs.copy_(torch.from_numpy(host))
+        graph = self._graph(inputs) if self.capture else None
+        if graph is None:
+            self.stats.eager += 1
+            logits, records = self._forward(inputs)
+        else:
+            self.stats.replayed += 1
+            graph.graph.replay()
+            logits, records = graph.logits, graph.records
+        for layer, x, ids, weights in records:  # observers get the real rows, as tensors of their own
+            observer = self.model.layers[layer].mlp.observer
+            if observer is not None:
+                observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
+        return logits[:n]
+
+    def _graph(self, inputs: torch.Tensor) -> _StepGraph | None:
+        """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
+        key = inputs.shape
+        luts = tuple(lut_width(int(w)) for w in self._host_q.max(axis=1)) if self._ap else ()
+        graph = self._graphs.get(key)
+        if graph is not None and graph.luts == luts:
+            return graph
+        if (key, luts) not in self._seen:
+            self._seen.add((key, luts))
+            return None
+        g = torch.cuda.CUDAGraph()
+        # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            logits, records = self._forward(inputs)
+        self._graphs[key] = graph = _StepGraph(g, luts, logits, records)  # replaces a graph of other classes
+        self.stats.captured += 1
+        return graph
+
+    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and each layer's router inputs."""
+        rows = inputs.shape[0]
+        tokens, positions = inputs[:, 0:1], inputs[:, 1:2]
+        tables = inputs[:, 3:].view(rows, self.num_layers, -1)
+        records: list[tuple] = []
+        observers = [layer.mlp.observer for layer in self.model.layers]
+        self.model.set_router_observer(lambda *args: records.append(args))
+        self.kv.layout = self.kv.decode_layout(positions[:, 0], inputs[:, 2], tables)
+        for experts in self._ap:
+            experts.in_step_graph = True
+        try:
+            logits = self.model(tokens, positions, cache=self.kv)[:, 0]
+        finally:
+            self.kv.layout = None
+            for layer, fn in zip(self.model.layers, observers):
+                layer.mlp.observer = fn
+            for experts in self._ap:
+                experts.in_step_graph = False
+        return logits, records
+
+
 class ModelRunner:
-    def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device, max_num_seqs: int = 0,
+                 max_model_len: int | None = None, capture: bool | None = None) -> None:
+        """`max_num_seqs` > 0 runs decode-only steps of up to that many sequences at static shapes (`DecodeGraphs`),
+        captured in CUDA graphs when `capture` (default: on CUDA), eagerly otherwise (slower than the packed step:
+        for tests of the code a graph captures)."""
         self.model, self.kv, self.device = model, kv, device
         self._rows: torch.Tensor | None = None
         if device.type == "cuda":
@@ -188,6 +342,11 @@ class ModelRunner:
             # (torch.profiler, 2026-11-29). The flash and memory-efficient kernels take any shape as it comes.
             torch.backends.cuda.enable_cudnn_sdp(False)
         model.norm.register_forward_hook(self._keep_sampled_rows)
+        self.decode: DecodeGraphs | None = None
+        if max_num_seqs > 0:
+            max_len = max_model_len or model.config.max_position_embeddings
+            self.decode = DecodeGraphs(model, kv, decode_batch_sizes(max_num_seqs), -(-max_len // kv.block_size),
+                                       device.type == "cuda" if capture is None else capture)
 
     def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         """Final-norm hook: the LM head then sees only the rows that get sampled."""
@@ -196,6 +355,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the batch's new tokens; returns the sequences to sample and their logits [n, V] (float32)."""
+        decode = all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+                     for s, n in zip(batch.seqs, batch.num_new_tokens))
+        if decode and self.decode is not None and self.decode.fits(batch.seqs):
+            logits = self.decode.run(batch.seqs)
+            for seq in batch.seqs:
+                seq.num_computed_tokens += 1
+            return list(batch.seqs), logits
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []

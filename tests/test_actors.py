@@ -165,3 +165,17 @@ def test_evaluation_job_spreads_over_engines(ray_cluster, ap_model_dir, tmp_path
     assert gen["prompts"] == 4 and len(gen["samples"]) == 4
     assert 4 <= gen["generated_tokens"] <= 4 * 8 and gen["tokens_per_s"] > 0
     assert sum(gen["finish_reasons"].values()) == 4 and set(gen["finish_reasons"]) <= {"stop", "length"}
+
+
+def test_reference_experts_run_without_cuda_graphs(ap_model_dir):
+    """The torch twin reads routing on the host, so an engine built on it must not capture CUDA graphs (a failed
+    capture broke every later one on the H200); the fused kernel's engine keeps them."""
+    from pagedweight.actors.engine_actor import build_llm
+    from pagedweight.cuda.reference import moe_forward_reference
+    from pagedweight.runner import APExperts
+
+    twin = build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False, expert_impl="reference"))
+    assert twin.options.cuda_graphs is False
+    assert all(m.fn is moe_forward_reference for m in twin.model.modules() if isinstance(m, APExperts))
+    fused = build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False, expert_impl="auto"))
+    assert fused.options.cuda_graphs is True

@@ -139,12 +139,15 @@ class DenseExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], topk_ids [N, k], topk_weights [N, k] -> sum_k w * expert_k(x), [N, D] in x's dtype."""
-        limit = self.gather_max_pairs
-        if limit is None:
-            limit = 0 if x.device.type == "cpu" else self.gate_up.shape[0]
-        if topk_ids.numel() <= limit:
+        if topk_ids.numel() <= self.gather_limit(x.device):
             return self._gathered(x, topk_ids, topk_weights)
         return self._grouped(x, topk_ids, topk_weights)
+
+    def gather_limit(self, device: torch.device) -> int:
+        """Most (token, slot) pairs that take the gathered formulation on `device` (a CUDA graph needs it)."""
+        if self.gather_max_pairs is not None:
+            return self.gather_max_pairs
+        return 0 if device.type == "cpu" else self.gate_up.shape[0]
 
     def _gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Per (token, slot) pair: bmm with that pair's expert weights; no host synchronisation."""

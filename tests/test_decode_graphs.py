@@ -1,0 +1,230 @@
+"""Static-shape decode steps (runner.DecodeGraphs): the code a CUDA graph captures, against the packed eager step.
+
+On the CPU the static path runs eagerly. With PAGEDWEIGHT_TEST_DEVICE=cuda the same tests capture and replay
+whole-step graphs (and check that they replayed), so width changes, LUT-class changes and pool relocation of KV
+pages and weight runs between replays are checked there against engines that never captured anything
+(`cuda_graphs=False`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedweight.engine import LLM
+from pagedweight.runner import DecodeGraphs, ModelRunner, decode_batch_sizes
+from pagedweight.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
+BUNDLED = Path(__file__).resolve().parents[1] / "models" / "pw-tiny-moe"
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    args = parse(argv)", "class Stack:",
+           "for i in range(10):\n    print(i)", "x = 1", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
+TOL = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=3e-2, atol=3e-2)  # fp16 and atomics on CUDA
+
+
+@pytest.fixture(scope="module")
+def ap_dir(tmp_path_factory):
+    """The bundled model as an AP checkpoint (s=3, P=8), as tests/test_engine.py converts it."""
+    from pagedweight.convert import convert
+    from pagedweight.corpus import DATA_DIR
+
+    out = tmp_path_factory.mktemp("ap")
+    convert(BUNDLED, out, DATA_DIR / "calib.txt", seed_bits=3, parent_bits=8, sensitivity="activation",
+            num_seqs=4, seq_len=64, device="cpu")
+    return out
+
+
+def static_decode(llm: LLM, max_num_seqs: int = 4) -> DecodeGraphs:
+    """Give llm a runner whose decode steps take the static path (graphs on CUDA, eager on the CPU)."""
+    llm.runner = ModelRunner(llm.model, llm.kv, llm.device, max_num_seqs=max_num_seqs,
+                             max_model_len=llm.max_model_len)
+    return llm.runner.decode
+
+
+def log_logits(llm: LLM) -> list[tuple[list[str], torch.Tensor]]:
+    """Every step's sampled request ids and logits (copied: a replayed graph's logits are overwritten next step)."""
+    log, run = [], llm.runner.run
+
+    def logged(batch):
+        seqs, logits = run(batch)
+        log.append(([s.request_id for s in seqs], logits.float().cpu().clone()))
+        return seqs, logits
+    llm.runner.run = logged
+    return log
+
+
+def lockstep(ref: LLM, llm: LLM, prompts: list[str], params: list[SamplingParams], between=None) -> dict[str, list]:
+    """Serve the same requests on both engines a step at a time (between(step) runs on both before each step);
+    every step's logits agree, and so do the tokens. Returns request id -> tokens."""
+    logs = log_logits(ref), log_logits(llm)
+    for prompt, p in zip(prompts, params):
+        assert ref.add_request(prompt, p) == llm.add_request(prompt, p)
+    done: dict[str, list] = {}
+    step = 0
+    while ref.has_unfinished():
+        if between is not None:
+            for engine in (ref, llm):
+                between(engine, step)
+        outs = ref.step()
+        assert [(o.request_id, o.token_ids) for o in llm.step()] == [(o.request_id, o.token_ids) for o in outs]
+        done.update({o.request_id: o.token_ids for o in outs if o.finished})
+        step += 1
+    assert not llm.has_unfinished()
+    assert len(logs[0]) == len(logs[1])
+    for (ids_a, a), (ids_b, b) in zip(*logs):
+        assert ids_a == ids_b
+        torch.testing.assert_close(b, a, **TOL)
+    return done
+
+
+def check_used(decode: DecodeGraphs, replays_at_least: int = 1) -> None:
+    """The static path ran: eagerly on the CPU, replayed from graphs on CUDA."""
+    if DEVICE == "cuda":
+        assert decode.stats.captured > 0 and decode.stats.replayed >= replays_at_least, decode.stats
+    else:
+        assert decode.stats.eager > 0 and decode.stats.captured == decode.stats.replayed == 0, decode.stats
+
+
+def test_decode_batch_sizes():
+    assert decode_batch_sizes(1) == [1]
+    assert decode_batch_sizes(4) == [1, 2, 4]
+    assert decode_batch_sizes(6) == [1, 2, 4, 6]
+    assert decode_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+
+
+def test_padded_decode_equals_packed_steps():
+    """Batches of 1..5 sequences with ragged prompts (different context lengths and block-table lengths, prefill
+    chunks beside decodes), padded to 1/2/4 rows; 5 sequences exceed the largest bucket and run packed until one
+    finishes. Router observers see exactly the real rows; pages never written (unused slots, padding) stay unread
+    or finite."""
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    llm.pool.data.fill_(255)  # NaN in every free page: masked keys are read, so blocks must be zeroed when given out
+    seen = {}  # per engine: rows observed per layer, routing weight per (layer, expert)
+    for engine in (ref, llm):
+        cfg = engine.config
+        rows, mass = seen[id(engine)] = np.zeros(cfg.num_hidden_layers), np.zeros((cfg.num_hidden_layers,
+                                                                                    cfg.num_experts))
+
+        def observe(layer, x, ids, weights, rows=rows, mass=mass):
+            rows[layer] += x.shape[0]
+            np.add.at(mass[layer], ids.cpu().numpy().ravel(), weights.float().cpu().numpy().ravel())
+        engine.model.set_router_observer(observe)
+    for n in (1, 2, 3, 5):
+        params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
+        done = lockstep(ref, llm, PROMPTS[:n], params)
+        assert sorted(len(t) for t in done.values()) == [p.max_tokens for p in params]
+    check_used(decode)
+    (rows, mass), (rows_ref, mass_ref) = seen[id(llm)], seen[id(ref)]
+    assert np.array_equal(rows, rows_ref)
+    if DEVICE == "cpu":  # fp16 on CUDA: a near tie may route a token elsewhere; the rows must still match
+        np.testing.assert_allclose(mass, mass_ref, rtol=1e-4, atol=1e-5)
+    assert llm.kv.num_free_blocks == ref.kv.num_free_blocks == llm.stats()["kv_total_blocks"]
+
+
+def _set_widths(llm: LLM, blocks: list[int], bits: int) -> None:
+    """Commit `bits` for `blocks` now (between steps), as the mover does at a step boundary."""
+    for i in blocks:
+        assert llm.mover.request(i, bits)
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+    llm.mover.boundary()
+    assert (llm.committed_widths()[blocks] == bits).all()
+
+
+def test_width_changes_between_steps(ap_dir):
+    """Widths change between decode steps: within a LUT class (tables only) and across 8 -> 7 and back (a new graph
+    on CUDA). Same logits and tokens as the packed step with the same commits."""
+    kw = dict(device=DEVICE, block_size=4, bits=8, paging=False, reload_bytes_per_step=0,
+              page_store_dir=str(ap_dir / "store"))
+    ref, llm = LLM(ap_dir, cuda_graphs=False, **kw), LLM(ap_dir, **kw)
+    decode = static_decode(llm)
+    per_layer = 2 * llm.config.num_experts
+    layer0, layer1 = list(range(per_layer)), list(range(per_layer, 2 * per_layer))
+    changes = {4: (layer0, 6), 6: (layer1[::3], 4), 8: (layer0[::2], 5), 10: (layer0, 8)}
+
+    def between(engine, step):
+        if step in changes:
+            _set_widths(engine, *changes[step])
+    params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 3
+    lockstep(ref, llm, PROMPTS[:3], params, between)
+    check_used(decode, replays_at_least=4)
+    if DEVICE == "cuda":  # layer 0 went 8 -> 7 -> 8: graphs of both LUT classes were captured
+        assert decode.stats.captured >= 2
+    llm.table.check()
+
+
+def _relocate_everything(llm: LLM) -> None:
+    """Move every live KV page and plane 0 of every expert block (read at every width) to other pool pages, the way
+    pool compaction does between steps, then poison the old pages: NaN for KV, all-ones plane words for weights."""
+    pool, table, cache = llm.pool, llm.table, llm.kv
+    live = sorted(p for pages in cache.block_pages.values() for p in pages)
+    dst = pool.alloc_kv_blocks(len(live))
+    pool.free_kv_blocks(dst)
+    before = {lid: list(pages) for lid, pages in cache.block_pages.items()}
+    pool._move_kv_pages(np.array(live), np.array(sorted(dst)))
+    assert all(set(cache.block_pages[lid]).isdisjoint(pages) for lid, pages in before.items())
+    rows = pool.kv_blocks_view()
+    rows[torch.tensor(live, device=rows.device)] = 255
+    for i, row in enumerate(table.rows):
+        old, n = row.planes[0].page, table.slot_pages(i, "plane", 0)
+        new = pool.alloc_run(n)
+        pool.free_run(new)
+        pool._move_weight_runs({old: new})
+        assert row.planes[0].page == new
+        pool.page_view(old, pool.bytes_of(n)).fill_(255)
+    pool.check()
+    table.check()
+
+
+def test_relocation_between_steps(ap_dir):
+    """After graphs were captured (CUDA), every KV page and a plane of every block move and their old pages are
+    poisoned: the following steps read the new places (the tables), so the tokens stay those of an engine whose
+    pages never moved."""
+    kw = dict(device=DEVICE, block_size=64, bits=6, paging=False, page_store_dir=str(ap_dir / "store"))
+    ref, llm = LLM(ap_dir, cuda_graphs=False, **kw), LLM(ap_dir, **kw)
+    decode = static_decode(llm)
+    moved = []
+
+    def between(engine, step):
+        if engine is llm and step == 5:
+            moved.append(decode.stats.replayed)
+            _relocate_everything(llm)
+    lockstep(ref, llm, PROMPTS[:4], [SamplingParams(max_tokens=12, ignore_eos=True)] * 4, between)
+    assert llm.pool.relocated_pages > 0 and llm.pool.relocated_weight_runs == len(llm.table.rows)
+    check_used(decode, replays_at_least=5)
+    if DEVICE == "cuda":  # one block per sequence, one batch size: the one graph was captured before the moves
+        assert decode.stats.captured == 1 and moved[0] > 0
+
+
+def test_paging_under_pressure(ap_dir):
+    """The paging loop (tests/test_engine.py's pressure scenario) with static decode steps: widths drop under KV
+    pressure and come back, and the planner sees the routing statistics of the real rows. On the CPU everything equals
+    the packed run; on CUDA, where commits wait for copies (timing), it finishes every request with graphs replayed."""
+    from pagedweight.engine import param_bytes
+
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    runs = []
+    for static in (False, True):
+        llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
+                  cuda_graphs=static)
+        decode = static_decode(llm) if static else None
+        outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=96, ignore_eos=True), use_tqdm=False)
+        assert all(o.finish_reason == "length" and o.completion_tokens == 96 for o in outs)
+        st = llm.stats()
+        assert st["offload_triggers"] > 0 and st["reload_triggers"] > 0
+        runs.append(([o.token_ids for o in outs], llm.routing_mass()))
+        llm.table.check()
+    check_used(decode, replays_at_least=20)
+    if DEVICE == "cpu":
+        assert runs[1][0] == runs[0][0]
+        np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-7)
