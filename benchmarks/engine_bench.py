@@ -180,7 +180,13 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
     serve(llm, batch, seq_len - gen, 4, cfg.vocab_size, seed=1)  # warm-up at the timed length: graphs captured here
-    start_hist = llm.stats()["committed_width_hist"]
+    def counters() -> dict:
+        graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
+        return dict(llm.stats(), sync_waits=llm.paging.syncs, decode_graph_replays=graphs and graphs.replayed,
+                    decode_graph_captures=graphs and graphs.captured, decode_eager_steps=graphs and graphs.eager)
+
+    st0 = counters()  # the counters in the row are the timed batch's alone
+    start_hist = st0["committed_width_hist"]
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -194,7 +200,11 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     if prof:
         prof.disable()
         _append_profile(args.profile, f"{name} batch {batch}", prof)
-    st = llm.stats()
+    st = counters()
+    timed = {k: (st[k] or 0) - (st0[k] or 0) for k in ("offload_triggers", "reload_triggers", "bytes_offloaded",
+                                                     "bytes_reloaded", "preemptions", "sync_waits", "kv_relocations",
+                                                     "weight_relocations", "decode_graph_replays",
+                                                     "decode_graph_captures", "decode_eager_steps")}
     row = {"config": name, "batch": batch, "seq_len": seq_len, "prompt_tokens": seq_len - gen, "gen_tokens": gen,
            **res, "budget_gib": budget / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
@@ -202,10 +212,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "weights_outside_pool_gib": param_bytes(llm.model) / 2**30,
            "resident_expert_gib": st["resident_weight_bytes"] / 2**30,
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
-           "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
-           "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
-           "preemptions": st["preemptions"], "sync_waits": llm.paging.syncs, "kv_relocations": st.get("kv_relocations"),
-           "weight_relocations": st.get("weight_relocations"), "config_s": time.perf_counter() - t0}
+           **timed, "config_s": time.perf_counter() - t0}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row
