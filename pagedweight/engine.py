@@ -86,6 +86,10 @@ class EngineOptions:
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
     reload_bytes_per_step: int | None = None
+    # reloads started per step while requests run (0: no cap). Each start allocates its runs and issues its copies
+    # on the host (~0.2-0.5 ms on the H200 box, engine_profile-nvidia-h200-20261129-paged.txt): the cap bounds that
+    # host time beside decode steps; with nothing running the cap is off, so widths come back at full speed.
+    reload_starts_per_step: int = 4
 
 
 @dataclass
@@ -156,6 +160,8 @@ class LLM:
             raise ValueError("observe_every, block_size and max_num_seqs must be >= 1")
         if self.options.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.options.reload_starts_per_step < 0:
+            raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
@@ -385,11 +391,13 @@ class LLM:
         blocks the admitted requests still need, plus the trigger margin): it takes its pages when it starts and
         holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
         running request is about to write. After the first reload refused, the rest wait for a later boundary
-        (they would mostly be refused too, and thousands of refusals per step cost host time).
+        (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run,
+        at most `reload_starts_per_step` reloads start per boundary.
         """
         want = self.planner.desired
         todo = set(np.flatnonzero(want != committed).tolist()) | set(self._requested)
         keep, reloads_wait = self.pool.pages_for(keep_free_bytes), False
+        starts_left = self.options.reload_starts_per_step if self.scheduler.running else 0
         for i in sorted(todo, key=lambda i: (bool(want[i] > committed[i]), i)):
             b = int(want[i])
             if self.mover.pending(i):
@@ -402,6 +410,9 @@ class LLM:
                 continue
             if self.mover.request(i, b, keep_free_pages=keep if reload else 0):
                 self._requested[i] = b
+                if reload and starts_left:
+                    starts_left -= 1
+                    reloads_wait = starts_left == 0
             elif reload:
                 reloads_wait = True
 

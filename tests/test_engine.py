@@ -362,6 +362,41 @@ def test_widths_return_after_pressure(run, request):
         assert llm.stats()["weight_relocations"] > 0, "the run no longer needs weight relocation"
 
 
+def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
+    """With requests running, at most `reload_starts_per_step` reloads start per boundary (each start costs host
+    time beside the decode step); with nothing running the cap is off and the widths come all the way back."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
+              reload_starts_per_step=1)
+    starts: dict[int, int] = {}
+    request = llm.mover.request
+
+    def counted(i: int, b: int, keep_free_pages: int = 0) -> bool:
+        reload = b > llm.table.rows[i].q
+        ok = request(i, b, keep_free_pages)
+        if ok and reload and llm.scheduler.running:
+            starts[llm.num_steps] = starts.get(llm.num_steps, 0) + 1
+        return ok
+
+    llm.mover.request = counted
+    # two short requests end early: their KV comes back while the long ones still run, so reloads start then
+    for p, n in zip(PROMPTS, (8, 8, 96, 96)):
+        llm.add_request(p, greedy(n))
+    while llm.has_unfinished():
+        llm.step()
+    assert starts, "no reload started while requests ran: the scenario no longer tests the cap"
+    assert max(starts.values()) == 1, starts
+    for _ in range(400):
+        llm.step()
+        if llm.mover.idle() and _mean_width(llm) == 8.0:
+            break
+    assert _mean_width(llm) == 8.0
+    llm.table.check()
+
+
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     weights_3 = probe.stats()["resident_weight_bytes"]
