@@ -295,7 +295,10 @@ def _pressure_run(ap_dir, dtype: str | None):
     weights_8 = probe.stats()["resident_weight_bytes"]
     budget = (param_bytes(probe.model) + weights_8 + probe.pool.bytes_of(probe.pool.reserve_pages)
               + 8 * probe.kv.block_bytes)
-    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store, dtype=dtype)
+    # no cap on reload starts (tested on its own below): reloads beside the running requests fragment the pool the
+    # way the GPU run did, so this scenario also covers weight-run relocation
+    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store, dtype=dtype,
+              reload_starts_per_step=0)
     start = _mean_width(llm)
     for p in PROMPTS:
         llm.add_request(p, greedy(96))
