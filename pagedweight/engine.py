@@ -370,6 +370,9 @@ class LLM:
             plan = self.planner.step(kv, committed)
             if plan is not None:
                 self.paging.plan_step = self.num_steps
+                logger.info("step {}: {} plan of {:.1f} MB (KV: {} blocks free, {} wanted by admitted requests, "
+                            "{:.1f} MB in transit)", self.num_steps, plan.kind, plan.delta_bytes / 1e6,
+                            kv.free_blocks, demand, kv.transit_bytes / 1e6)
                 if plan.kind == "release":
                     self.paging.offload_triggers += 1
                 elif plan.kind == "reload":
