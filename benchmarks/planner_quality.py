@@ -8,10 +8,12 @@ Variants (each an ablation of one signal):
   uniform            largest uniform width whose footprint fits (equal memory at the 4/5/6-bit footprints)
   bytes-only         planner with s replaced by one unit of damage per bit dropped (no sensitivity)
   global             planner, global damage g from the checkpoint's sensitivity table, mu = 1
-  global+buckets     + routing buckets from the checkpoint's calibration routing mass
+  global+buckets     + routing buckets from the checkpoint's calibration routing mass (the chosen buckets, or the
+                     search's best bucketed setting when it chose one bucket: "bucket_rows_knobs" in the JSON)
   online-buckets     + routing buckets from each evaluation window's own routing mass (per-window plan)
-  online+residual    + prompt residual heads on the window's features (per-window plan)
-  ..., one stage     the same without depth stages (at a footprint equal to a stage floor, stages force uniform)
+  online+residual    the chosen knobs on each window's routing mass and residual heads (per-window plan)
+  ..., stages X      the same with the other depth-stage setting: one stage (3,) when the chosen knobs have stages,
+                     stages (5, 3) when they have one (at a footprint equal to a stage floor, stages force uniform)
   measured, one stage  damage table = measured single-block NLL increase on calibration windows (no Fisher proxy)
   uniform-interp     (midpoints only) byte-linear interpolation of the two neighbouring uniform widths' NLL: a
                      stricter reference than the realisable lower uniform width, reported next to it
@@ -20,10 +22,10 @@ Every eval row carries the paired difference to the uniform row of its budget (n
 its standard error over the evaluation windows (se_diff_per_token); "eval-uniform" rows give uniform width 3..P
 against the parent width, which shows where quantization stops costing anything measurable (saturation).
 
-Item 4 (knob search) runs first on one half of data/calib.txt, the residual heads are fitted on the other half
-exactly as `pagedweight convert` fits them (calibrate.DamageProbe; target: log of the window's measured output
-error of a block's drop over its mean across windows; features centred per block, including the expert's routing
-share), and the evaluation uses data/eval.txt only.
+Item 4 (knob search) runs first on windows spread evenly over data/calib.txt, the residual heads are fitted on the
+windows between them exactly as `pagedweight convert` fits them (calibrate.DamageProbe; target: log of the window's
+measured output error of a block's drop over its mean across windows; features centred per block, including the
+expert's routing share), and the evaluation uses data/eval.txt only (its first --eval-windows windows).
 
     python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512] [--measured-cache NPY]
 """
@@ -80,11 +82,19 @@ class Widths:
                     getattr(experts, kind)[sel] = self.w[int(b), kind][l, sel]
 
 
-def token_windows(tok, path: Path, context: int, limit: int, skip: int = 0) -> torch.Tensor:
+def window_starts(n: int, limit: int, phase: float | None) -> list[int]:
+    """Indices of `limit` of the n windows: the first ones (phase None), or spread evenly over all n, window j at
+    floor((j + phase) * n / limit) (a calibration text is many documents that route differently: a prefix is not
+    a sample of it)."""
+    if phase is None:
+        return list(range(min(n, limit)))
+    return sorted({int((j + phase) * n / limit) for j in range(min(n, limit))})
+
+
+def token_windows(tok, path: Path, context: int, limit: int, phase: float | None = None) -> torch.Tensor:
     ids = torch.tensor(tok.encode(path.read_text(), add_special_tokens=False).ids, dtype=torch.long)
     n = (len(ids) - 1) // context
-    wins = [ids[i * context: i * context + context + 1] for i in range(skip, min(n, skip + limit))]
-    return torch.stack(wins)
+    return torch.stack([ids[i * context: i * context + context + 1] for i in window_starts(n, limit, phase)])
 
 
 @torch.no_grad()
@@ -191,8 +201,8 @@ def replace_sens(tables: BlockTables) -> BlockTables:
 
 def knob_grid() -> list[PlannerKnobs]:
     out = []
-    for stages, nb, spread, hot_floor in itertools.product(((3,), (5, 3), (6, 5, 4, 3)), (1, 2, 4), (2.0, 4.0),
-                                                           (3, 4)):
+    stage_options = ((3,), (4, 3), (5, 3), (6, 5, 4, 3))
+    for stages, nb, spread, hot_floor in itertools.product(stage_options, (1, 2, 4), (2.0, 4.0), (3, 4)):
         if nb == 1 and (spread != 2.0 or hot_floor != 3):
             continue
         mult = tuple(spread ** (1 - k / (nb - 1)) for k in range(nb)) if nb > 1 else (1.0,)
@@ -207,10 +217,10 @@ def main() -> int:
     ap_.add_argument("--ap", type=Path, default=None, help="existing AP checkpoint of --model (else converted)")
     ap_.add_argument("--context", type=int, default=512)
     ap_.add_argument("--eval-windows", type=int, default=32)
-    ap_.add_argument("--calib-windows", type=int, default=16, help="per half of data/calib.txt")
+    ap_.add_argument("--calib-windows", type=int, default=16, help="windows of data/calib.txt the heads are fitted on")
     ap_.add_argument("--search-windows", type=int, default=8)
     ap_.add_argument("--measure-windows", type=int, default=12,
-                     help="calibration windows (after the search windows) of the measured-sensitivity table")
+                     help="calibration windows (between the search windows) of the measured-sensitivity table")
     ap_.add_argument("--measured-cache", type=Path, default=None, help=".npy of that table (read if present)")
     args = ap_.parse_args()
     torch.set_num_threads(1)
@@ -247,9 +257,9 @@ def main() -> int:
         widths.apply(w)
         return nll(model, wins)
 
-    # ---- item 4: knob search on the first half of the calibration slice (static plans, calibration mass)
+    # ---- item 4: knob search on windows spread over the calibration slice (static plans, calibration mass)
     # selection: most budgets where the plan beats uniform width on this slice, then the lowest mean NLL
-    search = token_windows(tok, calib, args.context, args.search_windows)
+    search = token_windows(tok, calib, args.context, args.search_windows, phase=0.0)
     tokens = search[:, 1:].numel()
     uniform_nll = [ppl(search, np.full(n, uniform_width(b))) for _, b in budgets]
     scored = []
@@ -261,10 +271,11 @@ def main() -> int:
         rows.append({"phase": "knob-search", "knobs": json.dumps(knobs.to_dict()), "nll_per_token": round(score, 5),
                      "ppl": round(math.exp(score), 4), "budgets": "all six", "budgets_beating_uniform": wins})
     best_static = min(scored, key=lambda t: t[:2])[2]
+    best_bucketed = min((t for t in scored if t[2].n_buckets > 1), key=lambda t: t[:2])[2]
     print("best static knobs", best_static, flush=True)
 
-    # ---- residual heads: fit on the second half of the calibration slice
-    heads_wins = token_windows(tok, calib, args.context, args.calib_windows, skip=args.search_windows)
+    # ---- residual heads: fit on the calibration windows between the search windows
+    heads_wins = token_windows(tok, calib, args.context, args.calib_windows, phase=0.5)
     heads = fit_heads(model, widths, heads_wins)
     conf = heads.confidence[:, np.arange(s + 1, P + 1), np.arange(s, P)]
     print("head confidence [kind, transition]", conf.round(3), flush=True)
@@ -299,9 +310,15 @@ def main() -> int:
     for win in ev:
         mass, phi = window_signals(model, widths, win)
         sigs.append((mass, phi))
+    # bucket rows: the chosen buckets, or the search's best bucketed ones when it chose one bucket (mu = 1: no-op)
+    bk = best if best.n_buckets > 1 else replace(best, n_buckets=best_bucketed.n_buckets,
+                                                 bucket_multipliers=best_bucketed.bucket_multipliers,
+                                                 bucket_floors=best_bucketed.bucket_floors)
     one_stage = replace(best, stage_floors=(s,))  # no depth stages: a stage floor at a footprint forces uniform
-    # measured damage table (single-block NLL increase on calibration windows after the search windows)
-    meas_wins = token_windows(tok, calib, args.context, args.measure_windows, skip=args.search_windows)
+    other = one_stage if len(best.stage_floors) > 1 else replace(best, stage_floors=(5, s))
+    other_label = f"online+residual, stages {other.stage_floors}"
+    # measured damage table (single-block NLL increase on calibration windows between the search windows)
+    meas_wins = token_windows(tok, calib, args.context, args.measure_windows, phase=0.5)
     measured = BlockTables(sup, ap.raw_bytes, measured_sensitivity(model, widths, meas_wins, args.measured_cache),
                            widths.L, widths.E)
     # uniform at every width: where quantization stops costing anything measurable (saturation)
@@ -331,11 +348,10 @@ def main() -> int:
             "uniform": lambda: [np.full(n, uni)],
             "bytes-only": lambda: [planned(tables, best, budget, sens_free=True)],
             "global": lambda: [planned(tables, best, budget)],
-            "global+buckets": lambda: [planned(tables, best, budget, mass=ap.routing_mass)],
-            "online-buckets": lambda: [planned(tables, best, budget, mass=m) for m, _ in sigs],
+            "global+buckets": lambda: [planned(tables, bk, budget, mass=ap.routing_mass)],
+            "online-buckets": lambda: [planned(tables, bk, budget, mass=m) for m, _ in sigs],
             "online+residual": lambda: [planned(tables, best, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
-            "online+residual, one stage": lambda: [planned(tables, one_stage, budget, mass=m, heads=heads, phi=f)
-                                                   for m, f in sigs],
+            other_label: lambda: [planned(tables, other, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
             "measured, one stage": lambda: [planned(measured, one_stage, budget)],
         }
         for variant, make in configs.items():
@@ -356,13 +372,13 @@ def main() -> int:
             print(row, flush=True)
     evals = [r for r in rows if r["phase"] == "eval"]
     beats, beats_2se = {}, {}
-    for variant in ("online+residual", "online+residual, one stage", "global", "measured, one stage"):
+    for variant in ("online+residual", other_label, "global", "measured, one stage"):
         for label, _ in budgets:
             r = next(r for r in evals if r["budget"] == label and r["variant"] == variant)
             beats[f"{variant} @ {label}"] = r["nll_diff_vs_uniform_per_token"] < 0
             beats_2se[f"{variant} @ {label}"] = r["nll_diff_vs_uniform_per_token"] < -2 * r["se_diff_per_token"]
     path = write_result("planner-quality", rows, extra={
-        "chosen_knobs": best.to_dict(), "residual_head_confidence": conf.tolist(),
+        "chosen_knobs": best.to_dict(), "bucket_rows_knobs": bk.to_dict(), "residual_head_confidence": conf.tolist(),
         "checks": {"planner_beats_uniform_at": beats, "planner_beats_uniform_by_2se_at": beats_2se},
         "wall_s": round(time.perf_counter() - t0, 1), "context": args.context, "eval_windows": args.eval_windows,
         "model_sha256": hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]})

@@ -30,7 +30,7 @@ from pagedweight.models import MoEForCausalLM
 from pagedweight.signals import N_FEATURES, ResidualHeads, RouterStats, fit_residual_heads
 
 KINDS = ("activation", "fisher")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: calibration sequences spread over the text (1: its prefix)
 
 
 @dataclass
@@ -67,14 +67,20 @@ class CalibStats:
 
 
 def calibration_batches(token_ids: list[int], num_seqs: int, seq_len: int) -> torch.Tensor:
-    """Cut the tokenised calibration text into up to `num_seqs` disjoint sequences of `seq_len` tokens."""
+    """Up to `num_seqs` disjoint sequences of `seq_len` tokens, spread evenly over the tokenised calibration text.
+
+    Sequence j starts at j * (len // count): a calibration text is many documents, and the first few of them
+    route very differently from the rest (on the bundled model the first 16k tokens of data/calib.txt leave
+    experts unrouted that the rest of the text uses), so a contiguous prefix gives wrong sensitivities.
+    """
     count = min(num_seqs, len(token_ids) // seq_len)
     if count == 0:
         raise ValueError(f"calibration text has {len(token_ids)} tokens, fewer than one sequence of {seq_len}")
     if count < num_seqs:
         logger.warning("calibration text gives {} sequences of {} tokens, not the {} asked for", count, seq_len,
                        num_seqs)
-    return torch.tensor(token_ids[:count * seq_len], dtype=torch.long).view(count, seq_len)
+    stride = len(token_ids) // count
+    return torch.tensor(token_ids[:count * stride], dtype=torch.long).view(count, stride)[:, :seq_len].contiguous()
 
 
 def cache_key(files: list[Path], calib_text: bytes, **settings: object) -> str:

@@ -59,8 +59,9 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
             heads_seqs: int = 32) -> Path:
     """Convert the HF checkpoint `src` into an AP checkpoint in `out`; returns the manifest path.
 
-    The planner's prompt residual heads are fitted on the first min(`heads_seqs`, `num_seqs`) calibration
-    sequences (0: none; the planner then runs on the global estimate).
+    Calibration sequences are spread evenly over the calibration text (`calibration_batches`); the planner's
+    prompt residual heads are fitted on min(`heads_seqs`, `num_seqs`) sequences spread the same way (0: none; the
+    planner then runs on the global estimate).
     """
     from pagedweight.checkpoint import INDEX, read_config
     from pagedweight.knobs import PlannerKnobs

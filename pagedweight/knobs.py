@@ -17,13 +17,14 @@ class PlannerKnobs:
 
     # Defaults = the values chosen by the knob search of benchmarks/planner_quality.py on the bundled model
     # (results: benchmarks/results/planner-quality-*.json, "knob-search" rows); `convert` stores them in the
-    # AP manifest. The search's spread between knob settings was < 0.05% in NLL: weak evidence, see the JSON.
-    n_buckets: int = 4
-    bucket_multipliers: tuple[float, ...] = tuple(4.0 ** (1 - k / 3) for k in range(4))  # mu per bucket: 4 .. 1
-    bucket_floors: tuple[int, ...] = (3, 3, 3, 3)  # lowest width a block of the bucket may reach
-    stage_floors: tuple[int, ...] = (5, 3)
-    alpha: float = 1.0  # strength of the prompt residual
-    rho_clip: tuple[float, float] = (-1.0, 1.0)  # clip range of the residual head output (log-ratio)
+    # AP manifest. The search chose one bucket (mu = 1: the bucketed settings were no better on the calibration
+    # windows) and one stage (a stage floor at a uniform footprint forces uniform width there).
+    n_buckets: int = 1
+    bucket_multipliers: tuple[float, ...] = (1.0,)  # mu per bucket, hottest first
+    bucket_floors: tuple[int, ...] = (3,)  # lowest width a block of the bucket may reach
+    stage_floors: tuple[int, ...] = (3,)
+    alpha: float = 2.0  # strength of the prompt residual
+    rho_clip: tuple[float, float] = (-2.0, 2.0)  # clip range of the residual head output (log-ratio)
     eps: float = 1e-12  # damage floor: every drop costs something, so zero-sensitivity blocks still rank by bytes
     routing_decay: float = 0.9  # weight of the old routing mass in the exponential moving average
     trigger_blocks: int = 2  # offload once free KV blocks <= target + trigger_blocks

@@ -63,6 +63,9 @@ def test_fisher_is_sum_of_squared_per_sequence_gradients():
     assert all(p.requires_grad for p in model.parameters())  # the pass leaves the model as it found it
 
 
-def test_calibration_batches_cut_disjoint_sequences():
+def test_calibration_batches_cut_disjoint_sequences_spread_over_the_text():
     b = calibration_batches(list(range(100)), num_seqs=4, seq_len=30)
-    assert b.shape == (3, 30) and b[2, 0] == 60
+    assert b.shape == (3, 30) and b[:, 0].tolist() == [0, 33, 66]
+    assert (b[:, 1:] - b[:, :-1] == 1).all()  # each sequence is contiguous text
+    b = calibration_batches(list(range(1000)), num_seqs=4, seq_len=10)
+    assert b[:, 0].tolist() == [0, 250, 500, 750] and b[-1, -1] == 759
