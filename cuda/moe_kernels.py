@@ -14,9 +14,9 @@ own bank; x of up to TT tokens in shared memory (broadcast 128-bit reads); plane
 ahead in registers. The decode of a 32-column word is generated per (width, token tile): plane word p shifted by g and masked
 with 0x11111111 (widths <= 4) or 0x01010101 (widths 5..8) puts the bits of columns g, g+4, ... (g+8, ...) in
 nibble (byte) lanes, so one shift + one 3-input LOP per plane builds 8 (4) indices at once. Each decoded
-weight is used for every token of its expert (1..64 tokens, tiles of 1 or 4), never dequantized to memory.
+weight is used for every token of its expert (1..64 tokens, tiles of 1, 4 or 16), never dequantized to memory.
 Compile time grows faster than linearly with the number of specialised bodies (21 bodies did not compile in
-280 s on the GPU box; these 12 take 67 s), which is why the lane loop is a runtime loop and tiles are 1 and 4.
+280 s on the GPU box; 12 took 67 s), which is why the lane loop is a runtime loop and there are three tiles.
 Each block reads its committed width q and plane/LUT offsets from the device tables, so changing the tables
 between graph replays changes what is read without recapture.
 
@@ -43,11 +43,10 @@ from ._compat import SIMULATOR, cuda
 
 ROWS = 64  # threads (= output rows) per block; the LUT of P=8, [256][ROWS] fp16, is 32 KiB of shared memory
 LOG_ROWS = 6
-WS = 4  # plane words per sub-chunk: 128 columns of x staged per __syncthreads pair
-XS = 32 * WS
-TILES = (1, 4)  # token tiles; a slot with more tokens loops over tiles of 4
+WS = 4  # plane words per sub-chunk (at most): 128 columns of x staged per __syncthreads pair
+TILES = (1, 4, 16)  # token tiles; the 16-token tile runs only the 4-token quads that hold tokens (5..16 tokens)
 TT_MAX = TILES[-1]
-X_SH = TT_MAX * XS  # floats of staged x
+X_SH = 1024  # floats of staged x (4 KiB: at 8 bits 6 blocks per SM either way, as with 2 KiB)
 X_ALIGN = None if SIMULATOR else 16  # lets 4 consecutive x loads merge into one 128-bit LDS (cudasim rejects it)
 MIN_WIDTH, MAX_WIDTH = 3, 8  # [seed..P]; the seed width is 3 in SPEC.md
 LUT32_MAX_WIDTH = 6  # LUTs up to this width sit in shared memory as fp32 (no per-weight conversion)
@@ -69,11 +68,10 @@ def _silu_mul(g, u):
 
 
 @cuda.jit(device=True, inline=True)
-def _x_value(kind, src, pair_tok, pair0, rem, K, F, col0, i):
-    """Element i of a staged sub-chunk: input of pair (pair0 + i // XS) at column col0 + i % XS; 0 past K and
-    past the slot's tokens. gate_up reads the token's hidden row, down reads silu(gate) * up of the pair."""
-    t = i // XS
-    col = col0 + (i - t * XS)
+def _x_value(kind, src, pair_tok, pair0, rem, K, F, t, col):
+    """Input of pair pair0 + t at column col; 0 past K and past the slot's tokens. gate_up reads the token's hidden
+    row, down reads silu(gate) * up of the pair. Callers pass t and col, not a flat index: the 64-bit signed division
+    and remainder that split one cost ~20 instructions per staged value."""
     v = float32(0.0)
     if t < rem and col < K:
         if kind == 0:
@@ -83,9 +81,18 @@ def _x_value(kind, src, pair_tok, pair0, rem, K, F, col0, i):
     return v
 
 
-def prefetch_words(b: int) -> int:
-    """Words loaded ahead per thread: ~16 registers, ~2 KiB in flight per warp (enough at ~10 warps per SM)."""
+def prefetch_words(b: int, tt: int = 1) -> int:
+    """Words loaded ahead per thread: ~16 registers, ~2 KiB in flight per warp (enough at ~10 warps per SM). One word
+    above 4 tokens: decoding a word for up to 16 tokens takes ~1000 instructions per thread, which hides a load, and
+    the 16 accumulators need the registers."""
+    if tt > 4:
+        return 1
     return 4 if b <= 4 else (3 if b <= 6 else 2)
+
+
+def sub_words(tt: int) -> int:
+    """Plane words per staged sub-chunk of a tt-token tile: WS, fewer where tt tokens of WS words overflow X_SH."""
+    return min(WS, X_SH // (32 * tt))
 
 
 def _lanes(b: int) -> tuple[int, int, int]:
@@ -151,7 +158,9 @@ def _body_source(b: int, tt: int) -> str:
     """Source of `_work_{b}_{tt}`: one block's K range for one token tile at width b.
 
     The 32 columns of a word are straight-line code; the token loop has a constant trip count (LLVM unrolls it
-    and keeps `acc` in registers); plane words are loaded `prefetch_words(b)` words ahead of their decode.
+    and keeps `acc` in registers); plane words are loaded `prefetch_words(b, tt)` words ahead of their decode.
+    Above 4 tokens the weights of a lane are decoded once into registers and used by each 4-token quad that holds
+    tokens (a branch uniform over the block), so 5..16 tokens cost one decode, not one per 4-token tile.
     """
     lanes, lane_bits, groups = _lanes(b)
     es = 2 if b <= LUT32_MAX_WIDTH else 1  # log2 of the LUT entry's bytes (fp32 / fp16)
@@ -163,19 +172,30 @@ def _body_source(b: int, tt: int) -> str:
     a(f"    for t in range({tt}):")
     a("        acc[t] = float32(0.0)")
     a(f"    ubyte = utid << uint32({es})  # this row's byte offset inside a LUT line")
-    pf = prefetch_words(b)
+    pf = prefetch_words(b, tt)
     L += _ring_lines_setup(b, pf, "w0")
-    nx = tt * XS // ROWS  # x values each thread stages per sub-chunk
+    ws = sub_words(tt)
+    xs = 32 * ws  # columns of x per staged sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
     # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
     # occupancy than it hid: x is staged straight into shared memory between one barrier pair per sub-chunk.
     a("    w = w0")
     a("    while w < w1:")
     a("        cuda.syncthreads()  # the previous sub-chunk's reads of x_sh are done (the first time: LUT staged)")
-    for j in range(nx):
-        a(f"        x_sh[tid + {j * ROWS}] = _x_value({xargs}, w * 32, tid + {j * ROWS})")
+    # x_sh[t * xs + c] = input of token t at column w * 32 + c; thread tid stages columns c = tid + j * ROWS (xs is
+    # a multiple of ROWS)
+    if tt <= 4:  # every thread stages tt * xs / ROWS values, zeros past the slot's tokens
+        for j in range(tt * xs // ROWS):
+            t, c = divmod(j * ROWS, xs)
+            a(f"        x_sh[tid + {j * ROWS}] = _x_value({xargs}, {t}, w * 32 + tid + {c})")
+    else:  # only the slot's tokens, a runtime trip count: 16 unrolled stagings hoist 16-32 loads and their 64-bit
+        # addresses next to 16 accumulators (250 registers uncapped, spills at 128). Rows past rem stay stale: they
+        # only feed accumulators that are never written out.
+        a(f"        for t in range(min(rem, {tt})):")
+        for j in range(xs // ROWS):
+            a(f"            x_sh[t * {xs} + tid + {j * ROWS}] = _x_value({xargs}, t, w * 32 + tid + {j * ROWS})")
     a("        cuda.syncthreads()")
-    a(f"        for i in range({WS}):")
+    a(f"        for i in range({ws}):")
     a("            wi = w + i")
     a("            if wi < w1:")
     L += _ring_advance(b, pf, f"wi + {pf}", "                ")
@@ -186,13 +206,19 @@ def _body_source(b: int, tt: int) -> str:
     a(f"                    xm = uint32(xb + {groups} * m)")
     for g in range(groups):
         e = _lut_index(b, es, g)
-        if b <= LUT32_MAX_WIDTH:
-            a(f"                    wv = lut32[{e}]")
-        else:
-            a(f"                    wv = float32(lut16[{e}])")
-        a(f"                    for t in range({tt}):")
-        a(f"                        acc[t] += wv * x_sh[xm + uint32(t * {XS} + {g})]")
-    a(f"        w += {WS}")
+        a(f"                    wv{g} = " + (f"lut32[{e}]" if b <= LUT32_MAX_WIDTH else f"float32(lut16[{e}])"))
+        if tt <= 4:  # FFMAs right after each load, as before the 16-token tile existed
+            a(f"                    for t in range({tt}):")
+            a(f"                        acc[t] += wv{g} * x_sh[xm + uint32(t * {xs} + {g})]")
+    if tt > 4:  # the lane's decoded weights go to every 4-token quad that holds tokens (quad 0 always does)
+        for u in range(0, tt, 4):
+            ind = "                    " + ("    " if u else "")
+            if u:
+                a(f"                    if rem > {u}:")
+            a(f"{ind}for t in range({u}, {u + 4}):")
+            for g in range(groups):
+                a(f"{ind}    acc[t] += wv{g} * x_sh[xm + uint32(t * {xs} + {g})]")
+    a(f"        w += {ws}")
     # constant trip count: a loop bounded by rem would index acc dynamically and push it to local memory
     a("    if n < N:")
     a(f"        for t in range({tt}):")
@@ -271,7 +297,7 @@ MAX_REGISTERS = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS", "128")) or None
 _REG_CAP = {"max_registers": MAX_REGISTERS} if MAX_REGISTERS and not SIMULATOR else {}  # the simulator has no cap
 
 
-@cuda.jit(cache=True, **_REG_CAP)  # 67 s of compile on the H200: reuse it across processes
+@cuda.jit(cache=True, **_REG_CAP)  # ~80 s of compile on the H200 (+15% offline for the 16-token bodies): cached
 def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
                  n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
     """grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
@@ -305,7 +331,7 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
     t0 = 0
     while t0 < cnt:
         rem = cnt - t0
-        tt = 1 if rem <= 1 else 4
+        tt = 1 if rem <= 1 else (4 if rem <= 4 else TT_MAX)
         _dispatch(b, tt, kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0 + t0, rem,
                   N, K, F, w0, w1, n, tid, uint32(tid))
         t0 += tt
