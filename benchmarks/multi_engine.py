@@ -33,6 +33,10 @@ On the GPU box (no Ray there) carry the wheels of `../shared/tools/gpu-wheels --
 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
 typing-inspection==0.4.5 opentelemetry-api==1.45.2 grpcio-reflection==1.84.0 protobuf==7.36.2`: grpcio-reflection
 must match the image's grpcio (1.84.0 on 2026-11-29; 1.85.1 refused to import there and section (e) failed).
+`ray job submit` (benchmarks/eval_job_scaling.py) needs the dashboard's job API too, whose imports the image lacks:
+add aiohttp-cors==0.8.1 colorful==0.5.8 googleapis-common-protos==1.76.0 opencensus==0.11.4
+opencensus-context==0.1.3 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
+opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-prometheus==0.66b2 (~1.5 MB; ran there 2026-11-29).
 """
 from __future__ import annotations
 
