@@ -4,7 +4,7 @@ On the H200 a decode step of the Qwen1.5-MoE-shaped engine took 80-150 ms while 
 per layer: the step is bound by host work. This script counts that work on CPU, where it is the same code: a
 Qwen-shaped model scaled down (24 layers, 60 experts, top-4, D=256, F=128) is served by the engine at batch 1
 (configs: `dense` with the experts' accelerator dispatch, `dense-cpu` with their CPU dispatch, `ap4-uniform`,
-`pagedweight` observing routing every step);
+`pagedweight` observing routing every step, `pagedweight-observe4` every 4th step as the engine's default);
 after a prefill and a few warm decode steps, `torch.profiler` records several decode steps and we report per step
 - `aten_ops`: every aten op dispatched (nested ones included), outside the fused expert kernel on the AP paths
   (there the kernel is one call per layer on the GPU; its CPU torch twin is not what runs there);
@@ -12,7 +12,10 @@ after a prefill and a few warm decode steps, `torch.profiler` records several de
 - `host_reads`: Python-level reads of tensor data (.item, .tolist, .cpu, .numpy), the other way to synchronise;
 - `top_level_ops`: the aten ops called from Python (the count above without their nested dispatches);
 - `cpu_ms`: wall time per decode step without the profiler (median and best: the CI box is shared), and the same
-  less the time spent in the expert kernel's CPU twin (AP paths).
+  less the time spent in the expert kernel's CPU twin (AP paths);
+- `paging_ms`: wall time of the engine's paging loop per step (`LLM._paging_boundary`: planner decide + refresh,
+  move requests, mover boundary) and its mean over the timed steps (a refresh that runs only on some steps
+  shows in the mean, not the median); no page moves here, so this is the loop's cost when nothing changes.
 
     python -m benchmarks.decode_overhead --label before --raw /tmp/before.json   # on the old tree
     python -m benchmarks.decode_overhead --before /tmp/before.json               # after: JSON with both
@@ -116,7 +119,22 @@ def make_llm(kind: str, cfg: ModelConfig) -> LLM:
     model = random_model(cfg, False, torch.float32, "cpu")
     if kind == "ap4-uniform":
         return LLM.from_parts(model, weights, model_name=kind, bits=4, paging=False, **common)
-    return LLM.from_parts(model, weights, model_name=kind, bits=6, paging=True, observe_every=1, **common)
+    observe_every = 4 if kind == "pagedweight-observe4" else 1
+    return LLM.from_parts(model, weights, model_name=kind, bits=6, paging=True, observe_every=observe_every, **common)
+
+
+def time_paging_boundary(llm: LLM) -> list[float]:
+    """Wrap the engine's paging loop; the list it returns collects each call's wall ms."""
+    inner, calls = llm._paging_boundary, []
+
+    def timed() -> bool:
+        t0 = time.perf_counter()
+        try:
+            return inner()
+        finally:
+            calls.append((time.perf_counter() - t0) * 1e3)
+    llm._paging_boundary = timed
+    return calls
 
 
 def measure(kind: str, cfg: ModelConfig, prompt_len: int, steps: int, timed: int) -> dict:
@@ -144,6 +162,7 @@ def measure(kind: str, cfg: ModelConfig, prompt_len: int, steps: int, timed: int
             ops[ev.name] += 1
             top_level += ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::")
     times, outside = [], []
+    paging = time_paging_boundary(llm)
     for _ in range(timed):
         reads.kernel_s = 0.0
         t0 = time.perf_counter()
@@ -163,6 +182,8 @@ def measure(kind: str, cfg: ModelConfig, prompt_len: int, steps: int, timed: int
            "cpu_ms_per_step_best": min(times),
            "cpu_ms_per_step_outside_kernel": statistics.median(outside),
            "cpu_ms_per_step_outside_kernel_best": min(outside),
+           "paging_ms_per_step": statistics.median(paging) if paging else None,
+           "paging_ms_per_step_mean": statistics.fmean(paging) if paging else None,
            "top_ops": {k: v * per for k, v in ops.most_common(12)},
            "host_reads_by_kind": {k: v * per for k, v in reads.counts.items()}}
     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
@@ -180,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", default=None, help="rows of an earlier run (--raw) to store alongside")
     p.add_argument("--before-source", default=None, help="what tree the --before rows were measured on")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--result-label", default=None, help="suffix of the JSON file name (keeps another run's file)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = ModelConfig(**SCALED)
@@ -191,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         with open(args.before) as f:
             rows = json.load(f) + rows
-    path = write_result("decode_overhead", rows, out_dir=args.out_dir,
+    path = write_result("decode_overhead", rows, out_dir=args.out_dir, label=args.result_label,
                         extra={"model": "Qwen1.5-MoE shape scaled: L=24 E=60 top-4 D=256 F=128, random weights, "
                                         "fp32 on CPU, 1 thread", "before_source": args.before_source})
     print(path)

@@ -4,9 +4,12 @@ Tables are synthetic at Qwen1.5-MoE expert shapes (gate_up [2816, 2048], down [2
 (so 8->7->6->5->4->3: 5 transitions per block), M page-rounded at 64 KiB pages with LUT_b priced, and
 s_i^b = scale_i * 4^-b * lognormal noise (sigma 0.1): the shape a k-means quantizer gives. One adversarial row uses
 s drawn at random per width, so most chains need the convex-hull path. Times are per call, median and p90 of
-process CPU time (the box is shared, so wall time is reported beside it), pinned to one core.
+process CPU time (the box is shared, so wall time is reported beside it), pinned to one core. `signals` and
+`refresh` are timed twice: with changed inputs (recomputed, what every step paid before the lazy refresh) and with
+nothing changed (the cached signals and standing plan come back), beside one `step` (decide + refresh) of that
+steady state. Sizes: 24 x 60 (Qwen1.5-MoE-A2.7B, 2,880 blocks), 50 x 100 (10,000) and 100 x 500 (100,000).
 
-    python benchmarks/planner_speed.py [--reps 200]
+    python benchmarks/planner_speed.py [--reps 200] [--skip-100k] [--label NAME]
 """
 from __future__ import annotations
 
@@ -100,10 +103,22 @@ def bench_size(num_layers: int, num_experts: int, reps: int) -> list[dict]:
             planner = Planner(t, PlannerKnobs(), top, heads=heads if with_heads else None)
             planner.observe(mass, rng.lognormal(0, 0.3, (n, 4)) if with_heads else None)
             tag = {**base, "heads": with_heads}
-            rows.append({**tag, "op": "planner.signals (buckets, mu, eta, d_hat)", "demand": "-",
+
+            def changed(fn, planner=planner):  # new signal inputs: the cached d_hat and standing plan are stale
+                planner._signals = None
+                return fn()
+
+            rows.append({**tag, "op": "planner.signals, inputs changed (buckets, mu, eta, d_hat)", "demand": "-",
+                         **timed(lambda: changed(planner.signals), reps)})
+            rows.append({**tag, "op": "planner.signals, nothing changed", "demand": "-",
                          **timed(planner.signals, reps)})
-            rows.append({**tag, "op": "planner.refresh (signals + standing plan)", "demand": "lookahead 8 kv blocks",
+            rows.append({**tag, "op": "planner.refresh, inputs changed (signals + standing plan)",
+                         "demand": "lookahead 8 kv blocks", **timed(lambda: changed(lambda: planner.refresh(kv, top)),
+                                                                    reps)})
+            rows.append({**tag, "op": "planner.refresh, nothing changed", "demand": "lookahead 8 kv blocks",
                          **timed(lambda: planner.refresh(kv, top), reps)})
+            rows.append({**tag, "op": "planner.step, nothing changed (decide + refresh)", "demand": "-",
+                         **timed(lambda: planner.step(kv, top), reps)})
             tight = KVState(free_blocks=5, target_free_blocks=8, block_bytes=KV_BLOCK_BYTES)
 
             def trigger(planner=planner, tight=tight):
@@ -134,17 +149,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--core", type=int, default=None, help="pin to this core (default: the last one)")
-    ap.add_argument("--skip-100k", action="store_true", help="only the 10,000-block tables")
+    ap.add_argument("--skip-100k", action="store_true", help="only the 2,880- and 10,000-block tables")
+    ap.add_argument("--label", default=None, help="suffix of the JSON file name (keeps another run's file)")
     args = ap.parse_args()
     core = args.core if args.core is not None else max(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
-    rows = bench_size(50, 100, args.reps)
+    rows = bench_size(24, 60, args.reps) + bench_size(50, 100, args.reps)
     if not args.skip_100k:
         rows += bench_size(100, 500, max(args.reps // 10, 10))
     for r in rows:
         print(f"{r['blocks']:>7} {r['sens']:>12} {r['op'][:44]:44s} {r['demand']:>22s} "
               f"cpu {r['cpu_median_ms']:.3f} ms (p90 {r['cpu_p90_ms']:.3f})")
-    path = write_result("planner-speed", rows, ceilings=ceilings(args.reps),
+    path = write_result("planner-speed", rows, ceilings=ceilings(args.reps), label=args.label,
                         extra={"pinned_core": core, "load_avg_1m": os.getloadavg()[0]})
     print(path)
     return 0

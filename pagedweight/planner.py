@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedweight.knobs import PlannerKnobs
-from pagedweight.signals import (N_FEATURES, ResidualHeads, RoutingTracker, block_bucket_signals, global_damage,
-                                 predicted_damage)
+from pagedweight.signals import (N_FEATURES, ResidualHeads, RoutingTracker, bucket_block_signals, bucket_experts,
+                                 global_damage, predicted_damage)
 
 _NBINS_SHIFT = 19  # float32 bits >> 19: sign(0) + 8 exponent + 4 mantissa bits -> 4096 bins of ~6% relative width
 _NBINS = 1 << (32 - _NBINS_SHIFT)
@@ -328,6 +328,23 @@ def _first_stage(stage_release: np.ndarray, amount: float) -> int:
     return int(ok[0]) if ok.size else len(stage_release) - 1
 
 
+def _serves(standing: Plan, target: float) -> bool:
+    """Whether `standing` (a standing plan from the same widths and d_hat) serves every demand that the standing plan
+    for `target` would serve, the same way.
+
+    A standing plan serves a demand it covers at its own stage, by `Plan.prefix`. The greedy order is the same
+    whatever the target (bins are monotone in the key and the sort is stable), so a plan at the same stage planned
+    for a target at least as large holds the other's order as a prefix, and cuts every such demand alike.
+    """
+    if target <= 0:  # that plan would be `unchanged`: it serves no demand
+        return True
+    if not standing.stage_release.size:
+        return False
+    clipped = min(target, float(standing.stage_release[-1]))  # plan_release clips the target the same way
+    return clipped <= 0 or (standing.amount_bytes >= clipped
+                            and _first_stage(standing.stage_release, clipped) == standing.stage)
+
+
 def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
                 caps: np.ndarray) -> Plan:
     """Mirror of PLANSTEP: restore the bits with the most damage avoided per byte within `budget` bytes.
@@ -368,6 +385,17 @@ def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np
 
 
 @dataclass
+class _SignalsCache:
+    """The inputs `Planner.signals` last computed from (copies) and what it computed."""
+
+    bucket: np.ndarray  # [L, E] routing buckets
+    heads: ResidualHeads | None
+    features: np.ndarray | None  # [n, 4]; None when no heads read them
+    dhat: np.ndarray
+    floors: np.ndarray
+
+
+@dataclass
 class KVState:
     """What the KV allocator reports at a step boundary.
 
@@ -391,7 +419,8 @@ class Planner:
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
     offload within hysteresis_blocks, and not within `reload_dwell_steps` steps of the last release: work arriving
     and finishing in turns (a request ends, the next arrives) would otherwise raise and lower the same bits each
-    time. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh.
+    time. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
+    only when its inputs changed, so a step where nothing changed costs a few array compares.
     """
 
     def __init__(self, tables: BlockTables, knobs: PlannerKnobs, widths: np.ndarray,
@@ -406,6 +435,8 @@ class Planner:
                         else RoutingTracker.from_prior(routing_prior, knobs.routing_decay))
         self.features: np.ndarray | None = None
         self._scratch: EtaScratch | None = None
+        self._signals: _SignalsCache | None = None
+        self._standing_inputs: tuple[int, np.ndarray, np.ndarray] | None = None  # version, widths, d_hat of the newest
         self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
         self.version = 0
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
@@ -426,17 +457,33 @@ class Planner:
             self.features = features
 
     def signals(self) -> tuple[np.ndarray, np.ndarray]:
-        """(d_hat [P+1, n], floors [n]) under the current signals."""
-        mu, floors = block_bucket_signals(self.routing.mass, self.knobs)
+        """(d_hat [P+1, n], floors [n]) under the current signals, read-only.
+
+        The routing mass acts only through its buckets and the features only through the heads, so the arrays are
+        recomputed only when the buckets, the features (heads present) or the heads object changed; otherwise the
+        same arrays come back, which tells `refresh` its standing plan still holds. Heads are compared by identity:
+        replace the object to change them.
+        """
+        bucket = bucket_experts(self.routing.mass, self.knobs.n_buckets)
+        phi = self.features if self.heads is not None else None
+        c = self._signals
+        if (c is not None and c.heads is self.heads and np.array_equal(c.bucket, bucket)
+                and (phi is None) == (c.features is None) and (phi is None or np.array_equal(c.features, phi))):
+            return c.dhat, c.floors
+        mu, floors = bucket_block_signals(bucket, self.knobs)
         eta = None
-        if self.heads is not None and self.features is not None:
+        if phi is not None:
             self._scratch = self._scratch or EtaScratch.for_tables(self.tables)
-            eta = eta_rows(self.tables, self.heads, self.features, self.knobs.alpha, self.knobs.rho_clip,
-                           self._scratch)
-        return damage_rows(self.tables, mu, self.knobs.eps, eta), floors
+            eta = eta_rows(self.tables, self.heads, phi, self.knobs.alpha, self.knobs.rho_clip, self._scratch)
+        dhat = damage_rows(self.tables, mu, self.knobs.eps, eta)
+        dhat.flags.writeable = floors.flags.writeable = False
+        self._signals = _SignalsCache(bucket, self.heads, None if phi is None else phi.copy(), dhat, floors)
+        return dhat, floors
 
     def _pending(self, committed: np.ndarray) -> float:
         """Bytes the mover will still free (+) or claim (-) to reach the desired widths."""
+        if np.array_equal(committed, self.desired):  # the usual step: nothing in flight
+            return 0.0
         return float((self.tables.bytes_at(committed) - self.tables.bytes_at(self.desired)).sum())
 
     def _free_bytes(self, kv: KVState, committed: np.ndarray) -> float:
@@ -451,14 +498,26 @@ class Planner:
         return plan
 
     def refresh(self, kv: KVState, committed: np.ndarray) -> Plan:
-        """Compute the standing plan (current demand + lookahead_blocks) and push it on the plan queue."""
+        """Keep the standing plan (current demand + lookahead_blocks) on the plan queue; returns it.
+
+        It is recomputed and pushed only when its inputs changed: the desired widths (or their version), d_hat and
+        floors (`signals`), or a target the newest plan does not serve (`_serves`). Otherwise the newest plan cuts
+        every demand the recomputed one would serve to the same release, so `decide` finds the same plans.
+        """
         k = self.knobs
         demand = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes - self._free_bytes(kv, committed)
+        target = max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes
         dhat, floors = self.signals()
-        plan = plan_release(self.tables, self.desired, 0.0, dhat, floors, k.stage_floors,
-                            keep_order_to=max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes)
+        if self.queue and self._standing_inputs is not None:
+            version, widths, planned_dhat = self._standing_inputs
+            newest = self.queue[-1]
+            if (version == self.version == newest.version and planned_dhat is dhat
+                    and np.array_equal(widths, self.desired) and _serves(newest, target)):
+                return newest
+        plan = plan_release(self.tables, self.desired, 0.0, dhat, floors, k.stage_floors, keep_order_to=target)
         plan.version = self.version
         self.queue.append(plan)
+        self._standing_inputs = (self.version, self.desired.copy(), dhat)
         self.counters["refresh"] += 1
         return plan
 

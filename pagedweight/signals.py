@@ -75,6 +75,8 @@ class RoutingTracker:
 
 def bucket_experts(mass: np.ndarray, n_buckets: int) -> np.ndarray:
     """Rank the experts of each layer by mass (hottest first) and cut the ranks into `n_buckets` equal groups."""
+    if n_buckets == 1:  # every rank lands in bucket 0: skip the per-step sort
+        return np.zeros(mass.shape, dtype=np.int64)
     num_experts = mass.shape[1]
     order = np.argsort(-mass, axis=1, kind="stable")
     rank = np.empty_like(order)
@@ -84,7 +86,12 @@ def bucket_experts(mass: np.ndarray, n_buckets: int) -> np.ndarray:
 
 def block_bucket_signals(mass: np.ndarray, knobs: PlannerKnobs) -> tuple[np.ndarray, np.ndarray]:
     """Per-block damage multiplier mu [n] and bitwidth floor [n]; gate_up and down of an expert share a bucket."""
-    bucket = np.repeat(bucket_experts(mass, knobs.n_buckets).ravel(), 2)
+    return bucket_block_signals(bucket_experts(mass, knobs.n_buckets), knobs)
+
+
+def bucket_block_signals(expert_bucket: np.ndarray, knobs: PlannerKnobs) -> tuple[np.ndarray, np.ndarray]:
+    """mu [n] and floor [n] of the blocks of experts bucketed [L, E]: the routing mass acts only through these."""
+    bucket = np.repeat(expert_bucket.ravel(), 2)
     mu = np.asarray(knobs.bucket_multipliers, dtype=np.float64)[bucket]
     floor = np.asarray(knobs.bucket_floors, dtype=np.int64)[bucket]
     return mu, floor

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from pagedweight.generate import generate
 from pagedweight.sampling import Sampler, SamplingParams, filter_logits, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
+from test_planner import EveryStepPlanner, same_plans
 
 torch.set_num_threads(1)
 
@@ -288,8 +290,35 @@ def _mean_width(llm: LLM) -> float:
     return float(llm.committed_widths().mean())
 
 
+def _shadow_planner(llm: LLM) -> tuple[EveryStepPlanner, list[str], Callable[[], None]]:
+    """Run the every-step reference planner beside the engine's on the same inputs at every boundary; returns it,
+    the list of disagreements it fills, and the function that detaches it."""
+    live = llm.planner
+    ref = EveryStepPlanner(live.tables, live.knobs, live.desired, heads=live.heads, home_widths=live.home,
+                           reload_dwell_steps=live.reload_dwell_steps)
+    ref.routing.mass = live.routing.mass.copy()
+    step, observe, mismatches = live.step, live.observe, []
+
+    def both_step(kv, committed):
+        got, want = step(kv, committed), ref.step(kv, committed)
+        if not same_plans(got, want) or not np.array_equal(live.desired, ref.desired):
+            mismatches.append(f"step {llm.num_steps}: {got} != {want}")
+        return got
+
+    def both_observe(step_mass=None, features=None):
+        observe(step_mass, features)
+        ref.observe(step_mass, features)
+
+    def detach() -> None:
+        del live.step, live.observe
+
+    live.step, live.observe = both_step, both_observe
+    return ref, mismatches, detach
+
+
 def _pressure_run(ap_dir, dtype: str | None):
-    """Four 96-token requests in a budget of 8-bit experts + the mover's reserve + 8 KV blocks (they need ~28)."""
+    """Four 96-token requests in a budget of 8-bit experts + the mover's reserve + 8 KV blocks (they need ~28).
+    The every-step reference planner shadows the engine's (`_shadow_planner`)."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store, dtype=dtype)
     weights_8 = probe.stats()["resident_weight_bytes"]
@@ -300,6 +329,7 @@ def _pressure_run(ap_dir, dtype: str | None):
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store, dtype=dtype,
               reload_starts_per_step=0)
     start = _mean_width(llm)
+    ref, mismatches, detach = _shadow_planner(llm)
     for p in PROMPTS:
         llm.add_request(p, greedy(96))
     widths, used, done = [], [], {}
@@ -315,7 +345,8 @@ def _pressure_run(ap_dir, dtype: str | None):
         llm.step()
         if llm.mover.idle() and _mean_width(llm) == 8.0:
             break
-    return llm, start, widths, used, done, during
+    detach()
+    return llm, start, widths, used, done, during, (ref, mismatches)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +364,7 @@ def pressure_run_fp16(ap_dir, request):
 
 
 def test_pressure_drops_widths_and_generation_continues(pressure_run):
-    llm, start, widths, used, done, during = pressure_run
+    llm, start, widths, used, done, during, _ = pressure_run
     assert start == 8.0
     assert min(widths) < 8.0, "KV pressure never lowered the widths"
     assert max(used) > 2 * 8, "the KV cache never grew into the bytes the weights gave up"
@@ -363,6 +394,18 @@ def test_widths_return_after_pressure(run, request):
         assert torch.equal(got.cpu(), store.tensor(i, "lut", row.q)), f"block {i} LUT differs from the store"
     if run == "pressure_run" and DEVICE == "cpu":  # the free pages left between weight runs were too short
         assert llm.stats()["weight_relocations"] > 0, "the run no longer needs weight relocation"
+
+
+@pytest.mark.parametrize("run", ["pressure_run", "pressure_run_fp16"])
+def test_lazy_refresh_decides_as_refreshing_every_step(run, request):
+    """The engine's planner, refreshing its standing plan only when its inputs change, wrote the same plans at the
+    same steps as the every-step reference fed the same inputs, and recomputed less."""
+    llm, *_, (ref, mismatches) = request.getfixturevalue(run)
+    assert not mismatches, mismatches[:3]
+    live = llm.planner.counters
+    assert ref.counters["release"] == live["release"] > 0 and ref.counters["reload"] == live["reload"] > 0
+    assert live["queue_hit"] >= ref.counters["queue_hit"]
+    assert live["refresh"] < ref.counters["refresh"], (live, ref.counters)
 
 
 def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pagedweight.knobs import PlannerKnobs
-from pagedweight.planner import (BlockTables, EtaScratch, KVState, Planner, _chain_steps, damage_rows, eta_rows,
-                                 plan_release, plan_reload)
-from pagedweight.signals import (ResidualHeads, RouterStats, RoutingTracker, batch_token_weights, bucket_experts,
-                                 merge_routing_mass)
+from pagedweight.planner import (BlockTables, EtaScratch, KVState, Planner, _chain_steps, _first_stage, damage_rows,
+                                 eta_rows, plan_release, plan_reload)
+from pagedweight.signals import (ResidualHeads, RouterStats, RoutingTracker, batch_token_weights, block_bucket_signals,
+                                 bucket_experts, merge_routing_mass)
 
 PAGE = 4096
 EPS = 1e-9
@@ -394,6 +394,122 @@ def test_demand_covering_the_whole_request_releases_once():
         if plan is not None:
             events.append((step, plan.kind))
     assert events == [(0, "release"), (50, "reload")], events
+
+
+class EveryStepPlanner(Planner):
+    """Reference: the planner before the lazy refresh, recomputing signals and the standing plan every step."""
+
+    def signals(self) -> tuple[np.ndarray, np.ndarray]:
+        mu, floors = block_bucket_signals(self.routing.mass, self.knobs)
+        eta = None
+        if self.heads is not None and self.features is not None:
+            eta = eta_rows(self.tables, self.heads, self.features, self.knobs.alpha, self.knobs.rho_clip)
+        return damage_rows(self.tables, mu, self.knobs.eps, eta), floors
+
+    def refresh(self, kv: KVState, committed: np.ndarray):
+        k = self.knobs
+        demand = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes - self._free_bytes(kv, committed)
+        dhat, floors = self.signals()
+        plan = plan_release(self.tables, self.desired, 0.0, dhat, floors, k.stage_floors,
+                            keep_order_to=max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes)
+        plan.version = self.version
+        self.queue.append(plan)
+        self.counters["refresh"] += 1
+        return plan
+
+
+def same_plans(got, want) -> bool:
+    if got is None or want is None:
+        return got is None and want is None
+    return (got.kind == want.kind and np.array_equal(got.widths, want.widths) and got.delta_bytes == want.delta_bytes
+            and got.damage == want.damage and got.met == want.met and got.stage == want.stage)
+
+
+@pytest.mark.parametrize("n_buckets", [1, 2])
+def test_lazy_refresh_decides_as_refreshing_every_step(n_buckets):
+    """A random walk of KV states, routing, features and lagging commits through the lazy planner and the
+    every-step reference: the same plan at every step, while the lazy one recomputes far less."""
+    rng = np.random.default_rng(13)
+    t = make_tables(rng, 3, 8, 8, convex=False)
+    n, block = t.n_blocks, int(t.mem[:, 8].max())
+    heads = ResidualHeads.zeros(8)
+    heads.weight[:], heads.bias[:] = rng.normal(0, 0.3, heads.weight.shape), rng.normal(0, 0.3, heads.bias.shape)
+    heads.confidence[:] = 0.5
+    knobs = PlannerKnobs(n_buckets=n_buckets, bucket_multipliers=(2.0, 0.5)[:n_buckets],
+                         bucket_floors=(4, 3)[:n_buckets], stage_floors=(6, 4, 3), trigger_blocks=2,
+                         lookahead_blocks=4, hysteresis_blocks=2)
+    lazy, ref = (cls(t, knobs, np.full(n, 8), heads=heads, reload_dwell_steps=3) for cls in (Planner, EveryStepPlanner))
+    committed, kv_base, target = np.full(n, 8), 10, 5
+    home_bytes = t.mem[:, 8].sum()
+    kinds = []
+    for step in range(300):
+        if rng.random() < 0.3:  # an observed step; small changes often keep every expert in its bucket
+            mass = rng.dirichlet(np.ones(8), 3) if rng.random() < 0.3 else lazy.routing.mass * rng.uniform(0.99, 1.01)
+            phi = rng.lognormal(0, 0.3, (n, 4)) if rng.random() < 0.5 else lazy.features
+            for p in (lazy, ref):
+                p.observe(mass, None if phi is None else phi.copy())
+        kv_base = int(np.clip(kv_base + rng.integers(-2, 3), 0, 20))
+        if rng.random() < 0.05:  # a request arrives or ends
+            target = int(rng.integers(0, 20))
+        freed = int((home_bytes - t.mem[np.arange(n), committed].sum()) // block)  # weight bytes given up hold KV
+        kv = KVState(kv_base + freed, target, block, transit_bytes=int(rng.integers(0, 2)) * block)
+        got, want = lazy.step(kv, committed), ref.step(kv, committed)
+        assert same_plans(got, want), f"step {step}: {got} != {want}"
+        assert np.array_equal(lazy.desired, ref.desired)
+        if got is not None:
+            kinds.append(got.kind)
+        lag = rng.random(n) < 0.6  # the mover commits part of the desired widths each step
+        committed = np.where(lag, lazy.desired, committed)
+    assert "release" in kinds and "reload" in kinds, kinds
+    assert lazy.counters["queue_hit"] >= ref.counters["queue_hit"] > 0
+    assert lazy.counters["refresh"] < ref.counters["refresh"] // 2, (lazy.counters, ref.counters)
+
+
+def test_refresh_recomputes_when_the_target_outgrows_the_standing_plan():
+    """The standing plan is kept while it serves the target at the same stage, recomputed when the target grows
+    past it or needs another stage; whatever is kept cuts every demand like a freshly computed standing plan."""
+    rng = np.random.default_rng(15)
+    t = make_tables(rng, 2, 6, 8)
+    knobs = PlannerKnobs(stage_floors=(6, 4, 3), trigger_blocks=0, lookahead_blocks=2)
+    planner = Planner(t, knobs, np.full(t.n_blocks, 8))
+    top = np.full(t.n_blocks, 8)
+    stage0 = int((t.mem[:, 8] - t.mem[:, 6]).sum() // PAGE)  # pages stage 0 can release
+    dhat, floors = planner.signals()
+    # KV target in blocks of one page (demand = target + 1 blocks) -> whether the refresh recomputes, its stage
+    for target, recomputed, stage in [(1, True, 0), (1, False, 0), (0, False, 0), (stage0 // 2, True, 0),
+                                      (3, False, 0), (stage0 + 5, True, 1), (stage0 + 2, False, 1), (1, True, 0)]:
+        before = planner.counters["refresh"]
+        plan = planner.refresh(KVState(0, target, PAGE), top)
+        assert (planner.counters["refresh"] > before) == recomputed and plan is planner.queue[-1]
+        assert plan.stage == stage
+        fresh = plan_release(t, top, 0.0, dhat, floors, knobs.stage_floors, keep_order_to=(target + 3.0) * PAGE)
+        for demand in np.linspace(1, target + 3, 7) * PAGE:
+            if fresh.cum_bytes[-1] >= demand and _first_stage(fresh.stage_release, demand) == fresh.stage:
+                assert np.array_equal(plan.prefix(demand).widths, fresh.prefix(demand).widths)
+
+
+def test_signals_recomputed_only_when_their_inputs_change():
+    rng = np.random.default_rng(14)
+    t = make_tables(rng, 2, 4, 8)
+    heads = ResidualHeads.zeros(8)
+    heads.confidence[:], heads.bias[:] = 0.5, 0.3
+    knobs = PlannerKnobs(n_buckets=2, bucket_multipliers=(2.0, 0.5), bucket_floors=(4, 3), stage_floors=(3,))
+    planner = Planner(t, knobs, np.full(t.n_blocks, 8), heads=heads)
+    mass = np.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    phi = rng.lognormal(0, 0.3, (t.n_blocks, 4))
+    planner.observe(mass, phi)
+    dhat, floors = planner.signals()
+    assert not dhat.flags.writeable and not floors.flags.writeable
+    planner.observe(mass * [[1.0, 1.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]], phi.copy())  # same buckets, same phi
+    assert planner.signals()[0] is dhat
+    planner.features[0, 0] *= 2  # an in-place change of the observed array is seen
+    assert planner.signals()[0] is not dhat
+    dhat = planner.signals()[0]
+    planner.routing.mass = mass[:, ::-1].copy()  # the buckets swap (as LLM.set_routing_mass writes it)
+    assert planner.signals()[0] is not dhat
+    mu, floors = block_bucket_signals(planner.routing.mass, knobs)
+    fresh = damage_rows(t, mu, knobs.eps, eta_rows(t, heads, planner.features, knobs.alpha, knobs.rho_clip))
+    assert np.array_equal(planner.signals()[0], fresh) and np.array_equal(planner.signals()[1], floors)
 
 
 def test_knobs_msgpack_round_trip():
