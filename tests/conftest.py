@@ -64,6 +64,19 @@ def ap_model_dir(model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def ap_dir(tmp_path_factory) -> Path:
+    """The bundled model converted to an AP checkpoint for the engine tests (s=3, P=8; activation sensitivity keeps
+    it quick). Module scope: a module's tests may write page stores and caches beside it."""
+    from pagedweight.convert import convert
+    from pagedweight.corpus import DATA_DIR
+
+    out = tmp_path_factory.mktemp("ap")
+    convert(ROOT / "models" / "pw-tiny-moe", out, DATA_DIR / "calib.txt", seed_bits=3, parent_bits=8,
+            sensitivity="activation", num_seqs=4, seq_len=64, device="cpu")
+    return out
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"

@@ -27,18 +27,6 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n   
 TOL = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=3e-2, atol=3e-2)  # fp16 and atomics on CUDA
 
 
-@pytest.fixture(scope="module")
-def ap_dir(tmp_path_factory):
-    """The bundled model as an AP checkpoint (s=3, P=8), as tests/test_engine.py converts it."""
-    from pagedweight.convert import convert
-    from pagedweight.corpus import DATA_DIR
-
-    out = tmp_path_factory.mktemp("ap")
-    convert(BUNDLED, out, DATA_DIR / "calib.txt", seed_bits=3, parent_bits=8, sensitivity="activation",
-            num_seqs=4, seq_len=64, device="cpu")
-    return out
-
-
 def static_decode(llm: LLM, max_num_seqs: int = 4) -> DecodeGraphs:
     """Give llm a runner whose decode steps take the static path (graphs on CUDA, eager on the CPU)."""
     llm.runner = ModelRunner(llm.model, llm.kv, llm.device, max_num_seqs=max_num_seqs,

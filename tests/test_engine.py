@@ -41,18 +41,6 @@ def hf_dir():
     return BUNDLED, ref
 
 
-@pytest.fixture(scope="module")
-def ap_dir(tmp_path_factory):
-    """The bundled model converted to an AP checkpoint (s=3, P=8; activation sensitivity keeps it quick)."""
-    from pagedweight.convert import convert
-    from pagedweight.corpus import DATA_DIR
-
-    out = tmp_path_factory.mktemp("ap")
-    convert(BUNDLED, out, DATA_DIR / "calib.txt", seed_bits=3, parent_bits=8, sensitivity="activation",
-            num_seqs=4, seq_len=64, device="cpu")
-    return out
-
-
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
