@@ -15,6 +15,7 @@ the page pool, shared by expert bit-planes/LUTs and KV blocks. Activations come 
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass, fields
@@ -559,6 +560,17 @@ def parse_budget(text: str) -> int | float:
     return int(value * _UNITS[unit])
 
 
+def source_fingerprint(model_dir: Path) -> str:
+    """Short digest of a HF directory's files (name, size, modification time) and of the converter's versions: a
+    retrained or replaced model, or a conversion that changed, gets a cache entry of its own, never a stale one.
+    Sizes and times, not contents: hashing a large checkpoint on every start would cost minutes."""
+    from pagedweight.apformat import VERSION
+    from pagedweight.calibrate import CACHE_VERSION
+
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file())
+    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION)).encode(), digest_size=6).hexdigest()
+
+
 def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
     """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir`."""
     if (model_dir / MANIFEST).is_file():
@@ -566,7 +578,7 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
     from pagedweight.convert import convert
     from pagedweight.corpus import DATA_DIR
 
-    out = cache_dir / f"{model_dir.resolve().name}-ap"
+    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir)}"
     if not (out / MANIFEST).is_file():
         logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
         convert(model_dir, out, DATA_DIR / "calib.txt", device=device)

@@ -552,3 +552,20 @@ def test_routing_mass_accessors(pressure_run, hf_dir):
     assert np.allclose(llm.routing_mass(), before)
     with pytest.raises(RuntimeError):
         LLM(hf_dir[0]).routing_mass()
+
+
+def test_converted_cache_follows_the_source(tmp_path):
+    """`pagedweight run` on a HF dir converts into a cache entry named by the source's fingerprint: a retrained
+    model (a file with another size or time) gets a new entry instead of the stale planes of the old one."""
+    import shutil
+
+    from pagedweight.engine import source_fingerprint
+
+    src = tmp_path / "pw-tiny-moe"
+    shutil.copytree(BUNDLED, src)
+    first = source_fingerprint(src)
+    assert source_fingerprint(src) == first
+    weights = src / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert source_fingerprint(src) != first
