@@ -30,6 +30,7 @@ class PlannerKnobs:
     trigger_blocks: int = 2  # offload once free KV blocks <= target + trigger_blocks
     lookahead_blocks: int = 8  # the standing plan always covers at least this many KV blocks
     hysteresis_blocks: int = 4  # a reload leaves free blocks more than this many above the offload threshold
+    reload_dwell_steps: int = 8  # no reload within this many planner steps of the last release
     queue_len: int = 4  # plans kept in the plan queue
 
     def __post_init__(self) -> None:
@@ -47,7 +48,8 @@ class PlannerKnobs:
             raise ValueError("rho_clip must be (min, max)")
         if not 0.0 <= self.routing_decay < 1.0:
             raise ValueError("routing_decay must lie in [0, 1)")
-        if self.eps <= 0 or min(self.trigger_blocks, self.lookahead_blocks, self.hysteresis_blocks) < 0:
+        if self.eps <= 0 or min(self.trigger_blocks, self.lookahead_blocks, self.hysteresis_blocks,
+                                self.reload_dwell_steps) < 0:
             raise ValueError("eps must be positive and block counts non-negative")
         if self.queue_len < 1:
             raise ValueError("queue_len must be >= 1")

@@ -417,7 +417,7 @@ class Planner:
     `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
     target + trigger_blocks, the newest queued plan is cut to the demand and written; when they exceed that
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
-    offload within hysteresis_blocks, and not within `reload_dwell_steps` steps of the last release: work arriving
+    offload within hysteresis_blocks, and not within `knobs.reload_dwell_steps` steps of the last release: work arriving
     and finishing in turns (a request ends, the next arrives) would otherwise raise and lower the same bits each
     time. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
     only when its inputs changed, so a step where nothing changed costs a few array compares.
@@ -425,7 +425,7 @@ class Planner:
 
     def __init__(self, tables: BlockTables, knobs: PlannerKnobs, widths: np.ndarray,
                  heads: ResidualHeads | None = None, routing_prior: np.ndarray | None = None,
-                 home_widths: np.ndarray | None = None, reload_dwell_steps: int = 8) -> None:
+                 home_widths: np.ndarray | None = None) -> None:
         self.tables, self.knobs, self.heads = tables, knobs, heads
         self.desired = np.asarray(widths, dtype=np.int64).copy()
         tables.check_widths(self.desired)
@@ -440,11 +440,8 @@ class Planner:
         self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
         self.version = 0
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
-        if reload_dwell_steps < 0:
-            raise ValueError("reload_dwell_steps must be >= 0")
-        self.reload_dwell_steps = reload_dwell_steps
         self.steps = 0  # decide() calls so far
-        self._released_at = -reload_dwell_steps  # decide() call of the last release written
+        self._released_at = -knobs.reload_dwell_steps  # decide() call of the last release written
 
     def observe(self, step_mass: np.ndarray | None = None, features: np.ndarray | None = None) -> None:
         """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 4]."""
@@ -534,7 +531,7 @@ class Planner:
             self._released_at = self.steps
             return self._write(plan)
         budget = free - low - k.hysteresis_blocks * kv.block_bytes
-        dwelt = self.steps - self._released_at >= self.reload_dwell_steps
+        dwelt = self.steps - self._released_at >= k.reload_dwell_steps
         if dwelt and budget >= kv.block_bytes and (self.desired < self.home).any():
             dhat, _ = self.signals()
             plan = plan_reload(self.tables, self.desired, budget, dhat, self.home)

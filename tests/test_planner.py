@@ -287,7 +287,7 @@ def test_planner_writes_max_release_when_short_and_replans_after_a_write():
     # nothing committed yet, yet the pending release counts as free: with a small target the planner reloads, once
     # reload_dwell_steps decide() calls have passed since the release (two so far)
     small = KVState(free_blocks=0, target_free_blocks=1, block_bytes=PAGE)
-    for _ in range(planner.reload_dwell_steps - 2):
+    for _ in range(planner.knobs.reload_dwell_steps - 2):
         assert planner.decide(small, top) is None
     back = planner.decide(small, top)
     pending = float((t.mem[:, 8] - t.mem[:, 4]).sum())
@@ -342,8 +342,8 @@ def _simulate(hysteresis: int, steps: int = 200, amplitude: int = 2, dwell: int 
     """KV free blocks fluctuate around the trigger; committed = desired at once; freed weight bytes become KV."""
     rng = np.random.default_rng(10)
     t = make_tables(rng, 2, 8, 8)
-    knobs = PlannerKnobs(trigger_blocks=2, hysteresis_blocks=hysteresis, lookahead_blocks=4)
-    planner = Planner(t, knobs, np.full(t.n_blocks, 8), reload_dwell_steps=dwell)
+    knobs = PlannerKnobs(trigger_blocks=2, hysteresis_blocks=hysteresis, lookahead_blocks=4, reload_dwell_steps=dwell)
+    planner = Planner(t, knobs, np.full(t.n_blocks, 8))
     block = int(t.mem[:, 8].max())  # one KV block >= any single plane step
     home_bytes = t.mem[np.arange(t.n_blocks), planner.home].sum()
     events = []
@@ -437,8 +437,8 @@ def test_lazy_refresh_decides_as_refreshing_every_step(n_buckets):
     heads.confidence[:] = 0.5
     knobs = PlannerKnobs(n_buckets=n_buckets, bucket_multipliers=(2.0, 0.5)[:n_buckets],
                          bucket_floors=(4, 3)[:n_buckets], stage_floors=(6, 4, 3), trigger_blocks=2,
-                         lookahead_blocks=4, hysteresis_blocks=2)
-    lazy, ref = (cls(t, knobs, np.full(n, 8), heads=heads, reload_dwell_steps=3) for cls in (Planner, EveryStepPlanner))
+                         lookahead_blocks=4, hysteresis_blocks=2, reload_dwell_steps=3)
+    lazy, ref = (cls(t, knobs, np.full(n, 8), heads=heads) for cls in (Planner, EveryStepPlanner))
     committed, kv_base, target = np.full(n, 8), 10, 5
     home_bytes = t.mem[:, 8].sum()
     kinds = []
@@ -522,6 +522,10 @@ def test_knobs_msgpack_round_trip():
         PlannerKnobs(stage_floors=(3, 5))
     with pytest.raises(ValueError):
         PlannerKnobs.from_dict({"bogus": 1})
+    with pytest.raises(ValueError):
+        PlannerKnobs(reload_dwell_steps=-1)
+    old = {k: v for k, v in knobs.to_dict().items() if k != "reload_dwell_steps"}  # a manifest from before the knob
+    assert PlannerKnobs.from_dict(old).reload_dwell_steps == PlannerKnobs().reload_dwell_steps
 
 
 def test_routing_signals():
