@@ -29,7 +29,7 @@ from pagedweight.page_store import PageStore, Record
 from pagedweight.page_table import BlockSpec, WeightPageTable
 from pagedweight.pool import PagePool
 from pagedweight.scheduler import ScheduledBatch
-from pagedweight.signals import ResidualHeads
+from pagedweight.signals import ResidualHeads, RouterStats
 from pagedweight.sequence import Sequence
 
 
@@ -203,13 +203,23 @@ class DecodeStats:
 
 
 @dataclass
+class _Records:
+    """The router inputs of a step's MoE layers, stacked: x [L', B, D], ids and weights [L', B, k]."""
+
+    layers: list[int]
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
 class _StepGraph:
     """One captured decode step: replay after copying the inputs in; `logits` and `records` are its outputs."""
 
     graph: torch.cuda.CUDAGraph
     luts: tuple[int, ...]  # LUT class of every layer at capture (baked into the kernels' launch configuration)
     logits: torch.Tensor
-    records: list[tuple]
+    records: _Records | None
 
 
 class DecodeGraphs:
@@ -282,11 +292,23 @@ class DecodeGraphs:
             self.stats.replayed += 1
             graph.graph.replay()
             logits, records = graph.logits, graph.records
-        for layer, x, ids, weights in records:  # observers get the real rows, as tensors of their own
-            observer = self.model.layers[layer].mlp.observer
-            if observer is not None:
-                observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
+        self._observe(records, n)
         return logits[:n]
+
+    def _observe(self, records: _Records | None, n: int) -> None:
+        """Router observers get the step's real rows: a RouterStats observing every layer all layers at once (one
+        fold of the stacked records), any other observer per layer, as tensors of its own."""
+        if records is None:
+            return
+        observers = [self.model.layers[layer].mlp.observer for layer in records.layers]
+        first = observers[0]
+        if isinstance(first, RouterStats) and all(o is first for o in observers):
+            first.observe_layers(records.layers, records.x[:, :n], records.ids[:, :n], records.weights[:, :n])
+            return
+        for i, (layer, observer) in enumerate(zip(records.layers, observers)):
+            if observer is not None:
+                observer(layer, records.x[i, :n].clone(), records.ids[i, :n].clone(),
+                         records.weights[i, :n].clone())
 
     def _graph(self, inputs: torch.Tensor) -> _StepGraph | None:
         """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
@@ -306,8 +328,8 @@ class DecodeGraphs:
         self.stats.captured += 1
         return graph
 
-    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
-        """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and each layer's router inputs."""
+    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, _Records | None]:
+        """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and every layer's router inputs."""
         rows = inputs.shape[0]
         tokens, positions = inputs[:, 0:1], inputs[:, 1:2]
         tables = inputs[:, 3:].view(rows, self.num_layers, -1)
@@ -325,7 +347,10 @@ class DecodeGraphs:
                 layer.mlp.observer = fn
             for experts in self._ap:
                 experts.in_step_graph = False
-        return logits, records
+        if not records:
+            return logits, None
+        layers, x, ids, weights = zip(*records)
+        return logits, _Records(list(layers), torch.stack(x), torch.stack(ids), torch.stack(weights))
 
 
 class ModelRunner:

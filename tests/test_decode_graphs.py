@@ -46,10 +46,33 @@ def log_logits(llm: LLM) -> list[tuple[list[str], torch.Tensor]]:
     return log
 
 
+def follow_reference(ref: LLM, llm: LLM) -> None:
+    """llm samples the tokens ref sampled in the same step, after checking that its own choice differs only at a
+    near tie (within TOL of ref's token's logit). Exact on the CPU; on CUDA, fp16 and the kernels' atomic sums
+    (nondeterministic order) can flip a near tie, after which the two runs would no longer be comparable."""
+    sampled: list[list[int]] = []
+    ref_sample, llm_sample = ref.sampler, llm.sampler
+
+    def ref_sampler(logits, params, generators):
+        sampled.append(list(ref_sample(logits, params, generators)))
+        return sampled[-1]
+
+    def llm_sampler(logits, params, generators):
+        own, want = llm_sample(logits, params, generators), sampled[-1]
+        for row, (a, b) in enumerate(zip(own, want)):
+            if a != b:
+                top, theirs = float(logits[row, a]), float(logits[row, b])
+                assert top - theirs <= TOL["atol"] + TOL["rtol"] * abs(top), (row, a, b, top, theirs)
+        return want
+    ref.sampler, llm.sampler = ref_sampler, llm_sampler
+
+
 def lockstep(ref: LLM, llm: LLM, prompts: list[str], params: list[SamplingParams], between=None) -> dict[str, list]:
     """Serve the same requests on both engines a step at a time (between(step) runs on both before each step);
-    every step's logits agree, and so do the tokens. Returns request id -> tokens."""
+    every step's logits agree, and so do the tokens (llm follows ref's at a near tie). Returns request id ->
+    tokens."""
     logs = log_logits(ref), log_logits(llm)
+    follow_reference(ref, llm)
     for prompt, p in zip(prompts, params):
         assert ref.add_request(prompt, p) == llm.add_request(prompt, p)
     done: dict[str, list] = {}

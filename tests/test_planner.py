@@ -538,9 +538,12 @@ def test_routing_signals():
     assert np.allclose(merge_routing_mass(per_req, [3, 1]), [[0.75, 0, 0, 0.25]])
 
 
-def test_router_stats_observer_matches_reference():
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_router_stats_observer_matches_reference(stacked):
+    """Per-layer calls (eager forwards) and one stacked call of every layer (a whole-step graph's records) give
+    the same sums."""
     torch.manual_seed(0)
-    L, E, k, D = 2, 5, 2, 8
+    L, E, k, D = 3, 5, 2, 8
     stats = RouterStats(L, E)
     # two requests of 3 and 2 tokens holding 6 and 1 KV blocks
     stats.token_weights = batch_token_weights([3, 2], [6, 1])
@@ -549,8 +552,11 @@ def test_router_stats_observer_matches_reference():
         x = torch.randn(5, D)
         topk = torch.stack([torch.randperm(E)[:k] for _ in range(5)])
         w = torch.rand(5, k)
-        stats(layer, x, topk, w)
+        if not stacked:
+            stats(layer, x, topk, w)
         xs.append(x), ids.append(topk), ws.append(w)
+    if stacked:
+        stats.observe_layers(list(range(L)), torch.stack(xs), torch.stack(ids), torch.stack(ws))
     tw = [6 / 3] * 3 + [1 / 2] * 2
     for layer in range(L):
         for e in range(E):
