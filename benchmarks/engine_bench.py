@@ -182,7 +182,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     serve(llm, batch, seq_len - gen, 4, cfg.vocab_size, seed=1)  # warm-up at the timed length: graphs captured here
     def counters() -> dict:
         graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
-        return dict(llm.stats(), sync_waits=llm.paging.syncs, decode_graph_replays=graphs and graphs.replayed,
+        return dict(llm.stats(), sync_waits=llm.paging.syncs, steps=llm.num_steps, decode_graph_replays=graphs and graphs.replayed,
                     decode_graph_captures=graphs and graphs.captured, decode_eager_steps=graphs and graphs.eager)
 
     st0 = counters()  # the counters in the row are the timed batch's alone
@@ -204,7 +204,8 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     timed = {k: (st[k] or 0) - (st0[k] or 0) for k in ("offload_triggers", "reload_triggers", "bytes_offloaded",
                                                      "bytes_reloaded", "preemptions", "sync_waits", "kv_relocations",
                                                      "weight_relocations", "decode_graph_replays",
-                                                     "decode_graph_captures", "decode_eager_steps")}
+                                                     "decode_graph_captures", "decode_eager_steps",
+                                                     "boundary_host_s", "observe_host_s", "steps")}
     row = {"config": name, "batch": batch, "seq_len": seq_len, "prompt_tokens": seq_len - gen, "gen_tokens": gen,
            **res, "budget_gib": budget / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,

@@ -104,6 +104,8 @@ class PagingStats:
     steps_in_flight: int = 0  # steps that ran while moves were pending or pages awaited release
     time_in_flight_s: float = 0.0
     syncs: int = 0  # times a short KV cache waited for in-flight work to release pages
+    boundary_host_s: float = 0.0  # measured: host time of step boundaries (planner, move requests, mover, waits)
+    observe_host_s: float = 0.0  # measured: host time reading routing statistics into the planner
 
 
 def round_up(n: int, m: int) -> int:
@@ -301,6 +303,7 @@ class LLM:
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         in_flight = self._paging_boundary()
+        self.paging.boundary_host_s += time.perf_counter() - t0
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.failed]
         if batch.seqs:
@@ -325,7 +328,9 @@ class LLM:
                 if self.mover is not None:
                     self.mover.end_step()  # fences this step's reads of the pages it used
             if observe:
+                t1 = time.perf_counter()
                 self.planner.observe(self.router_stats.mass, self.router_stats.features())
+                self.paging.observe_host_s += time.perf_counter() - t1
             now = time.perf_counter()
             for seq, tok in zip(to_sample, tokens):
                 self._append(seq, tok, now)
@@ -399,26 +404,26 @@ class LLM:
         at most `reload_starts_per_step` reloads start per boundary.
         """
         want = self.planner.desired
-        todo = set(np.flatnonzero(want != committed).tolist()) | set(self._requested)
-        keep, reloads_wait = self.pool.pages_for(keep_free_bytes), False
-        starts_left = self.options.reload_starts_per_step if self.scheduler.running else 0
-        for i in sorted(todo, key=lambda i: (bool(want[i] > committed[i]), i)):
-            b = int(want[i])
+        diff = want != committed
+        for i, b in list(self._requested.items()):  # the moves started earlier: keep, retarget or forget
             if self.mover.pending(i):
-                if self._requested.get(i) == b:
+                if want[i] == b:
+                    diff[i] = False  # under way to what the planner still wants
                     continue
                 self.mover.cancel(i)
-            self._requested.pop(i, None)
-            reload = b > committed[i]
-            if b == committed[i] or (reload and reloads_wait):
-                continue
-            if self.mover.request(i, b, keep_free_pages=keep if reload else 0):
-                self._requested[i] = b
-                if reload and starts_left:
-                    starts_left -= 1
-                    reloads_wait = starts_left == 0
-            elif reload:
-                reloads_wait = True
+            del self._requested[i]
+        for i in np.flatnonzero(diff & (want < committed)).tolist():  # offloads, every one
+            if self.mover.request(i, int(want[i])):
+                self._requested[i] = int(want[i])
+        cap = self.options.reload_starts_per_step if self.scheduler.running else 0
+        keep, started = self.pool.pages_for(keep_free_bytes), 0
+        for i in np.flatnonzero(diff & (want > committed)).tolist():  # reloads, in block order, until refused/capped
+            if not self.mover.request(i, int(want[i]), keep_free_pages=keep):
+                break
+            self._requested[i] = int(want[i])
+            started += 1
+            if started == cap:
+                break
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         """Add a sampled token, extend the text, and finish the request when a stop condition holds."""
@@ -515,6 +520,8 @@ class LLM:
             "bytes_reloaded": 0,
             "pages_in_flight": 0,
             "planner_step_ms": self.paging.planner_step_ms,
+            "boundary_host_s": self.paging.boundary_host_s,
+            "observe_host_s": self.paging.observe_host_s,
             "plan_staleness_steps": 0,
             "offload_triggers": self.paging.offload_triggers,
             "reload_triggers": self.paging.reload_triggers,

@@ -185,9 +185,10 @@ class PagePool:
         limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
         if npages <= 0 or npages > limit:
             raise PoolExhausted(f"{npages} weight pages requested, {max(limit, 0)} available")
-        fits = [s for s in self._free_starts if self._free_len[s] >= npages]
-        if fits:
-            s = min(fits, key=lambda s: (self._free_len[s], s))  # best fit keeps large holes for large runs
+        lengths = self._free_len
+        best = min(((lengths[s], s) for s in self._free_starts if lengths[s] >= npages), default=None)
+        if best is not None:
+            s = best[1]  # best fit (lowest first among equals) keeps large holes for large runs
         elif relocate and self.can_relocate():
             s = self._compact(npages)
         else:
