@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import pstats
@@ -138,8 +139,10 @@ def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: 
     return blocks * page * cfg.num_hidden_layers
 
 
-def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int) -> dict:
-    """One timed batch: prefill (chunked) then decode; returns timings and counters."""
+def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None
+          ) -> dict:
+    """One timed batch: prefill (chunked) then decode; returns timings and counters. `trace` collects one row per
+    step: [wall ms of llm.step(), of which boundary ms and routing-read ms, running requests, pages in flight]."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
@@ -149,7 +152,14 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     first: dict[str, float] = {}
     done: dict[str, int] = {}
     while llm.has_unfinished():
-        for out in llm.step():
+        t_step, paging = time.perf_counter(), dataclasses.replace(llm.paging)
+        outs = llm.step()
+        if trace is not None:
+            trace.append([round((time.perf_counter() - t_step) * 1e3, 3),
+                          round((llm.paging.boundary_host_s - paging.boundary_host_s) * 1e3, 3),
+                          round((llm.paging.observe_host_s - paging.observe_host_s) * 1e3, 3),
+                          len(llm.scheduler.running), llm.paging.steps_in_flight > paging.steps_in_flight])
+        for out in outs:
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter()
             if out.finished:
@@ -187,6 +197,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
 
     st0 = counters()  # the counters in the row are the timed batch's alone
     start_hist = st0["committed_width_hist"]
+    trace = [] if args.trace else None
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -196,7 +207,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
             res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
         _append_torch_profile(args.torch_profile, f"{name} batch {batch}", tprof)
     else:
-        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
+        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace)
     if prof:
         prof.disable()
         _append_profile(args.profile, f"{name} batch {batch}", prof)
@@ -214,6 +225,9 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "resident_expert_gib": st["resident_weight_bytes"] / 2**30,
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            **timed, "config_s": time.perf_counter() - t0}
+    if trace is not None:
+        row["step_trace"] = {"columns": ["step_ms", "boundary_ms", "observe_ms", "running", "pages_in_flight"],
+                             "rows": trace}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row
@@ -248,6 +262,23 @@ def _mean(hist: list) -> float | None:
     return float((counts * np.arange(len(counts))).sum() / counts.sum())
 
 
+def decode_ratios(rows: list[dict]) -> dict:
+    """Decode tokens/s of PagedWeight over uniform at the same width, batch and round (configurations of a round
+    run back to back, so slow drift of the host cancels), and the median over rounds per width and batch."""
+    speed = {(r["config"], r["batch"], r["round"]): r["decode_tokens_per_s"] for r in rows
+             if r.get("decode_tokens_per_s")}
+    out: dict[str, dict] = {}
+    for (config, batch, rnd), v in sorted(speed.items()):
+        if config.startswith("pagedweight@ap"):
+            b = config.removeprefix("pagedweight@ap").removesuffix("-memory")
+            base = speed.get((f"ap{b}-uniform", batch, rnd))
+            if base:
+                out.setdefault(f"ap{b}/b{batch}", {"per_round": []})["per_round"].append(v / base)
+    for entry in out.values():
+        entry["median"] = float(np.median(entry["per_round"]))
+    return out
+
+
 def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None]]:
     """(batch, kind, bits) in priority order: a round per width of `--bits` (FP16 joins the first), each round over
     every batch, so a time budget that cuts the run keeps the most important comparisons."""
@@ -279,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, round by round (the ratios get a median)")
+    p.add_argument("--trace", action="store_true",
+                   help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
                    help="append torch.profiler tables (device time per kernel) of each timed batch to FILE (CUDA)")
     args = p.parse_args(argv)
@@ -308,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                             extra={**extra, "complete": complete, "skipped_configs": skipped})
 
     save()
-    for batch, kind, b in plan(args):
+    for rnd, (batch, kind, b) in ((r, c) for r in range(args.rounds) for c in plan(args)):
         name = {"fp16": "fp16-dense", "uniform": f"ap{b}-uniform", "paged": f"pagedweight@ap{b}-memory"}[kind]
         if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
             skipped.append(f"{name}/b{batch}")
@@ -323,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
             row = failed_row(exc, config=name, batch=batch)
+        row["round"] = rnd
         rows.append(row)
+        extra["decode_ratio_paged_over_uniform"] = decode_ratios(rows)
         save()
     print(save(complete=True))
     return 0

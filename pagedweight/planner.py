@@ -439,7 +439,8 @@ class Planner:
         self._standing_inputs: tuple[int, np.ndarray, np.ndarray] | None = None  # version, widths, d_hat of the newest
         self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
         self.version = 0
-        self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0}
+        self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0, "quiet": 0}
+        self._quiet: tuple | None = None  # inputs of the last step that wrote no plan, and its committed widths
         self.steps = 0  # decide() calls so far
         self._released_at = -knobs.reload_dwell_steps  # decide() call of the last release written
 
@@ -540,9 +541,25 @@ class Planner:
         return None
 
     def step(self, kv: KVState, committed: np.ndarray) -> Plan | None:
-        """decide, then refresh the queue for the next step."""
+        """decide, then refresh the queue for the next step.
+
+        A quiet step is answered at once: the same KV state, committed and desired widths, signals and newest
+        queued plan as the last step, which wrote no plan, and the reload dwell in the same state. decide would
+        write nothing again and refresh keep its plan; most decode steps are quiet (KV changes once a block fills),
+        and this saves ~0.1 ms of host time each (decide + refresh; planner_speed.py)."""
+        dhat, _ = self.signals()
+        dwelt = self.steps + 1 - self._released_at >= self.knobs.reload_dwell_steps
+        key = (kv, self.version, dwelt)
+        q = self._quiet
+        if (q is not None and q[0] == key and q[1] is dhat and q[2] is (self.queue[-1] if self.queue else None)
+                and np.array_equal(q[3], committed)):
+            self.steps += 1
+            self.counters["quiet"] += 1
+            return None
         plan = self.decide(kv, committed)
         self.refresh(kv, committed)
+        self._quiet = None if plan is not None else (key, dhat, self.queue[-1] if self.queue else None,
+                                                       committed.copy())
         return plan
 
     def _release(self, demand: float) -> Plan:
