@@ -4,8 +4,8 @@ A Qwen1.5-MoE-A2.7B-shaped model with random weights: the non-expert weights are
 experts are random bit-planes and LUTs put in a pinned CPU page store directly (no quantizer, no checkpoint
 on disk); the same engine serves all configurations. Each configuration gets a budget: FP16 = its weights +
 the KV cache of the batch; uniform AP b = non-expert weights + experts at b bits + the mover's reserve + the
-same KV; PagedWeight = the uniform-b budget with paging on (home = parent width), so it chooses its widths
-within the same memory. Rows: tokens/s (decode and end to end) and torch.cuda.max_memory_reserved.
+same KV; PagedWeight = the uniform-b budget with paging on (home = parent width, or `--paged-home`), so it
+chooses its widths within the same memory. Rows: tokens/s (decode and end to end) and torch.cuda.max_memory_reserved.
 
     python -m benchmarks.engine_bench                   # H200: full shape, seq len 2048, batch 1 and 4
     python -m benchmarks.engine_bench --tiny --device cpu   # CPU check at toy sizes
@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import io
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -269,27 +270,34 @@ def decode_ratios(rows: list[dict]) -> dict:
              if r.get("decode_tokens_per_s")}
     out: dict[str, dict] = {}
     for (config, batch, rnd), v in sorted(speed.items()):
-        if config.startswith("pagedweight@ap"):
-            b = config.removeprefix("pagedweight@ap").removesuffix("-memory")
-            base = speed.get((f"ap{b}-uniform", batch, rnd))
-            if base:
-                out.setdefault(f"ap{b}/b{batch}", {"per_round": []})["per_round"].append(v / base)
+        m = re.fullmatch(r"pagedweight(-home\d+)?@ap(\d+)-memory", config)
+        base = m and speed.get((f"ap{m.group(2)}-uniform", batch, rnd))
+        if base:
+            key = f"ap{m.group(2)}/b{batch}{(m.group(1) or '').replace('-', '/')}"
+            out.setdefault(key, {"per_round": []})["per_round"].append(v / base)
     for entry in out.values():
         entry["median"] = float(np.median(entry["per_round"]))
     return out
 
 
-def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None]]:
-    """(batch, kind, bits) in priority order: a round per width of `--bits` (FP16 joins the first), each round over
-    every batch, so a time budget that cuts the run keeps the most important comparisons."""
+def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None, int | None]]:
+    """(batch, kind, bits, home width) in priority order: a round per width of `--bits` (FP16 joins the first), each
+    round over every batch, so a time budget that cuts the run keeps the most important comparisons."""
     batches = [int(b) for b in args.batches.split(",")]
+    homes = [args.parent_bits if h == "parent" else int(h) for h in args.paged_home.split(",")]
     configs = []
     for n, b in enumerate(int(x) for x in args.bits.split(",")):
         for batch in batches:
             if n == 0 and not args.skip_fp16:
-                configs.append((batch, "fp16", None))
-            configs += [(batch, "uniform", b), (batch, "paged", b)]
+                configs.append((batch, "fp16", None, None))
+            configs += [(batch, "uniform", b, None)] + [(batch, "paged", b, h) for h in homes]
     return configs
+
+
+def config_name(kind: str, b: int | None, home: int | None, parent: int) -> str:
+    if kind == "paged":
+        return f"pagedweight@ap{b}-memory" if home == parent else f"pagedweight-home{home}@ap{b}-memory"
+    return "fp16-dense" if kind == "fp16" else f"ap{b}-uniform"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
+    p.add_argument("--paged-home", default="parent",
+                   help="home widths of the PagedWeight configurations, comma-separated ('parent' or bits): the "
+                        "width blocks return to when memory allows (below the parent: never above it)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration this many times, round by round (the ratios get a median)")
     p.add_argument("--trace", action="store_true",
@@ -343,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                             extra={**extra, "complete": complete, "skipped_configs": skipped})
 
     save()
-    for rnd, (batch, kind, b) in ((r, c) for r in range(args.rounds) for c in plan(args)):
-        name = {"fp16": "fp16-dense", "uniform": f"ap{b}-uniform", "paged": f"pagedweight@ap{b}-memory"}[kind]
+    for rnd, (batch, kind, b, home) in ((r, c) for r in range(args.rounds) for c in plan(args)):
+        name = config_name(kind, b, home, args.parent_bits)
         if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
             skipped.append(f"{name}/b{batch}")
             continue
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_config(name, cfg, None, outside + expert_dense + kv, batch, args.seq_len, args.gen, args)
             else:
                 budget = outside + expert_pool_bytes(weights, b, page) + kv
-                options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=args.parent_bits, paging=True)
+                options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=home, paging=True)
                 row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
             row = failed_row(exc, config=name, batch=batch)

@@ -329,7 +329,9 @@ class LLM:
                     self.mover.end_step()  # fences this step's reads of the pages it used
             if observe:
                 t1 = time.perf_counter()
-                self.planner.observe(self.router_stats.mass, self.router_stats.features())
+                # features feed only the residual heads: without heads, no [n, 4] host computation per read
+                features = self.router_stats.features() if self.planner.heads is not None else None
+                self.planner.observe(self.router_stats.mass, features)
                 self.paging.observe_host_s += time.perf_counter() - t1
             now = time.perf_counter()
             for seq, tok in zip(to_sample, tokens):

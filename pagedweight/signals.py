@@ -167,7 +167,10 @@ class RouterStats:
         if self._token_weights is None:
             return r
         if self._device_weights is None or self._device_weights.device != device:
-            self._device_weights = self._token_weights.to(device, torch.float32)[:, None]
+            w = self._token_weights.float()
+            if device.type == "cuda":  # a pageable copy would wait for the step's graph: the host would stall here
+                w = w.pin_memory()
+            self._device_weights = w.to(device, non_blocking=True)[:, None]
         return r * self._device_weights
 
     @torch.no_grad()
