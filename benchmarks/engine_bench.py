@@ -143,7 +143,8 @@ def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: 
 def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None
           ) -> dict:
     """One timed batch: prefill (chunked) then decode; returns timings and counters. `trace` collects one row per
-    step: [wall ms of llm.step(), of which boundary ms and routing-read ms, running requests, pages in flight]."""
+    step: [wall ms of llm.step(), of which boundary ms (planner ms, move-request ms within it) and routing-read ms,
+    running requests, pages in flight, move requests, refused]."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
@@ -156,10 +157,12 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
         t_step, paging = time.perf_counter(), dataclasses.replace(llm.paging)
         outs = llm.step()
         if trace is not None:
-            trace.append([round((time.perf_counter() - t_step) * 1e3, 3),
-                          round((llm.paging.boundary_host_s - paging.boundary_host_s) * 1e3, 3),
-                          round((llm.paging.observe_host_s - paging.observe_host_s) * 1e3, 3),
-                          len(llm.scheduler.running), llm.paging.steps_in_flight > paging.steps_in_flight])
+            now, ms = llm.paging, lambda a, b: round((a - b) * 1e3, 3)
+            trace.append([ms(time.perf_counter(), t_step), ms(now.boundary_host_s, paging.boundary_host_s),
+                          ms(now.planner_host_s, paging.planner_host_s), ms(now.requests_host_s, paging.requests_host_s),
+                          ms(now.observe_host_s, paging.observe_host_s), len(llm.scheduler.running),
+                          now.steps_in_flight > paging.steps_in_flight, now.move_requests - paging.move_requests,
+                          now.move_refusals - paging.move_refusals])
         for out in outs:
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter()
@@ -227,7 +230,8 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            **timed, "config_s": time.perf_counter() - t0}
     if trace is not None:
-        row["step_trace"] = {"columns": ["step_ms", "boundary_ms", "observe_ms", "running", "pages_in_flight"],
+        row["step_trace"] = {"columns": ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms",
+                                         "running", "pages_in_flight", "move_requests", "move_refusals"],
                              "rows": trace}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model

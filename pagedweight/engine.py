@@ -105,6 +105,10 @@ class PagingStats:
     time_in_flight_s: float = 0.0
     syncs: int = 0  # times a short KV cache waited for in-flight work to release pages
     boundary_host_s: float = 0.0  # measured: host time of step boundaries (planner, move requests, mover, waits)
+    planner_host_s: float = 0.0  # measured, part of boundary_host_s: planner.step
+    requests_host_s: float = 0.0  # measured, part of boundary_host_s: move requests (_request_moves)
+    move_requests: int = 0  # mover.request calls (offloads and reloads)
+    move_refusals: int = 0  # of which refused (busy, out of pages, or would take KV the admitted requests need)
     observe_host_s: float = 0.0  # measured: host time reading routing statistics into the planner
 
 
@@ -375,7 +379,9 @@ class LLM:
             committed = self.committed_widths()
             demand = self.scheduler.blocks_demand()
             kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes())
+            t1 = time.perf_counter()
             plan = self.planner.step(kv, committed)
+            self.paging.planner_host_s += time.perf_counter() - t1
             if plan is not None:
                 self.paging.plan_step = self.num_steps
                 logger.info("step {}: {} plan of {:.1f} MB (KV: {} blocks free, {} wanted by admitted requests, "
@@ -385,8 +391,11 @@ class LLM:
                     self.paging.offload_triggers += 1
                 elif plan.kind == "reload":
                     self.paging.reload_triggers += 1
+            t2 = time.perf_counter()
             self._request_moves(committed, (demand + 1 + self.planner.knobs.trigger_blocks) * self.kv.block_bytes)
-            self.paging.planner_step_ms = (time.perf_counter() - t0) * 1e3
+            t3 = time.perf_counter()
+            self.paging.requests_host_s += t3 - t2
+            self.paging.planner_step_ms = (t3 - t0) * 1e3
         self.mover.boundary()
         if self.kv.num_free_blocks < wanted and not self.mover.idle() and self.device.type == "cuda":
             # short of KV now: wait for the copies and the last step so retired pages can be freed this boundary
@@ -415,12 +424,17 @@ class LLM:
                 self.mover.cancel(i)
             del self._requested[i]
         for i in np.flatnonzero(diff & (want < committed)).tolist():  # offloads, every one
+            self.paging.move_requests += 1
             if self.mover.request(i, int(want[i])):
                 self._requested[i] = int(want[i])
+            else:
+                self.paging.move_refusals += 1
         cap = self.options.reload_starts_per_step if self.scheduler.running else 0
         keep, started = self.pool.pages_for(keep_free_bytes), 0
         for i in np.flatnonzero(diff & (want > committed)).tolist():  # reloads, in block order, until refused/capped
+            self.paging.move_requests += 1
             if not self.mover.request(i, int(want[i]), keep_free_pages=keep):
+                self.paging.move_refusals += 1
                 break
             self._requested[i] = int(want[i])
             started += 1
