@@ -69,6 +69,10 @@ class PagePool:
     data: torch.Tensor = field(init=False, repr=False)
     _free_starts: list[int] = field(init=False, repr=False)  # sorted starts of free extents
     _free_len: dict[int, int] = field(init=False, repr=False)  # start -> length of free extent
+    # the same extents by length, for best fit in O(log n): offloads and reloads allocate one run each, and a scan of
+    # every extent (~1.6k holes after a release) cost 0.36 ms per allocation on CPU
+    _by_len: dict[int, list[int]] = field(init=False, repr=False)  # length -> sorted starts of extents that long
+    _lengths: list[int] = field(init=False, repr=False)  # sorted keys of _by_len
     _allocs: dict[int, Allocation] = field(init=False, repr=False)
     _kind: np.ndarray = field(init=False, repr=False)  # int8 [capacity_pages]: FREE | WEIGHT | KV
     _kv_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
@@ -90,6 +94,7 @@ class PagePool:
         self.data = torch.empty(self.capacity_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
         self._free_starts = [0]
         self._free_len = {0: self.capacity_pages}
+        self._by_len, self._lengths = {self.capacity_pages: [0]}, [self.capacity_pages]
         self._allocs = {}
         self._kind = np.zeros(self.capacity_pages, dtype=np.int8)
         self._kv_listeners = []
@@ -185,10 +190,9 @@ class PagePool:
         limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
         if npages <= 0 or npages > limit:
             raise PoolExhausted(f"{npages} weight pages requested, {max(limit, 0)} available")
-        lengths = self._free_len
-        best = min(((lengths[s], s) for s in self._free_starts if lengths[s] >= npages), default=None)
-        if best is not None:
-            s = best[1]  # best fit (lowest first among equals) keeps large holes for large runs
+        fit = bisect.bisect_left(self._lengths, npages)
+        if fit < len(self._lengths):
+            s = self._by_len[self._lengths[fit]][0]  # best fit (lowest first among equals) keeps large holes
         elif relocate and self.can_relocate():
             s = self._compact(npages)
         else:
@@ -256,6 +260,10 @@ class PagePool:
         assert pos == self.capacity_pages, "pool tiling does not cover the pool"
         for a, b in zip(self._free_starts, self._free_starts[1:]):
             assert a + self._free_len[a] < b, "adjacent free extents not merged"
+        by_len: dict[int, list[int]] = {}
+        for a in self._free_starts:
+            by_len.setdefault(self._free_len[a], []).append(a)
+        assert self._by_len == by_len and self._lengths == sorted(by_len), "length index out of date"
         assert self.weight_pages == sum(a.npages for a in self._allocs.values() if a.tag == "weight")
         assert self.kv_pages == sum(a.npages for a in self._allocs.values() if a.tag == "kv")
         assert self.used_pages <= self.budget_pages <= self.capacity_pages
@@ -441,6 +449,7 @@ class PagePool:
         ln = self._free_len.pop(s)
         assert s <= start and start + npages <= s + ln, "taking pages that are not free"
         del self._free_starts[i]
+        self._unindex(s, ln)
         if start > s:
             self._insert(s, start - s)
         end, ext_end = start + npages, s + ln
@@ -454,16 +463,36 @@ class PagePool:
             nxt = self._free_starts[i]
             assert start + npages <= nxt, "double free"
             if start + npages == nxt:
-                npages += self._free_len.pop(nxt)
+                ln = self._free_len.pop(nxt)
+                self._unindex(nxt, ln)
+                npages += ln
                 del self._free_starts[i]
         if i > 0:
             prv = self._free_starts[i - 1]
             assert prv + self._free_len[prv] <= start, "double free"
             if prv + self._free_len[prv] == start:
+                self._unindex(prv, self._free_len[prv])
                 self._free_len[prv] += npages
+                self._index(prv, self._free_len[prv])
                 return
         self._insert(start, npages)
 
     def _insert(self, start: int, npages: int) -> None:
         bisect.insort(self._free_starts, start)
         self._free_len[start] = npages
+        self._index(start, npages)
+
+    def _index(self, start: int, npages: int) -> None:
+        starts = self._by_len.get(npages)
+        if starts is None:
+            self._by_len[npages] = [start]
+            bisect.insort(self._lengths, npages)
+        else:
+            bisect.insort(starts, start)
+
+    def _unindex(self, start: int, npages: int) -> None:
+        starts = self._by_len[npages]
+        del starts[bisect.bisect_left(starts, start)]
+        if not starts:
+            del self._by_len[npages]
+            del self._lengths[bisect.bisect_left(self._lengths, npages)]

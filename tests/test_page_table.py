@@ -52,6 +52,32 @@ def test_pool_budget_reserve_and_exhaustion():
     pool.check()
 
 
+def test_pool_best_fit_against_a_scan():
+    """Weight runs go to the smallest free extent that fits, lowest first among equals (the length index answers
+    what a scan of every extent would), through random allocations and frees of runs and KV blocks."""
+    rng = np.random.default_rng(5)
+    pool = PagePool(400 * 4096, 4096)
+    runs, blocks = [], []
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.45:
+            n = int(rng.integers(1, 9))
+            fits = [(ln, s) for s, ln in pool._free_len.items() if ln >= n]
+            if not fits or n > pool.free_pages:
+                continue
+            start = pool.alloc_run(n)
+            assert start == min(fits)[1]
+            runs.append(start)
+        elif op < 0.6 and pool.kv_capacity() >= 2:
+            blocks += pool.alloc_kv_blocks(int(rng.integers(1, 3)))
+        elif op < 0.85 and runs:
+            pool.free_run(runs.pop(int(rng.integers(len(runs)))))
+        elif blocks:
+            pool.free_kv_blocks([blocks.pop(int(rng.integers(len(blocks))))])
+        pool.check()
+    assert len(pool._free_starts) > 5  # the walk left holes to choose between
+
+
 def test_pool_budget_change_and_fraction():
     pool = PagePool(40 * PAGE, PAGE)
     pool.set_budget(16 * PAGE)
