@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks.common import failed_row, write_result
 from pagedweight.bitplanes import lut_bytes
-from pagedweight.engine import LLM, param_bytes, round_up
+from pagedweight.engine import LLM, PagingStats, param_bytes, round_up
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import kv_layer_block_bytes
 from pagedweight.models import ModelConfig, MoEForCausalLM
@@ -143,8 +143,7 @@ def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: 
 def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None
           ) -> dict:
     """One timed batch: prefill (chunked) then decode; returns timings and counters. `trace` collects one row per
-    step: [wall ms of llm.step(), of which boundary ms (planner ms, move-request ms within it) and routing-read ms,
-    running requests, pages in flight, move requests, refused]."""
+    step (`trace_row`)."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
@@ -157,12 +156,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
         t_step, paging = time.perf_counter(), dataclasses.replace(llm.paging)
         outs = llm.step()
         if trace is not None:
-            now, ms = llm.paging, lambda a, b: round((a - b) * 1e3, 3)
-            trace.append([ms(time.perf_counter(), t_step), ms(now.boundary_host_s, paging.boundary_host_s),
-                          ms(now.planner_host_s, paging.planner_host_s), ms(now.requests_host_s, paging.requests_host_s),
-                          ms(now.observe_host_s, paging.observe_host_s), len(llm.scheduler.running),
-                          now.steps_in_flight > paging.steps_in_flight, now.move_requests - paging.move_requests,
-                          now.move_refusals - paging.move_refusals])
+            trace.append(trace_row(llm, paging, t_step))
         for out in outs:
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter()
@@ -176,6 +170,22 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     decode_tokens = sum(done.values()) - batch
     return {"prefill_ms": (t_first - t0) * 1e3, "decode_tokens_per_s": decode_tokens / max(t1 - t_first, 1e-9),
             "tokens_per_s": sum(done.values()) / (t1 - t0), "generated_tokens": sum(done.values())}
+
+
+TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms", "running", "waiting",
+                 "pages_in_flight", "move_requests", "move_refusals"]
+
+
+def trace_row(llm: LLM, before: PagingStats, t_step: float) -> list:
+    """One step of a trace (TRACE_COLUMNS): wall ms of llm.step() since `t_step`, of which the boundary's host ms
+    (the planner's and the move requests' within it) and the routing read's; requests running and waiting after
+    it; whether pages were in flight; move requests and refusals. `before`: a copy of llm.paging taken before."""
+    now, ms = llm.paging, lambda a, b: round((a - b) * 1e3, 3)
+    return [ms(time.perf_counter(), t_step), ms(now.boundary_host_s, before.boundary_host_s),
+            ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
+            ms(now.observe_host_s, before.observe_host_s), len(llm.scheduler.running), len(llm.scheduler.waiting),
+            now.steps_in_flight > before.steps_in_flight, now.move_requests - before.move_requests,
+            now.move_refusals - before.move_refusals]
 
 
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
@@ -230,9 +240,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
            "mean_width_start": _mean(start_hist), "mean_width_end": _mean(st["committed_width_hist"]),
            **timed, "config_s": time.perf_counter() - t0}
     if trace is not None:
-        row["step_trace"] = {"columns": ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms",
-                                         "running", "pages_in_flight", "move_requests", "move_refusals"],
-                             "rows": trace}
+        row["step_trace"] = {"columns": TRACE_COLUMNS, "rows": trace}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
     del llm, model
     return row

@@ -11,6 +11,7 @@ Same random Qwen1.5-MoE-A2.7B-shaped model as engine_bench (random planes, pinne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import failed_row, write_result
-from benchmarks.engine_bench import ap_weights, expert_pool_bytes, model_config, page_bytes, random_model
+from benchmarks.engine_bench import (TRACE_COLUMNS, ap_weights, expert_pool_bytes, model_config, page_bytes,
+                                     random_model, trace_row)
 from pagedweight.engine import LLM, param_bytes
 from pagedweight.sampling import SamplingParams
 
@@ -42,11 +44,13 @@ def reversals(series: np.ndarray) -> int:
     return int((d[1:] != d[:-1]).sum()) if d.size > 1 else 0
 
 
-def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline: float | None = None) -> dict:
+def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline: float | None = None,
+          trace: list | None = None) -> dict:
     """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times.
 
     Past `deadline` (a perf_counter time) the replay stops: unfinished requests are aborted, later arrivals
-    never sent, and the row says so (cut_short, requests_done)."""
+    never sent, and the row says so (cut_short, requests_done). `trace` collects engine_bench.trace_row per step
+    (which step was slow, and which part of its boundary)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     arrival, last, ttft, itl = {}, {}, [], []
@@ -67,9 +71,12 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         if not llm.has_unfinished():
             time.sleep(max(0.0, requests[nxt][0] - now))
             continue
+        t_step, paging = time.perf_counter(), dataclasses.replace(llm.paging)
         outs = llm.step()
         sync()
         t = time.perf_counter()
+        if trace is not None:
+            trace.append(trace_row(llm, paging, t_step))
         for out in outs:
             n = out.completion_tokens
             if n and out.request_id not in last:
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-time budget: each mode's replay gets an equal share of what is left and is cut "
                         "short past it; no mode starts once the budget is spent (default: no limit)")
+    p.add_argument("--trace", action="store_true",
+                   help="add each step's wall ms and the parts of its boundary to the row (engine_bench.TRACE_COLUMNS)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)
@@ -182,10 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
             drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
             llm.scheduler.num_preemptions = 0
+            trace = [] if args.trace else None
             row = {"mode": name, "budget_gib": budget / 2**30, "kv_blocks_at_start": llm.kv.num_free_blocks,
                    "rate_req_per_s": rate, "prompt_lo": lo, "prompt_hi": hi, "gen_tokens": gen,
-                   **drive(llm, requests, gen, deadline),
+                   **drive(llm, requests, gen, deadline, trace),
                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
+            if trace is not None:
+                row["step_trace"] = {"columns": TRACE_COLUMNS, "rows": trace}
         except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others
             row = failed_row(exc, mode=name)
         llm = model = None  # free this mode's pool before the next one allocates its own
