@@ -430,6 +430,40 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     llm.table.check()
 
 
+def test_move_requests_follow_the_planner(ap_dir):
+    """_request_moves between boundaries: every offload starts, a move the planner changed its mind on is
+    cancelled and retargeted, one it dropped is cancelled, and reloads start in block order until one is refused
+    (here: it would take the KV blocks the admitted requests need)."""
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"))
+    committed = llm.committed_widths()
+    n = len(committed)
+    want = committed.copy()
+    want[:6] = committed[:6] - 2
+    llm.planner.desired = want.copy()
+    llm._request_moves(committed, 0)
+    assert {i for i in range(n) if llm.mover.pending(i)} == set(range(6))
+    assert llm._requested == {i: int(want[i]) for i in range(6)}
+    want[0], want[1] = committed[0] - 1, committed[1]  # retarget block 0, drop block 1's move
+    llm.planner.desired = want.copy()
+    llm._request_moves(committed, 0)
+    assert llm._requested == {0: int(want[0]), **{i: int(want[i]) for i in range(2, 6)}}
+    assert llm.table.rows[0].d == want[0] and llm.table.rows[1].d == committed[1]
+    llm.mover.boundary()  # the CPU's copies are done: everything requested commits
+    committed = llm.committed_widths()
+    assert np.array_equal(committed, want)
+    back = want.copy()
+    back[:6] = llm.table.parent_bits
+    llm.planner.desired = back
+    keep = llm.pool.free_pages - llm.pool.reserve_pages - 1  # room for no reload's pages
+    llm._request_moves(committed, llm.pool.bytes_of(keep))
+    assert not any(llm.mover.pending(i) for i in range(n)) and llm.paging.move_refusals == 1
+    llm._request_moves(committed, 0)
+    assert {i for i in range(n) if llm.mover.pending(i)} == {0, 2, 3, 4, 5}  # block 1 never moved
+    llm.mover.boundary()
+    assert np.array_equal(llm.committed_widths(), back)
+    llm.table.check()
+
+
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     weights_3 = probe.stats()["resident_weight_bytes"]
