@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--num-requests", type=int, default=None, help="default 12 (tiny: 10)")
-    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 1; tiny: 4)")
+    p.add_argument("--num-requests", type=int, default=None, help="default 24 (tiny: 10)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 4)")
     p.add_argument("--prompt-len", default=None, help="lo,hi prompt tokens (default 256,1024; tiny: 48,160)")
-    p.add_argument("--gen", type=int, default=None, help="generated tokens per request (default 16; tiny: 12)")
+    p.add_argument("--gen", type=int, default=None, help="generated tokens per request (default 128; tiny: 12)")
     p.add_argument("--kv-room-blocks", type=int, default=None,
                    help="KV blocks the budget leaves with every expert at the parent width (default 128; tiny: 6)")
     p.add_argument("--parent-bits", type=int, default=6)
@@ -143,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     tiny = args.tiny
-    n = args.num_requests or (10 if tiny else 12)
-    rate = args.rate or (4.0 if tiny else 1.0)
+    # H200 defaults, computed (not measured) from the 2026-11-29 runs: with whole-step graphs a request of ~640
+    # prompt and 16 generated tokens lived ~0.25 s, so 1 arrival/s never overflowed static 6 bits' 128 KV blocks
+    # (kv_pressure-nvidia-h200-20261129-home.json: 0 waits). 128 tokens (~1.1 s at ~8 ms a step) at 4/s keep ~4
+    # requests of ~48 blocks each alive: ~200 blocks wanted against 128.
+    n = args.num_requests or (10 if tiny else 24)
+    rate = args.rate or 4.0
     lo, hi = (int(x) for x in (args.prompt_len or ("48,160" if tiny else "256,1024")).split(","))
-    gen = args.gen or (12 if tiny else 16)
+    gen = args.gen or (12 if tiny else 128)
     room = args.kv_room_blocks or (6 if tiny else 128)
     chunk = args.chunk or (64 if tiny else 1024)
     static_bits = [int(b) for b in (args.static_bits or f"{args.parent_bits},4").split(",")]

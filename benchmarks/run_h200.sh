@@ -38,7 +38,7 @@ for s in "${steps[@]}"; do case $s in
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
-  pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ${PRESSURE_ARGS:-} ;;  # e.g. --trace --rate 4
+  pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ${PRESSURE_ARGS:-} ;;  # e.g. --trace
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py):
   # Serve replicas under HTTP load with two half-GPU engines, then the evaluation as real `ray job submit` jobs
   serve) step 150 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine 0.5 --sections serve \
