@@ -117,7 +117,9 @@ def bench_size(num_layers: int, num_experts: int, reps: int) -> list[dict]:
                                                                     reps)})
             rows.append({**tag, "op": "planner.refresh, nothing changed", "demand": "lookahead 8 kv blocks",
                          **timed(lambda: planner.refresh(kv, top), reps)})
-            rows.append({**tag, "op": "planner.step, nothing changed (decide + refresh)", "demand": "-",
+            rows.append({**tag, "op": "decide + refresh, nothing changed (what a quiet step skips)", "demand": "-",
+                         **timed(lambda: (planner.decide(kv, top), planner.refresh(kv, top)), reps)})
+            rows.append({**tag, "op": "planner.step, quiet (same inputs as the step before)", "demand": "-",
                          **timed(lambda: planner.step(kv, top), reps)})
             tight = KVState(free_blocks=5, target_free_blocks=8, block_bytes=KV_BLOCK_BYTES)
 
