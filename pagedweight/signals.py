@@ -112,6 +112,7 @@ class RouterStats:
     Each call only queues a few device ops (no host read inside the layer loop); the first read of `mass`,
     `norm_sum`, `norm2_sum`, `norm_max`, `routing_mass()` or `features()` reduces everything queued with two
     scatters and one copy to the host. Calls without reads fold into a device accumulator every 4L calls.
+    `prefetch()` starts that copy without waiting (CUDA), so a read after later device work does not wait for it.
     """
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
@@ -136,6 +137,7 @@ class RouterStats:
         self._norm: list[torch.Tensor] = []  # |x| per token
         self._k: list[int] = []
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
+        self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -194,14 +196,44 @@ class RouterStats:
         self._acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
         self._acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
 
-    def _flush(self) -> None:
-        """Everything observed so far into the host sums: the one device-to-host copy."""
+    @torch.no_grad()
+    def prefetch(self) -> None:
+        """Start the device-to-host copy of everything observed so far: into pinned memory behind a CUDA event, so
+        the engine can read the statistics during the next step without waiting for that step's graph."""
         self._reduce()
         if self._acc is None:
             return
-        sums = self._acc.cpu().numpy().reshape(self._host.shape)
+        self._land_copy()
+        if self._acc.is_cuda:
+            buf = torch.empty(self._acc.shape, dtype=self._acc.dtype, pin_memory=True)
+            buf.copy_(self._acc, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copy = buf, event
+        else:
+            self._copy = self._acc, None
+        self._acc = None
+
+    def _land_copy(self) -> None:
+        if self._copy is not None:
+            buf, event = self._copy
+            if event is not None:
+                event.synchronize()
+            self._add(buf.numpy())
+            self._copy = None
+
+    def _add(self, sums: np.ndarray) -> None:
+        sums = sums.reshape(self._host.shape)
         self._host[:3] += sums[:3]
         np.maximum(self._host[3], sums[3], out=self._host[3])
+
+    def _flush(self) -> None:
+        """Everything observed so far into the host sums: a prefetched copy, then the one device-to-host copy."""
+        self._reduce()
+        self._land_copy()
+        if self._acc is None:
+            return
+        self._add(self._acc.cpu().numpy())
         self._acc = None
 
     def _stat(self, i: int) -> np.ndarray:

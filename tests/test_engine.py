@@ -464,6 +464,23 @@ def test_move_requests_follow_the_planner(ap_dir):
     llm.table.check()
 
 
+def test_routing_read_lands_one_step_later(ap_dir):
+    """An observed step's routing statistics reach the planner during the next step (their host copy was started
+    at the end of the observed one), or at the next routing_mass() call."""
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    mass = llm.planner.routing.mass.copy()
+    llm.add_request(PROMPTS[0], greedy(6))
+    llm.step()  # step 0 is observed: its statistics wait
+    assert llm._routing_unread and np.array_equal(llm.planner.routing.mass, mass)
+    llm.step()  # step 1 reads them while it runs, and observes nothing itself
+    assert not llm._routing_unread and not np.array_equal(llm.planner.routing.mass, mass)
+    mass = llm.planner.routing.mass.copy()
+    llm.step()  # step 2 observed
+    assert llm._routing_unread
+    got = llm.routing_mass()
+    assert not llm._routing_unread and not np.array_equal(got, mass)
+
+
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     weights_3 = probe.stats()["resident_weight_bytes"]

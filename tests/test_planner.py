@@ -552,6 +552,23 @@ def test_routing_signals():
     assert np.allclose(merge_routing_mass(per_req, [3, 1]), [[0.75, 0, 0, 0.25]])
 
 
+def test_router_stats_prefetch_then_more_calls():
+    """A prefetched copy and calls after it add up: the read lands the copy, then reads the rest."""
+    torch.manual_seed(1)
+    L, E, k = 2, 4, 2
+    both, later = RouterStats(L, E), RouterStats(L, E)
+    calls = [(layer, torch.randn(3, 5), torch.stack([torch.randperm(E)[:k] for _ in range(3)]), torch.rand(3, k))
+             for layer in (0, 1, 0, 1)]
+    for n, args in enumerate(calls):
+        both(*args)
+        if n == 1:
+            both.prefetch()
+    for args in calls:
+        later(*args)
+    np.testing.assert_allclose(both.features(), later.features(), rtol=1e-6)
+    np.testing.assert_allclose(both.mass, later.mass, rtol=1e-6)
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
 def test_router_stats_observer_matches_reference(stacked):
     """Per-layer calls (eager forwards) and one stacked call of every layer (a whole-step graph's records) give
@@ -571,6 +588,7 @@ def test_router_stats_observer_matches_reference(stacked):
         xs.append(x), ids.append(topk), ws.append(w)
     if stacked:
         stats.observe_layers(list(range(L)), torch.stack(xs), torch.stack(ids), torch.stack(ws))
+    stats.prefetch()  # what the engine does after an observed step: the read below lands the prefetched copy
     tw = [6 / 3] * 3 + [1 / 2] * 2
     for layer in range(L):
         for e in range(E):
