@@ -71,12 +71,12 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         if not llm.has_unfinished():
             time.sleep(max(0.0, requests[nxt][0] - now))
             continue
-        t_step, paging = time.perf_counter(), dataclasses.replace(llm.paging)
+        t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
         outs = llm.step()
         sync()
         t = time.perf_counter()
         if trace is not None:
-            trace.append(trace_row(llm, paging, t_step))
+            trace.append(trace_row(llm, paging, t_step, compactions))
         for out in outs:
             n = out.completion_tokens
             if n and out.request_id not in last:
