@@ -69,8 +69,15 @@ class RandomPlaneStore:
         return self.planes[:spec.plane_bytes] if what == "plane" else self.luts[:spec.lut_bytes[idx]]
 
 
-def model_config(tiny: bool) -> ModelConfig:
-    return ModelConfig(**(TINY if tiny else QWEN15_MOE))
+# Qwen1.5's block count (24 x 60 x 2) at CPU-sized dims, with one 16-wide KV head so that pages are small and a
+# plane spans 16 of them: the pool fragments the way the full shape's does on the H200 (planes of 3-6 pages), which
+# the toy shapes (one page per plane) cannot show. For host-time measurements of the paging loop on CPU.
+SCALED_PAGES = dict(QWEN15_MOE, vocab_size=2048, hidden_size=512, moe_intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=16, shared_expert_intermediate_size=512, max_position_embeddings=4096)
+
+
+def model_config(tiny: bool, scaled: bool = False) -> ModelConfig:
+    return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else QWEN15_MOE))
 
 
 def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, device: str, seed: int = 0
@@ -317,6 +324,9 @@ def config_name(kind: str, b: int | None, home: int | None, parent: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    p.add_argument("--scaled", action="store_true", help="Qwen1.5 block count at CPU-sized dims, multi-page planes")
+    p.add_argument("--compact-every", type=int, default=None,
+                   help="PagedWeight's compact_every_steps (default: the engine's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--gen", type=int, default=32, help="generated tokens per request (inside seq-len)")
@@ -344,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = model_config(args.tiny)
+    cfg = model_config(args.tiny, args.scaled)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits)
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     per_token = {"fp16": weight_bytes_per_token(cfg, outside, element, None, None)}
     per_token.update({f"ap{b}": weight_bytes_per_token(cfg, outside, element, weights, b)
                       for b in range(weights.seed_bits, weights.parent_bits + 1)})
-    extra = {"model": "Qwen1.5-MoE-A2.7B shape, random planes" if not args.tiny else "tiny", "page_bytes": page,
+    shape = "tiny" if args.tiny else "Qwen1.5-MoE block count, scaled dims (SCALED_PAGES)" if args.scaled else \
+        "Qwen1.5-MoE-A2.7B shape"
+    extra = {"model": f"{shape}, random planes", "page_bytes": page,
              "weight_bytes_per_token_computed": per_token,
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
@@ -380,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 budget = outside + expert_pool_bytes(weights, b, page) + kv
                 options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=home, paging=True)
+                if kind == "paged" and args.compact_every is not None:
+                    options["compact_every_steps"] = args.compact_every
                 row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
             row = failed_row(exc, config=name, batch=batch)

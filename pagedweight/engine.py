@@ -91,6 +91,10 @@ class EngineOptions:
     # on the host (~0.2-0.5 ms on the H200 box, engine_profile-nvidia-h200-20261129-paged.txt): the cap bounds that
     # host time beside decode steps; with nothing running the cap is off, so widths come back at full speed.
     reload_starts_per_step: int = 4
+    # while requests run, a reload may compact the pool (move KV pages and weight runs out of a window) at most
+    # once per this many steps (0: every step). A compaction scans the whole pool on the host (~0.9 ms per
+    # compaction on the CPU replica of benchmarks/engine_bench.py --scaled); with nothing running it is not rationed.
+    compact_every_steps: int = 8
 
 
 @dataclass
@@ -169,6 +173,8 @@ class LLM:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.options.reload_starts_per_step < 0:
             raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
+        if self.options.compact_every_steps < 0:
+            raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
@@ -214,6 +220,7 @@ class LLM:
         self.paging = PagingStats()
         self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
+        self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
 
@@ -448,11 +455,17 @@ class LLM:
                 self._requested[i] = int(want[i])
             else:
                 self.paging.move_refusals += 1
-        cap = self.options.reload_starts_per_step if self.scheduler.running else 0
+        running = bool(self.scheduler.running)
+        cap = self.options.reload_starts_per_step if running else 0
         keep, started = self.pool.pages_for(keep_free_bytes), 0
         for i in np.flatnonzero(diff & (want > committed)).tolist():  # reloads, in block order, until refused/capped
             self.paging.move_requests += 1
-            if not self.mover.request(i, int(want[i]), keep_free_pages=keep):
+            relocate = not running or self.num_steps >= self._compact_step + self.options.compact_every_steps
+            compactions = self.pool.relocations
+            ok = self.mover.request(i, int(want[i]), keep_free_pages=keep, relocate=relocate)
+            if self.pool.relocations != compactions:
+                self._compact_step = self.num_steps
+            if not ok:
                 self.paging.move_refusals += 1
                 break
             self._requested[i] = int(want[i])

@@ -205,13 +205,14 @@ class PageMover:
         pages = sum(m.pages for m in self._moves.values()) + sum(self.table.slot_pages(*k) for k in self._retiring)
         return self.pool.bytes_of(pages)
 
-    def request(self, i: int, b: int, keep_free_pages: int = 0) -> bool:
+    def request(self, i: int, b: int, keep_free_pages: int = 0, relocate: bool = True) -> bool:
         """Set d_i = b and start the move; False when busy or out of pages (q, d and weight pages unchanged).
 
         A reload takes its pages at once and holds the old LUT until its commit; with `keep_free_pages` > 0 it is
         refused unless that peak leaves this many pages free outside the reserve (the engine keeps the KV blocks
         that admitted requests still need). Call only at a step boundary: allocating a reload's runs may relocate
-        KV pages (see PagePool._compact).
+        KV pages (see PagePool._compact); with `relocate` False a run that fits no free extent as it lies refuses
+        the move instead (a compaction scans the pool: the engine rations them while requests run).
         """
         row = self.table.rows[i]
         if b not in row.luts:
@@ -242,7 +243,7 @@ class PageMover:
         try:
             for n, key in enumerate(fresh):
                 s = self.table.slot(i, *key)
-                s.page = self.pool.alloc_run(self.table.slot_pages(i, *key), use_reserve=True, relocate=True)
+                s.page = self.pool.alloc_run(self.table.slot_pages(i, *key), use_reserve=True, relocate=relocate)
                 s.state = PageState.IN_TRANSFER
         except PoolExhausted:
             for key in fresh[:n]:

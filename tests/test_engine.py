@@ -407,9 +407,9 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     starts: dict[int, int] = {}
     request = llm.mover.request
 
-    def counted(i: int, b: int, keep_free_pages: int = 0) -> bool:
+    def counted(i: int, b: int, keep_free_pages: int = 0, relocate: bool = True) -> bool:
         reload = b > llm.table.rows[i].q
-        ok = request(i, b, keep_free_pages)
+        ok = request(i, b, keep_free_pages, relocate)
         if ok and reload and llm.scheduler.running:
             starts[llm.num_steps] = starts.get(llm.num_steps, 0) + 1
         return ok
@@ -462,6 +462,39 @@ def test_move_requests_follow_the_planner(ap_dir):
     llm.mover.boundary()
     assert np.array_equal(llm.committed_widths(), back)
     llm.table.check()
+
+
+def test_compactions_for_reloads_are_rationed_while_requests_run(ap_dir):
+    """While requests run, a reload may compact the pool once per `compact_every_steps` steps (a compaction scans the
+    pool on the host); idle, every reload may."""
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), compact_every_steps=3)
+    home = llm.committed_widths()
+    low = home.copy()
+    low[:4] -= 2
+    llm.planner.desired = low
+    llm._request_moves(home, 0)
+    llm.mover.boundary()
+    committed = llm.committed_widths()
+    assert np.array_equal(committed, low)
+    llm.planner.desired = home  # reloads wanted
+    calls = []
+
+    def request(i, b, keep_free_pages=0, relocate=True):
+        calls.append(relocate)
+        llm.pool.relocations += relocate  # as if the reload needed a compaction
+        return False  # and was refused anyway: it stays wanted
+    llm.mover.request = request
+    llm.scheduler.running.append(object())  # a request runs (only its presence counts here)
+    for step in range(7):
+        llm.num_steps = step
+        llm._request_moves(committed, 0)
+    assert calls == [True, False, False, True, False, False, True]
+    llm.scheduler.running.clear()
+    calls.clear()
+    for step in range(7, 10):
+        llm.num_steps = step
+        llm._request_moves(committed, 0)
+    assert calls == [True, True, True]
 
 
 def test_routing_read_lands_one_step_later(ap_dir):

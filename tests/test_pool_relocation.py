@@ -111,6 +111,21 @@ def test_reload_livelock_reproduced_without_relocation():
         rig.close()
 
 
+def test_reload_without_relocation_is_refused_then_relocates():
+    """relocate=False (the engine's ration while requests run): a run that fits no free extent refuses the reload
+    and moves nothing; the same request with relocation compacts and starts."""
+    rig, chosen, kv = _fragmented_rig(with_listener=True)
+    try:
+        pool, mover = rig.pool, rig.mover
+        i = chosen[0]
+        assert not mover.request(i, 4, relocate=False)
+        assert pool.relocations == 0 and not mover.pending(i)
+        assert mover.request(i, 4) and pool.relocations > 0
+        kv.check()
+    finally:
+        rig.close()
+
+
 def test_reload_succeeds_through_relocation_and_kv_survives():
     rig, chosen, kv = _fragmented_rig(with_listener=True)
     try:
