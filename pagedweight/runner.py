@@ -203,23 +203,13 @@ class DecodeStats:
 
 
 @dataclass
-class _Records:
-    """The router inputs of a step's MoE layers, stacked: x [L', B, D], ids and weights [L', B, k]."""
-
-    layers: list[int]
-    x: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-
-
-@dataclass
 class _StepGraph:
     """One captured decode step: replay after copying the inputs in; `logits` and `records` are its outputs."""
 
     graph: torch.cuda.CUDAGraph
     luts: tuple[int, ...]  # LUT class of every layer at capture (baked into the kernels' launch configuration)
     logits: torch.Tensor
-    records: _Records | None
+    records: list[tuple]  # (layer, x, ids, weights) of every MoE layer: its router inputs, B rows each
 
 
 class DecodeGraphs:
@@ -246,6 +236,7 @@ class DecodeGraphs:
                  capture: bool) -> None:
         self.model, self.kv, self.max_blocks, self.capture = model, kv, max_blocks, capture
         self.num_layers = model.config.num_hidden_layers
+        self._mlps = [layer.mlp for layer in model.layers]  # where each step looks up the observers (no Module lookups)
         experts = [layer.mlp.experts for layer in model.layers]
         self._ap = [e for e in experts if isinstance(e, APExperts)]
         if capture:  # a graph holds no host read: dense experts must take their gathered formulation
@@ -295,20 +286,21 @@ class DecodeGraphs:
         self._observe(records, n)
         return logits[:n]
 
-    def _observe(self, records: _Records | None, n: int) -> None:
-        """Router observers get the step's real rows: a RouterStats observing every layer all layers at once (one
-        fold of the stacked records), any other observer per layer, as tensors of its own."""
-        if records is None:
+    def _observe(self, records: list[tuple], n: int) -> None:
+        """Router observers get the step's real rows: a RouterStats observing every layer gets all layers in one
+        call (stacked here, on observed steps only), any other observer each layer, as tensors of its own."""
+        observers = [self._mlps[layer].observer for layer, *_ in records]
+        if all(o is None for o in observers):
             return
-        observers = [self.model.layers[layer].mlp.observer for layer in records.layers]
         first = observers[0]
         if isinstance(first, RouterStats) and all(o is first for o in observers):
-            first.observe_layers(records.layers, records.x[:, :n], records.ids[:, :n], records.weights[:, :n])
+            layers, x, ids, weights = zip(*records)
+            first.observe_layers(list(layers), torch.stack(x)[:, :n], torch.stack(ids)[:, :n],
+                                 torch.stack(weights)[:, :n])
             return
-        for i, (layer, observer) in enumerate(zip(records.layers, observers)):
+        for (layer, x, ids, weights), observer in zip(records, observers):
             if observer is not None:
-                observer(layer, records.x[i, :n].clone(), records.ids[i, :n].clone(),
-                         records.weights[i, :n].clone())
+                observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
 
     def _graph(self, inputs: torch.Tensor) -> _StepGraph | None:
         """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
@@ -328,7 +320,7 @@ class DecodeGraphs:
         self.stats.captured += 1
         return graph
 
-    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, _Records | None]:
+    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and every layer's router inputs."""
         rows = inputs.shape[0]
         tokens, positions = inputs[:, 0:1], inputs[:, 1:2]
@@ -347,10 +339,7 @@ class DecodeGraphs:
                 layer.mlp.observer = fn
             for experts in self._ap:
                 experts.in_step_graph = False
-        if not records:
-            return logits, None
-        layers, x, ids, weights = zip(*records)
-        return logits, _Records(list(layers), torch.stack(x), torch.stack(ids), torch.stack(weights))
+        return logits, records
 
 
 class ModelRunner:

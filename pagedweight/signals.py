@@ -153,9 +153,9 @@ class RouterStats:
     def observe_layers(self, layers: list[int], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                        ) -> None:
         """All layers of one forward at once: x [L', n, D], ids and weights [L', n, k] of `layers`. A whole-step
-        graph records its layers' router inputs stacked, so an observed step costs ~10 device ops, not ~8 per
+        graph hands over its layers' router inputs together, so an observed step costs ~10 device ops, not ~8 per
         layer (on the H200 the per-layer calls took 8.5 ms per observed step under cProfile). Folded at once: the
-        inputs may be a graph's outputs, overwritten by its next replay."""
+        inputs may be views of a graph's outputs, overwritten by its next replay."""
         key = (tuple(layers), x.device)
         if self._offsets is None or self._offsets[0] != key:
             self._offsets = key, torch.tensor(layers, device=x.device)[:, None, None] * self.num_experts
