@@ -41,7 +41,7 @@ def main() -> None:
             first = first or (res["perplexity"]["ppl"], samples)
             rows.append({"engines": n, "devices": [e["device"] for e in res["engines"]],
                          "ppl": res["perplexity"]["ppl"], "ppl_windows_per_engine": res["perplexity"]["windows_per_engine"],
-                         "ppl_elapsed_s": res["perplexity"]["elapsed_s"],
+                         "ppl_elapsed_s": res["perplexity"]["elapsed_s"], "warmup_s": res["warmup_s"],
                          "gen_tokens_per_s": res["generation"]["tokens_per_s"],
                          "gen_prompts_per_engine": res["generation"]["prompts_per_engine"],
                          "finish_reasons": res["generation"]["finish_reasons"],

@@ -17,6 +17,7 @@ step() { local limit=$1; shift; echo "== $* (limit ${limit}s)" | tee -a "$log";
          local t0=$SECONDS; timeout -k 5 -s INT "$limit" "$@" >>"$log" 2>&1
          echo "rc=$? wall=$((SECONDS - t0))s" | tee -a "$log"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
+NGPUS=${NGPUS:-1}; GPE=$(python3 -c "print(1 if $NGPUS >= 2 else 0.5)")  # GPU share of each of the two engines
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(exchange mover enginetest engine pressure)
 for s in "${steps[@]}"; do case $s in
   exchange) step 60 python3 -m benchmarks.budget_exchange ;;
@@ -39,13 +40,18 @@ for s in "${steps[@]}"; do case $s in
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
   pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ${PRESSURE_ARGS:-} ;;  # e.g. --trace
-  # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py):
-  # Serve replicas under HTTP load with two half-GPU engines, then the evaluation as real `ray job submit` jobs
-  serve) step 150 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine 0.5 --sections serve \
-           --serve-seconds 6 --out-dir "$OUT" ;;
-  evaljob) ray start --head --num-cpus 8 --num-gpus 1 --dashboard-host 127.0.0.1 --disable-usage-stats >>"$log" 2>&1
+  # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
+  # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
+  # multi: store, reload, planner and eval sections over EngineActors; serve: Serve replicas under HTTP load;
+  # evaljob: the evaluation as real `ray job submit` jobs over 1 and 2 engines
+  multi) step 200 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine "$GPE" \
+           --sections store,reload,planner,eval --store-root /dev/shm --out-dir "$OUT" ;;
+  serve) step 150 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine "$GPE" --sections serve \
+           --serve-seconds 6 --out-dir "$OUT" ${SERVE_ARGS:-} ;;
+  evaljob) ray start --head --num-cpus $((8 * NGPUS)) --num-gpus "$NGPUS" --dashboard-host 127.0.0.1 \
+             --disable-usage-stats >>"$log" 2>&1
            step 150 python3 -m benchmarks.eval_job_scaling /tmp/pagedweight-multi-engine/pw-tiny-moe-ap-s8 \
-             --engines 1,2 --gpus-per-engine 0.5 --job-args "--mode all --windows 64 --ctx 256 --num-prompts 16 \
+             --engines 1,2 --gpus-per-engine "$GPE" --job-args "--mode all --windows 64 --ctx 256 --num-prompts 16 \
              --max-tokens 32 --expert-impl reference"
            ray stop --force >>"$log" 2>&1 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
