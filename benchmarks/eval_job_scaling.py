@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--engine-cpus", type=float, default=1)
     ap.add_argument("--gpus-per-engine", type=float, default=1, help="0.5: two engines per GPU; 0: CPU engines")
     ap.add_argument("--job-args", default="--mode all --windows 16 --ctx 256 --num-prompts 8 --max-tokens 16")
+    ap.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = ap.parse_args()
     rows, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +49,7 @@ def main() -> None:
                          "samples_differing_from_first": sum(a != b for a, b in zip(samples, first[1])),
                          "identical_to_first": res["perplexity"]["ppl"] == first[0] and samples == first[1]})
             print(rows[-1])
-    write_result("eval_job_scaling", rows)
+    write_result("eval_job_scaling", rows, label=args.label)
 
 
 if __name__ == "__main__":

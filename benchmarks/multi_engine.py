@@ -671,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-store-mib", type=int, default=512)
     p.add_argument("--out-dir", default=None, help="default: $OUT, else benchmarks/results")
     p.add_argument("--verbose", action="store_true", help="stream worker logs")
+    p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     return p
 
 
@@ -695,7 +696,7 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         rows, ceilings, extra = measure(args, ap_dir, sections) if sections & set(ENGINE_SECTIONS) else ([], {}, {})
         if "serve" in sections:  # the sections so far are kept if Serve fails (e.g. a package missing)
-            write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir,
+            write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir, label=args.label,
                          extra={**extra, "complete": False})
             t0 = time.perf_counter()
             rows += measure_serve(args, ap_dir)
@@ -706,7 +707,7 @@ def main(argv: list[str] | None = None) -> Path:
 
             ray.get(page_store_for_node(root=args.store_root).destroy.remote())
             ray.shutdown()
-    path = write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir,
+    path = write_result("multi_engine", rows, ceilings=ceilings, out_dir=args.out_dir, label=args.label,
                         extra={**extra, "complete": True})
     for row in rows:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
