@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import ray
@@ -124,10 +124,13 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- caller side (event loop thread) ----
-    async def generate(self, prompt, params, request_id: str | None = None) -> AsyncIterator:
+    async def generate(self, prompt, params, request_id: str | None = None, coalesce: bool = False) -> AsyncIterator:
         """Yield the request's outputs until it finishes; closing the iterator early aborts it.
 
-        ValueError from add_request (bad prompt or params) propagates before the first output.
+        ValueError from add_request (bad prompt or params) propagates before the first output. With `coalesce`,
+        outputs that piled up while the caller was busy come as one (their delta texts joined): a consumer
+        slower than the engine (a Serve hop per output) then ships fewer, larger messages instead of falling
+        further behind.
         """
         self.check_health()
         queue: asyncio.Queue = asyncio.Queue()
@@ -137,6 +140,12 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await queue.get()
+                if coalesce and not out.finished and not queue.empty():
+                    deltas = [out.delta_text]
+                    while not out.finished and not queue.empty():
+                        out = queue.get_nowait()
+                        deltas.append(out.delta_text)
+                    out = replace(out, delta_text="".join(deltas))
                 if first is None:
                     first = time.perf_counter() - start
                 finished = out.finished

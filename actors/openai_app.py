@@ -238,7 +238,12 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
                   graceful_shutdown_timeout_s=5)
 class EngineReplica:
     """One engine behind the ingress. `generate` streams plain dicts (cheap to ship between actors):
-    first {"prompt_tokens"} or {"error"}, then {"delta", "completion_tokens", "finish_reason"} items."""
+    first {"prompt_tokens"} or {"error"}, then {"delta", "completion_tokens", "finish_reason"} items.
+
+    Every item is one Ray message through the ingress, whose single event loop is shared by all requests: a
+    non-streaming request gets one final item (`final_only`), and a stream joins the steps' deltas that piled
+    up while its previous item was in transit (on the H200 with two replicas, per-step items capped the
+    ingress at ~1,700 streamed tokens/s, multi_engine-nvidia-h200-20261129-gpu-serve.json)."""
 
     def __init__(self, cfg: EngineConfig):
         replica_id = serve.get_replica_context().replica_id.unique_id
@@ -254,7 +259,7 @@ class EngineReplica:
     def check_health(self) -> None:
         self.engine.check_health()
 
-    async def generate(self, job: GenerationJob):
+    async def generate(self, job: GenerationJob, final_only: bool = False):
         llm = self.engine.llm
         prompt_ids = llm.tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else job.prompt
         room = llm.max_model_len - len(prompt_ids)
@@ -272,7 +277,7 @@ class EngineReplica:
         except ValueError as exc:
             yield _bad(str(exc)).body()
             return
-        stream = self.engine.generate(prompt_ids, params, job.request_id)
+        stream = self.engine.generate(prompt_ids, params, job.request_id, coalesce=True)
         try:
             try:
                 out = await anext(stream)
@@ -284,8 +289,10 @@ class EngineReplica:
                 if out.finish_reason == "error":
                     yield APIError(500, out.error or "engine error", type="server_error").body()
                     return
-                yield {"delta": out.delta_text, "completion_tokens": len(out.token_ids),
-                       "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished or not final_only:
+                    yield {"delta": out.text if final_only else out.delta_text,
+                           "completion_tokens": len(out.token_ids),
+                           "finish_reason": out.finish_reason if out.finished else None}
                 if out.finished:
                     return
                 out = await anext(stream)
@@ -414,7 +421,7 @@ class OpenAIIngress:
                                    info["max_model_len"])
         except APIError as exc:
             return exc.response()
-        chunks = _guarded(self.engine.options(stream=True).generate.remote(req.job))
+        chunks = _guarded(self.engine.options(stream=True).generate.remote(req.job, final_only=not req.stream))
         head = await anext(chunks)
         if "error" in head:
             return JSONResponse(head, status_code=_status(head))
@@ -474,5 +481,6 @@ def build_app(args: AppArgs) -> serve.Application:
                        dict(args.engine_options), store_root=args.store_root, expert_impl=args.expert_impl)
     actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
     engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options).bind(cfg)
-    return OpenAIIngress.bind(engine, args.api_key)
+    # one ingress (no CPU reserved) per engine replica: each is one event loop relaying HTTP and replica messages
+    return OpenAIIngress.options(num_replicas=args.num_replicas).bind(engine, args.api_key)
 

@@ -179,3 +179,32 @@ def test_reference_experts_run_without_cuda_graphs(ap_model_dir):
     assert all(m.fn is moe_forward_reference for m in twin.model.modules() if isinstance(m, APExperts))
     fused = build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False, expert_impl="auto"))
     assert fused.options.cuda_graphs is True
+
+
+def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir):
+    """A consumer slower than the engine gets fewer outputs, whose joined deltas are exactly the text of the
+    uncoalesced run (greedy: the same tokens), and the last one is the finished output."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine, build_llm
+
+    engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "coalesce")
+    params = SamplingParams(max_tokens=24, ignore_eos=True).validate()
+
+    async def run(coalesce: bool, pause_s: float) -> list:
+        outs = []
+        async for out in engine.generate("def main():", params, coalesce=coalesce):
+            outs.append(out)
+            await asyncio.sleep(pause_s)
+        return outs
+
+    try:
+        plain = asyncio.run(run(False, 0.0))
+        joined = asyncio.run(run(True, 0.05))
+    finally:
+        engine.shutdown()
+    assert len(plain) == 24 and plain[-1].finished
+    assert joined[-1].finished and joined[-1].finish_reason == plain[-1].finish_reason == "length"
+    assert "".join(o.delta_text for o in joined) == joined[-1].text == plain[-1].text
+    assert joined[-1].token_ids == plain[-1].token_ids
+    assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
