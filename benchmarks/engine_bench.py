@@ -305,13 +305,14 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None, int | Non
     """(batch, kind, bits, home width) in priority order: a round per width of `--bits` (FP16 joins the first), each
     round over every batch, so a time budget that cuts the run keeps the most important comparisons."""
     batches = [int(b) for b in args.batches.split(",")]
-    homes = [args.parent_bits if h == "parent" else int(h) for h in args.paged_home.split(",")]
     configs = []
     for n, b in enumerate(int(x) for x in args.bits.split(",")):
+        homes = [args.parent_bits if h == "parent" else b if h == "match" else int(h)
+                 for h in args.paged_home.split(",")]
         for batch in batches:
             if n == 0 and not args.skip_fp16:
                 configs.append((batch, "fp16", None, None))
-            configs += [(batch, "uniform", b, None)] + [(batch, "paged", b, h) for h in homes]
+            configs += [(batch, "uniform", b, None)] + [(batch, "paged", b, h) for h in dict.fromkeys(homes)]
     return configs
 
 
@@ -343,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
     p.add_argument("--paged-home", default="parent",
-                   help="home widths of the PagedWeight configurations, comma-separated ('parent' or bits): the "
-                        "width blocks return to when memory allows (below the parent: never above it)")
+                   help="home widths of the PagedWeight configurations, comma-separated ('parent', 'match': the "
+                        "uniform width whose memory it gets, or bits): the width blocks return to when memory allows "
+                        "(below the parent: never above it)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration this many times, round by round (the ratios get a median)")
     p.add_argument("--trace", action="store_true",
