@@ -84,16 +84,16 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
     infos = ray.get([e.info.remote() for e in engines])
     result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
                     "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
-    # One short call of each kind on every engine before the clock starts: the first forward pays CUDA context,
-    # allocator and kernel-load costs once per process, which would otherwise count against throughput
-    # (and more so the more engines share the work).
+    # One call of each kind on every engine before the clock starts (the first window; a shard of 2-token
+    # generations): first forwards pay CUDA context, allocator, kernel-load and graph-capture costs once per
+    # process and shape, which would otherwise count against throughput.
     from pagedweight.sampling import SamplingParams
 
     tw = time.perf_counter()
     windows = token_windows(model_dir, text, args.ctx, args.windows) if args.mode in ("ppl", "all") else None
     warm = SamplingParams(max_tokens=2).validate()
-    ray.get([c for e in engines for c in (e.score.remote([[1, 2, 3, 4]]),
-                                          e.generate_batch.remote([(text[:args.prompt_chars], warm)]))])
+    ray.get([c for e in engines for c in (e.score.remote(windows[:1] if windows else [[1, 2, 3, 4]]),
+                                          e.generate_batch.remote([(text[:args.prompt_chars], warm)] * args.shard))])
     result["warmup_s"] = time.perf_counter() - tw
     t0 = time.perf_counter()
     if args.mode in ("ppl", "all"):
