@@ -233,7 +233,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
         res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace)
     if prof:
         prof.disable()
-        _append_profile(args.profile, f"{name} batch {batch}", prof)
+        append_profile(args.profile, f"{name} batch {batch}", prof)
     st = counters()
     timed = {k: (st[k] or 0) - (st0[k] or 0) for k in ("offload_triggers", "reload_triggers", "bytes_offloaded",
                                                      "bytes_reloaded", "preemptions", "sync_waits", "kv_relocations",
@@ -255,7 +255,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     return row
 
 
-def _append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
+def append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
     """Host-time profile of one timed batch (where a host-bound step spends its time), appended as text."""
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)

@@ -11,6 +11,7 @@ Same random Qwen1.5-MoE-A2.7B-shaped model as engine_bench (random planes, pinne
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
 import sys
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import failed_row, write_result
-from benchmarks.engine_bench import (TRACE_COLUMNS, ap_weights, expert_pool_bytes, model_config, page_bytes,
-                                     random_model, trace_row)
+from benchmarks.engine_bench import (TRACE_COLUMNS, ap_weights, append_profile, expert_pool_bytes, model_config,
+                                     page_bytes, random_model, trace_row)
 from pagedweight.engine import LLM, param_bytes
 from pagedweight.sampling import SamplingParams
 
@@ -118,6 +119,21 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     }
 
 
+def _profile_boundaries(llm: LLM) -> cProfile.Profile:
+    """Profile every step boundary of `llm` (planner, move requests, mover) and nothing else."""
+    prof, inner = cProfile.Profile(), llm._paging_boundary
+
+    def profiled() -> bool:
+        prof.enable()
+        try:
+            return inner()
+        finally:
+            prof.disable()
+
+    llm._paging_boundary = profiled
+    return prof
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
@@ -138,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                         "short past it; no mode starts once the budget is spent (default: no limit)")
     p.add_argument("--trace", action="store_true",
                    help="add each step's wall ms and the parts of its boundary to the row (engine_bench.TRACE_COLUMNS)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="append a cProfile summary of the paging modes' step boundaries to FILE (which calls a "
+                        "release plan's move requests spend their host time in; slows the boundaries)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)
@@ -196,12 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
             llm.scheduler.num_preemptions = 0
             trace = [] if args.trace else None
+            prof = _profile_boundaries(llm) if args.profile and llm.mover is not None else None
             row = {"mode": name, "budget_gib": budget / 2**30, "kv_blocks_at_start": llm.kv.num_free_blocks,
                    "rate_req_per_s": rate, "prompt_lo": lo, "prompt_hi": hi, "gen_tokens": gen,
                    **drive(llm, requests, gen, deadline, trace),
                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
             if trace is not None:
                 row["step_trace"] = {"columns": TRACE_COLUMNS, "rows": trace}
+            if prof is not None:
+                append_profile(args.profile, f"{name}: step boundaries (cProfile)", prof)
         except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others
             row = failed_row(exc, mode=name)
         llm = model = None  # free this mode's pool before the next one allocates its own
