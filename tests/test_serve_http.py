@@ -295,3 +295,32 @@ def test_engine_failure_mid_request_becomes_a_503_error_chunk():
     assert head == {"prompt_tokens": 3}
     assert _status(err) == 503 and "replica died" in err["error"]["message"]
     assert err["error"]["type"] == "server_error" and err["error"]["code"] == "engine_unavailable"
+
+
+def test_replica_ships_one_final_item_for_a_non_streaming_request(ap_model_dir):
+    """Each replica item is one Ray message through the ingress: a non-streaming request gets the head and one
+    final item whose text is the whole completion, the same text a stream's deltas join to."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine, EngineConfig, build_llm
+    from pagedweight.actors.openai_app import EngineReplica, GenerationJob
+
+    replica = object.__new__(EngineReplica.func_or_class)  # outside Serve: no replica context to ask for an id
+    replica.engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "r")
+
+    def job(rid: str) -> GenerationJob:
+        return GenerationJob("def main():", 12, 0.0, 1.0, 0, None, [], True, rid)
+
+    async def items(rid: str, final_only: bool) -> list[dict]:
+        return [c async for c in replica.generate(job(rid), final_only=final_only)]
+
+    try:
+        final = asyncio.run(items("final", True))
+        streamed = asyncio.run(items("stream", False))
+    finally:
+        replica.engine.shutdown()
+    assert len(final) == 2 and final[0] == streamed[0] == {"prompt_tokens": final[0]["prompt_tokens"]}
+    assert final[1]["finish_reason"] == streamed[-1]["finish_reason"] == "length"
+    assert final[1]["completion_tokens"] == streamed[-1]["completion_tokens"] == 12
+    assert final[1]["delta"] == "".join(c["delta"] for c in streamed[1:])
+    assert all(c["finish_reason"] is None for c in streamed[1:-1])
