@@ -243,7 +243,7 @@ class EngineReplica:
     Every item is one Ray message through the ingress, whose single event loop is shared by all requests: a
     non-streaming request gets one final item (`final_only`), and a stream joins the steps' deltas that piled
     up while its previous item was in transit (on the H200 with two replicas, per-step items capped the
-    ingress at ~1,700 streamed tokens/s, multi_engine-nvidia-h200-20261129-gpu-serve.json)."""
+    ingress at ~1,700 streamed tokens/s: multi_engine-nvidia-h200x2-20261129-serve-auto.json)."""
 
     def __init__(self, cfg: EngineConfig):
         replica_id = serve.get_replica_context().replica_id.unique_id

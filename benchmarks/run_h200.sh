@@ -48,13 +48,15 @@ for s in "${steps[@]}"; do case $s in
   multi) step 240 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine "$GPE" \
            --sections store,reload,planner,eval --store-root /dev/shm --out-dir "$OUT" ${MULTI_ARGS:-} \
            --label "${MULTI_LABEL:-engines}" ;;
-  serve) step 150 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine "$GPE" --sections serve \
+  # (with --expert-impl auto on a cold NUMBA_CACHE_DIR the kernel compile alone takes ~100 s)
+  serve) step 240 python3 -m benchmarks.multi_engine --engines 2 --gpus-per-engine "$GPE" --sections serve \
            --serve-seconds 6 --out-dir "$OUT" ${MULTI_ARGS:-} ${SERVE_ARGS:-} --label "${SERVE_LABEL:-serve}" ;;
   evaljob) ray start --head --num-cpus $((8 * NGPUS)) --num-gpus "$NGPUS" --dashboard-host 127.0.0.1 \
              --disable-usage-stats >>"$log" 2>&1
            step 150 python3 -m benchmarks.eval_job_scaling /tmp/pagedweight-multi-engine/pw-tiny-moe-ap-s8 \
-             --engines 1,2 --gpus-per-engine "$GPE" ${EVAL_LABEL:+--label "$EVAL_LABEL"} --job-args "${EVAL_JOB_ARGS:---mode all --windows 64 --ctx 256 \
-             --num-prompts 16 --max-tokens 32 --expert-impl reference}"
+             --engines 1,2 --gpus-per-engine "$GPE" ${EVAL_LABEL:+--label "$EVAL_LABEL"} \
+             --job-args "${EVAL_JOB_ARGS:---mode all --windows 64 --ctx 256 --num-prompts 16 --max-tokens 32 \
+             --expert-impl reference}"
            ray stop --force >>"$log" 2>&1 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
 esac; done
