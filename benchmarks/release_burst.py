@@ -10,6 +10,7 @@ it spent in the pool's allocator (cProfile, a second run of the same burst).
 
     python -m benchmarks.release_burst --label before   # on the old tree
     python -m benchmarks.release_burst --label after
+    python -m benchmarks.release_burst --device cuda --label cuda   # the CUDA copy backend (H200)
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import cProfile
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,13 +31,14 @@ from pagedweight.engine import LLM, param_bytes
 from pagedweight.models import ModelConfig
 
 
-def fragmented_engine(batch: int, seq_len: int) -> LLM:
+def fragmented_engine(batch: int, seq_len: int, device: str = "cpu") -> LLM:
     cfg = ModelConfig(**SCALED)
     weights = ap_weights(cfg, parent_bits=6)
-    page = page_bytes(cfg, 16, torch.float32)
-    model = random_model(cfg, False, torch.float32, "cpu")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    page = page_bytes(cfg, 16, dtype)
+    model = random_model(cfg, False, dtype, device)
     budget = param_bytes(model) + expert_pool_bytes(weights, 4, page) + kv_bytes(cfg, batch, seq_len, 16, page, 512)
-    llm = LLM.from_parts(model, weights, None, budget, "cpu", model_name="release-burst", detokenize=False,
+    llm = LLM.from_parts(model, weights, None, budget, device, model_name="release-burst", detokenize=False,
                          block_size=16, max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=seq_len + 16,
                          bits=6, paging=True)
     serve(llm, batch, seq_len - 16, 16, cfg.vocab_size, seed=1)
@@ -60,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the same burst through the CUDA copy backend (its per-copy stream/event calls)")
     p.add_argument("--label", default=None)
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for prof in (None, cProfile.Profile()):
-        llm = fragmented_engine(args.batch, args.seq_len)
+        llm = fragmented_engine(args.batch, args.seq_len, args.device)
         holes = len(llm.pool._free_starts)
         n, secs = burst(llm, prof)
         row = {"profiled": prof is not None, "offload_requests": n, "free_extents_before": holes,
@@ -76,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(v[2] for v in stats.stats.values())  # tottime of every function
             alloc = sum(v[3] for k, v in stats.stats.items() if k[2] == "alloc_run")  # cumtime of alloc_run
             row["alloc_share"] = alloc / total if total else None
+            top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by tottime: where the host time goes
+            row["top_tottime"] = [[f"{Path(k[0]).name}:{k[1]}({k[2]})", v[1], v[2] * 1e3] for k, v in top]
         rows.append(row)
         print(row, file=sys.stderr)
         llm.table.check()
     print(write_result("release_burst", rows, out_dir=args.out_dir, label=args.label,
-                       extra={"model": "Qwen1.5-MoE block count (24 x 60 x 2), scaled compute, fp32 on CPU"}))
+                       extra={"model": "Qwen1.5-MoE block count (24 x 60 x 2), scaled compute",
+                              "device": args.device}))
     return 0
 
 
