@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="add each step's wall ms and the parts of its boundary to the row (engine_bench.TRACE_COLUMNS)")
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="append a cProfile summary of the paging modes' step boundaries to FILE (which calls a "
-                        "release plan's move requests spend their host time in; slows the boundaries)")
+                   help="append a cProfile summary of each mode's step boundaries to FILE (which calls a release "
+                        "plan's move requests spend their host time in; slows the boundaries)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)

@@ -1,0 +1,32 @@
+"""The H200 benchmark scripts at toy sizes on CPU: they run end to end, write their rows and the parts a GPU
+session relies on (ratios, traces, the boundary profile), so a device call is not lost to a broken script."""
+from __future__ import annotations
+
+import json
+
+
+def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
+    from benchmarks import engine_bench
+
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--skip-fp16",
+                              "--paged-home", "parent,match", "--gen", "4", "--trace", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("engine_bench-*.json")
+    res = json.loads(path.read_text())
+    assert [r["config"] for r in res["rows"]] == ["ap3-uniform", "pagedweight@ap3-memory", "pagedweight-home3@ap3-memory"]
+    assert set(res["decode_ratio_paged_over_uniform"]) == {"ap3/b1", "ap3/b1/home3"}
+    assert all(r["step_trace"]["rows"] for r in res["rows"]) and res["complete"]
+
+
+def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
+    from benchmarks import kv_pressure
+
+    prof = tmp_path / "boundaries.txt"
+    assert kv_pressure.main(["--tiny", "--device", "cpu", "--profile", str(prof), "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("kv_pressure-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["mode"] for r in rows} >= {"pagedweight", "static-ap4"}
+    paged = next(r for r in rows if r["mode"] == "pagedweight")
+    assert paged["requests_done"] == paged["requests"] and paged["offload_triggers"] > 0
+    text = prof.read_text()
+    assert "pagedweight: step boundaries" in text and "_paging_boundary" in text and "_request_moves" in text
+    assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
