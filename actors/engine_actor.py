@@ -194,6 +194,7 @@ class AsyncEngine:
             stats = dict(self.llm.stats())
         stats["in_flight"] = len(self._queues)
         stats["aborted_by_caller"] = self.num_aborted
+        stats["engine_id"] = self.engine_id  # the `engine` label of its metrics
         return stats
 
     def check_health(self) -> None:
