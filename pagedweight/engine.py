@@ -441,6 +441,8 @@ class LLM:
         at most `reload_starts_per_step` reloads start per boundary.
         """
         want = self.planner.desired
+        if not self._requested and np.array_equal(want, committed):
+            return  # settled (most decode steps): no move under way and none wanted
         diff = want != committed
         for i, b in list(self._requested.items()):  # the moves started earlier: keep, retarget or forget
             if self.mover.pending(i):
