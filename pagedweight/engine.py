@@ -219,6 +219,7 @@ class LLM:
         self.num_steps = 0
         self.paging = PagingStats()
         self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
+        self._committed, self._committed_at = None, -1  # committed_widths() and the table.commits it was built at
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
@@ -392,8 +393,14 @@ class LLM:
         return self.planner.routing
 
     def committed_widths(self) -> np.ndarray:
-        """q_i of every block in flat order (the staged table: what the next step reads)."""
-        return self.table.host_q.numpy().reshape(-1).astype(np.int64)
+        """q_i of every block in flat order (the staged table: what the next step reads), read-only.
+
+        Rebuilt only after a commit (every step boundary asks; most see no commit)."""
+        if self._committed_at != self.table.commits:
+            widths = self.table.host_q.numpy().reshape(-1).astype(np.int64)
+            widths.flags.writeable = False
+            self._committed, self._committed_at = widths, self.table.commits
+        return self._committed
 
     def _paging_boundary(self) -> bool:
         """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight."""

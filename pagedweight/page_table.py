@@ -95,6 +95,7 @@ class WeightPageTable:
         self.host_lut_off.fill_(-1)
         self._dirty = True
         self._publish_event = None
+        self.commits = 0  # commit() calls so far: readers cache what they derive from the committed widths
         self.publish()
         self.pool.add_weight_listener(self._relocated)
 
@@ -144,6 +145,7 @@ class WeightPageTable:
             raise RuntimeError(f"block {i}: width {b} is not resident and complete")
         self._wait_publish()
         self.rows[i].q = b
+        self.commits += 1
         self._stage(i)
 
     def _stage(self, i: int) -> None:

@@ -275,7 +275,9 @@ def test_cuda_graph_decode_equals_eager(ap_dir):
 
 
 def _mean_width(llm: LLM) -> float:
-    return float(llm.committed_widths().mean())
+    widths = llm.committed_widths()  # cached between commits: must still be every row's q
+    assert widths.tolist() == [row.q for row in llm.table.rows] and not widths.flags.writeable
+    return float(widths.mean())
 
 
 def _shadow_planner(llm: LLM) -> tuple[EveryStepPlanner, list[str], Callable[[], None]]:
