@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -147,10 +148,10 @@ def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: 
     return blocks * page * cfg.num_hidden_layers
 
 
-def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None
-          ) -> dict:
+def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None,
+          on_decode: Callable[[], None] | None = None) -> dict:
     """One timed batch: prefill (chunked) then decode; returns timings and counters. `trace` collects one row per
-    step (`trace_row`)."""
+    step (`trace_row`); `on_decode` is called once, when every request has its first token (decode steps follow)."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
@@ -167,6 +168,8 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
         for out in outs:
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter()
+                if on_decode is not None and len(first) == batch:
+                    on_decode()
             if out.finished:
                 done[out.request_id] = out.completion_tokens
                 if out.finish_reason != "length":
@@ -224,11 +227,14 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    if args.torch_profile and args.device == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as tprof:
-            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2)
-        _append_torch_profile(args.torch_profile, f"{name} batch {batch}", tprof)
+    if args.torch_profile:  # decode steps only: the prefill would swamp the table
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        tprof = torch.profiler.profile(activities=activities)
+        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=tprof.start)
+        tprof.stop()
+        _append_torch_profile(args.torch_profile, f"{name} batch {batch}: {gen - 1} decode steps", tprof, gen - 1)
     else:
         res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace)
     if prof:
@@ -265,11 +271,13 @@ def append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
         f.write(f"===== {title}\n{buf.getvalue()}\n")
 
 
-def _append_torch_profile(path: str, title: str, prof) -> None:
-    """Device-time breakdown of one timed batch (which kernels the GPU spends the step in), appended as text."""
+def _append_torch_profile(path: str, title: str, prof, steps: int) -> None:
+    """Device-time breakdown of one timed batch's decode steps (which kernels a step spends its GPU time in; kernels
+    replayed from CUDA graphs included), appended as text, with the device time per step against the wall's."""
     avg = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
     with open(path, "a") as f:
-        f.write(f"===== {title}\n")
+        f.write(f"===== {title}: kernels {device_us / 1e3 / max(steps, 1):.3f} ms of device time per step\n")
         for key in ("self_cuda_time_total", "cpu_time_total"):
             try:
                 f.write(avg.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n")
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
-                   help="append torch.profiler tables (device time per kernel) of each timed batch to FILE (CUDA)")
+                   help="append torch.profiler tables of each timed batch's decode steps to FILE (device time per kernel)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -3,6 +3,7 @@ session relies on (ratios, traces, the boundary profile), so a device call is no
 from __future__ import annotations
 
 import json
+import re
 
 
 def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
@@ -30,3 +31,17 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     text = prof.read_text()
     assert "pagedweight: step boundaries" in text and "_paging_boundary" in text and "_request_moves" in text
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
+
+
+def test_engine_bench_torch_profile_covers_decode_steps_only(tmp_path):
+    from benchmarks import engine_bench
+
+    prof = tmp_path / "decode.txt"
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--skip-fp16",
+                              "--gen", "5", "--torch-profile", str(prof), "--out-dir", str(tmp_path)]) == 0
+    text = prof.read_text()
+    titles = [line for line in text.splitlines() if line.startswith("=====")]
+    assert titles[0].startswith("===== ap3-uniform batch 1: 4 decode steps") and len(titles) == 2
+    # one forward per decode step: the prefill's forward is not in the profile
+    calls = re.findall(r"aten::embedding .* (\d+)\s*$", text, flags=re.M)
+    assert calls and set(calls) == {"4"}
