@@ -214,6 +214,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     model = random_model(cfg, weights is None, dtype, args.device)
     llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
+                         decode_attention_kernel=args.decode_attention == "kernel",
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
     serve(llm, batch, seq_len - gen, 4, cfg.vocab_size, seed=1)  # warm-up at the timed length: graphs captured here
     def counters() -> dict:
@@ -280,7 +281,7 @@ def _append_torch_profile(path: str, title: str, prof, steps: int) -> None:
         f.write(f"===== {title}: kernels {device_us / 1e3 / max(steps, 1):.3f} ms of device time per step\n")
         for key in ("self_cuda_time_total", "cpu_time_total"):
             try:
-                f.write(avg.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n")
+                f.write(avg.table(sort_by=key, row_limit=40, max_name_column_width=60) + "\n")
             except (KeyError, AttributeError, RuntimeError) as exc:
                 f.write(f"(no table sorted by {key}: {exc})\n")
 
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run every configuration this many times, round by round (the ratios get a median)")
     p.add_argument("--trace", action="store_true",
                    help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
+    p.add_argument("--decode-attention", choices=("kernel", "sdpa"), default="kernel",
+                   help="CUDA decode steps: the paged decode attention kernel, or gather + SDPA (the path before it)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
                    help="append torch.profiler tables of each timed batch's decode steps to FILE (device time per kernel)")
     args = p.parse_args(argv)

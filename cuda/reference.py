@@ -1,4 +1,5 @@
-"""Torch reference twins of the MoE kernels: same signatures, any device, float32, via bitplanes.dequantize."""
+"""Torch reference twins of the Numba kernels (MoE, paged decode attention): same signatures, any device, float32
+(expert weights via bitplanes.dequantize)."""
 from __future__ import annotations
 
 import torch
@@ -37,3 +38,17 @@ def moe_forward_reference(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_wei
         y = (tf.silu(h[:, :F]) * h[:, F:]) @ w_d.to(x.device).t()
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
     return out.to(hidden.dtype)
+
+
+def paged_decode_attention_reference(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Twin of `paged_decode_attention`: gather each row's pages whole, then a float32 softmax over its first
+    lengths[b] keys (GQA: query head h reads KV head h // (H / Hkv))."""
+    B, H, hd = q.shape
+    hkv = kv.shape[3]
+    pages = kv[tables].float()  # [B, M, 2, bs, Hkv, hd]
+    k, v = (pages[:, :, j].reshape(B, -1, hkv, hd).repeat_interleave(H // hkv, dim=2) for j in (0, 1))
+    scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), v).to(q.dtype)

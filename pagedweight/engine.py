@@ -84,6 +84,8 @@ class EngineOptions:
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
     cuda_graphs: bool = True  # on CUDA: decode steps replay whole-step graphs (runner.DecodeGraphs), the MoE
     # launches of small mixed steps per-layer ones (runner.APExperts)
+    # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32; False: gather + SDPA)
+    decode_attention_kernel: bool = True
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
     reload_bytes_per_step: int | None = None
@@ -205,7 +207,7 @@ class LLM:
         self.table = self.mover = self.planner = self.router_stats = None
         if weights is not None:
             self._setup_weights(model, weights)
-        self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size)
+        self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size, opts.decode_attention_kernel)
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
@@ -221,6 +223,7 @@ class LLM:
         self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
         self._committed, self._committed_at = None, -1  # committed_widths() and the table.commits it was built at
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
+        self._in_flight = False  # the last boundary left pages in flight
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
@@ -312,48 +315,72 @@ class LLM:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that advanced or finished."""
+        """Run one engine step; returns the outputs of requests that advanced or finished.
+
+        The paging boundary (planner, move requests, commits) runs once the step's forward is queued on the
+        device, before its tokens are read: on a GPU its host time overlaps the step instead of leaving the GPU
+        idle between steps. What it changes reaches the device stream-ordered after this step's reads (table
+        updates, relocation copies) or behind this step's fence (copies into pages this step may still read), and
+        the next step's scheduling sees its commits, as it would right before that step."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        in_flight = self._paging_boundary()
-        self.paging.boundary_host_s += time.perf_counter() - t0
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.failed]
-        if batch.seqs:
-            observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
-            if observe:
-                self._read_routing()  # an unread earlier window (observe_every == 1) before it is reset
-                self.router_stats.reset()
-                self.router_stats.token_weights = batch_token_weights(
-                    batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
-            if self.router_stats is not None:
-                self.model.set_router_observer(self.router_stats if observe else None)
+        if not batch.seqs:
+            self._boundary()
+            self._end_step(t0)
+            return outputs
+        observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
+        if observe:
+            self._read_routing()  # an unread earlier window (observe_every == 1) before it is reset
+            self.router_stats.reset()
+            self.router_stats.token_weights = batch_token_weights(
+                batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
+        if self.router_stats is not None:
+            self.model.set_router_observer(self.router_stats if observe else None)
+        to_sample, tokens, failure = [], [], None
+        try:
+            to_sample, logits = self.runner.run(batch)
+        except Exception as exc:  # a failed forward must not take the other requests down with it
+            failure = exc
+        finally:
+            if self.mover is not None:
+                self.mover.end_step()  # fences this step's reads of the pages it used
+        self._boundary()
+        if failure is None:
             try:
-                to_sample, logits = self.runner.run(batch)
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
                 tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
-            except Exception as exc:  # a failed forward must not take the other requests down with it
-                logger.exception("step {} failed; its {} requests end with an error", self.num_steps, len(batch))
-                for seq in batch.seqs:
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
-                        outputs.append(self._output(seq))
-                to_sample, tokens = [], []
-            finally:
-                if self.mover is not None:
-                    self.mover.end_step()  # fences this step's reads of the pages it used
-            if observe:
-                self.router_stats.prefetch()  # read by the next step, after it has launched its own work
-                self._routing_unread = True
-            now = time.perf_counter()
-            for seq, tok in zip(to_sample, tokens):
-                self._append(seq, tok, now)
-                outputs.append(self._output(seq))
+            except Exception as exc:  # noqa: BLE001 - same as a failed forward
+                failure = exc
+        if failure is not None:
+            logger.opt(exception=failure).error("step {} failed; its {} requests end with an error", self.num_steps,
+                                                len(batch))
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "error", f"{type(failure).__name__}: {failure}")
+                    outputs.append(self._output(seq))
+            to_sample, tokens = [], []
+        if observe:
+            self.router_stats.prefetch()  # read by the next step, after it has launched its own work
+            self._routing_unread = True
+        now = time.perf_counter()
+        for seq, tok in zip(to_sample, tokens):
+            self._append(seq, tok, now)
+            outputs.append(self._output(seq))
+        self._end_step(t0)
+        return outputs
+
+    def _boundary(self) -> None:
+        t0 = time.perf_counter()
+        self._in_flight = self._paging_boundary()
+        self.paging.boundary_host_s += time.perf_counter() - t0
+
+    def _end_step(self, t0: float) -> None:
         self.num_steps += 1
-        if in_flight:
+        if self._in_flight:  # pages were in flight while this step ran
             self.paging.steps_in_flight += 1
             self.paging.time_in_flight_s += time.perf_counter() - t0
-        return outputs
 
     # ---- the paging loop ----
     def _read_routing(self) -> None:

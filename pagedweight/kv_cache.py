@@ -7,15 +7,17 @@ from their own counter, never from page ids: the pool may relocate KV pages (com
 the cache then only rewrites its page map; sequences' block tables stay as they are.
 
 The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new
-token's K/V go and which cached tokens each query may see. `update` (the models' cache protocol) then writes
-and gathers per layer and returns a block-diagonal causal mask, so prefill chunks and decodes of different
+token's K/V go and which cached tokens each query may see. `attend` (the models' cache protocol) then writes and
+gathers per layer and attends under a block-diagonal causal mask, so prefill chunks and decodes of different
 sequences share one forward pass without attending to each other.
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
-derives everything from device tensors (no host data, no page id baked in), and attention reads whole blocks
-under a length mask. Masked keys are still read, so every block is zeroed when allocated: a page that held
-weight planes may hold NaN bit patterns, and a masked NaN value still poisons softmax(...) @ V.
+derives everything from device tensors (no host data, no page id baked in). On CUDA the paged decode attention
+kernel (cuda/attention_kernels.py) reads each row's keys in place up to its length; elsewhere (and for bf16)
+attention reads whole gathered blocks under a length mask. Masked keys are still read there, so every block is
+zeroed when allocated: a page that held weight planes may hold NaN bit patterns, and a masked NaN value still
+poisons softmax(...) @ V.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from pagedweight.models.config import ModelConfig
+from pagedweight.models.layers import sdpa
 from pagedweight.pool import PagePool
 from pagedweight.sequence import Sequence
 
@@ -54,11 +57,16 @@ class DecodeLayout:
     write_pages: torch.Tensor  # [L, B] pool KV block of each row's new token, per layer
     write_slots: torch.Tensor  # [B] slot inside its block
     src_rows: torch.Tensor  # [B] whose K/V each row writes: a padding row rewrites its source row's exact values
+    lengths: torch.Tensor  # [B] keys each row sees (its position + 1)
     mask: torch.Tensor  # bool [B, 1, 1, M * block_size]: key position <= the row's position
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16) -> None:
+    def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16,
+                 decode_kernel: bool = True) -> None:
+        """`decode_kernel`: on CUDA, static decode steps attend with the paged decode attention kernel (keys read
+        in place, split over the context) where it supports the dtype and head size; otherwise they gather each
+        row's blocks and run SDPA under a length mask."""
         self.num_layers = cfg.num_hidden_layers
         self.block_size = block_size
         self.pool = pool
@@ -78,6 +86,11 @@ class PagedKVCache:
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
         self._ids = itertools.count()
         self.layout: StepLayout | DecodeLayout | None = None
+        self._decode_attention = None
+        if decode_kernel and pool.device.type == "cuda":
+            from pagedweight.cuda import attention_kernels
+            if attention_kernels.supports(dtype, cfg.head_dim):
+                self._decode_attention = attention_kernels.paged_decode_attention
         pool.add_kv_listener(self._relocated)
 
     # ---- block accounting (what the scheduler reads) ----
@@ -193,31 +206,34 @@ class PagedKVCache:
         block = (positions // self.block_size)[:, None, None].expand(b, layers, 1)
         keys = torch.arange(m * self.block_size, device=positions.device)
         return DecodeLayout(tables=tables, write_pages=tables.gather(2, block)[..., 0].t(),
-                            write_slots=positions % self.block_size, src_rows=src_rows,
+                            write_slots=positions % self.block_size, src_rows=src_rows, lengths=positions + 1,
                             mask=(keys[None, :] <= positions[:, None])[:, None, None, :])
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k, v [1, Hkv, T, hd] of the packed step -> every sequence's context [1, Hkv, S, hd] and the mask
-        (a static decode step: [B, Hkv, 1, hd] -> [B, Hkv, M * block_size, hd] and the length mask)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd]
+        over every sequence's context under the block-diagonal causal mask, a static decode step's q
+        [B, H, 1, hd] over each row's blocks."""
         lay = self.layout
         if lay is None:
-            raise RuntimeError("PagedKVCache.update called before prepare()")
+            raise RuntimeError("PagedKVCache.attend called before prepare()")
         if isinstance(lay, DecodeLayout):
-            return self._update_decode(lay, layer, k, v)
+            return self._attend_decode(lay, layer, q, k, v, scale)
         # view[pages, :, slots] is [tokens, 2 (k|v), Hkv, hd]: one scatter and one gather per layer
         new = torch.stack((k[0], v[0])).permute(2, 0, 1, 3)  # [T, 2, Hkv, hd]
         self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
         kv = self.view[lay.ctx_pages[layer], :, lay.ctx_slots].permute(1, 2, 0, 3)  # [2, Hkv, S, hd]
-        return kv[0:1], kv[1:2], lay.mask
+        return sdpa(q, kv[0:1], kv[1:2], lay.mask, scale)
 
-    def _update_decode(self, lay: DecodeLayout, layer: int, k: torch.Tensor, v: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write each row's new K/V, then gather every row's M blocks whole, per K and V (one copy each)."""
+    def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16) each row's
+        M blocks are gathered whole, per K and V (one copy each), for SDPA under the length mask."""
         new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)[lay.src_rows]  # [B, 2, Hkv, hd]
         self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
         pages = lay.tables[:, layer]  # [B, M]
+        if self._decode_attention is not None:
+            return self._decode_attention(q[:, :, 0], self.view, pages, lay.lengths, scale)[:, :, None]
         b, m = pages.shape
         _, _, bs, hkv, hd = self.view.shape
         k_all, v_all = (self.view[:, j][pages].view(b, m * bs, hkv, hd).transpose(1, 2) for j in (0, 1))
-        return k_all, v_all, lay.mask
+        return sdpa(q, k_all, v_all, lay.mask, scale)

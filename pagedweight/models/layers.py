@@ -20,8 +20,23 @@ RouterObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 class KVCache(Protocol):
     """What attention needs from a cache; `DenseKVCache` here, a paged one in the engine."""
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store the new k, v [B, Hkv, T, hd] of `layer`, then attend q [B, H, T, hd] over the context they
+        extend; returns [B, H, T, hd]."""
+        ...
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+         ) -> torch.Tensor:
+    """Attention of q [B, H, T, hd] over keys [B, Hkv, S, hd]; mask None means the T queries are the last T of
+    the S positions, causally. When keys are exactly the queries' positions `is_causal` keeps SDPA on its fused
+    kernels; otherwise the causal mask is built."""
+    t = q.shape[2]
+    plain_causal = mask is None and t > 1 and k.shape[2] == t
+    if mask is None and t > 1 and not plain_causal:
+        mask = causal_mask(t, k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class RMSNorm(nn.Module):
@@ -94,15 +109,8 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        mask = None
-        if cache is not None:
-            k, v, mask = cache.update(self.layer, k, v)
-        # Without a cache the keys are exactly the queries' positions: `is_causal` keeps SDPA on its fused kernels.
-        plain_causal = mask is None and t > 1 and k.shape[2] == t
-        if mask is None and t > 1 and not plain_causal:
-            mask = causal_mask(t, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
-                                             scale=self.head_dim ** -0.5, enable_gqa=self.n_kv != self.n_heads)
+        scale = self.head_dim ** -0.5
+        out = sdpa(q, k, v, None, scale) if cache is None else cache.attend(self.layer, q, k, v, scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -256,8 +264,7 @@ class DenseKVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         start = self.layer_lengths[layer]
         end = start + k.shape[2]
         if end > self.max_len:
@@ -265,4 +272,4 @@ class DenseKVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         self.layer_lengths[layer] = end
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], None
+        return sdpa(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], None, scale)

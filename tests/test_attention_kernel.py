@@ -1,0 +1,166 @@
+"""The paged decode attention kernel (cuda/attention_kernels.py) against its torch twin, and the twin against SDPA.
+
+The kernel runs under the CUDA simulator in a child process (NUMBA_ENABLE_CUDASIM must be set before numba.cuda is
+imported); a second child compiles it to sm_90 PTX with the argument types the launcher builds. With
+PAGEDWEIGHT_TEST_DEVICE=cuda the same comparison runs on the GPU, with a pool view of the engine's strides.
+"""
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import run_child_json
+from pagedweight.cuda.reference import paged_decode_attention_reference
+
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
+
+# (B, H, Hkv, head_dim, block_size, M table blocks, dtype): GQA and MHA; head dims below THREADS (threads share a dim),
+# at it, and above it (two dims per thread); one key only, a chunk boundary, several splits
+CASES = [(2, 4, 2, 64, 16, 12, "float16"), (3, 2, 1, 16, 4, 40, "float32"), (1, 2, 2, 160, 8, 3, "float16"),
+         (2, 2, 2, 128, 16, 17, "float16")]
+
+BUILD = textwrap.dedent(r"""
+    import torch
+
+    def build(B, H, Hkv, hd, bs, M, dtype, seed, device="cpu"):
+        # a pool in the engine's layout: rows of more bytes than one layer's K/V, so the view is strided; rows own
+        # disjoint random blocks; lengths random in [1, M * bs] (row 0: exactly 1 key, row 1: the whole table);
+        # the keys past a row's length are NaN, which the kernel must never read
+        g = torch.Generator().manual_seed(seed)
+        dtype = getattr(torch, dtype)
+        blocks, layer = B * M + 3, 2 * bs * Hkv * hd
+        rows = torch.randn(blocks, layer + 8, generator=g).to(dtype)
+        view = lambda r: r[:, :layer].view(blocks, 2, bs, Hkv, hd)
+        tables = torch.randperm(blocks, generator=g)[:B * M].view(B, M)
+        lengths = torch.randint(1, M * bs + 1, (B,), generator=g)
+        lengths[0] = 1
+        if B > 1:
+            lengths[1] = M * bs
+        clean = view(rows).clone()
+        for b in range(B):
+            for pos in range(int(lengths[b]), M * bs):
+                view(rows)[tables[b, pos // bs], :, pos % bs] = float("nan")
+        q = torch.randn(B, H, hd, generator=g).to(dtype)
+        return tuple(t.to(device) for t in (q, view(rows.to(device)), clean, tables, lengths))
+""")
+
+SIM_CHILD = BUILD + textwrap.dedent(r"""
+    import json, sys
+    torch.set_num_threads(1)
+    from pagedweight.cuda.attention_kernels import paged_decode_attention
+    from pagedweight.cuda.reference import paged_decode_attention_reference
+    out = {}
+    for i, case in enumerate(%(cases)r):
+        q, kv, clean, tables, lengths = build(*case, seed=i)
+        hd = case[3]
+        got = paged_decode_attention(q, kv.contiguous(), tables, lengths, hd ** -0.5)  # the simulator wants contiguous
+        want = paged_decode_attention_reference(q, clean, tables, lengths, hd ** -0.5)
+        out[f"case{i}"] = dict(dtype_ok=got.dtype == q.dtype, shape_ok=tuple(got.shape) == tuple(q.shape),
+                               finite=bool(torch.isfinite(got).all()),
+                               max_err=float((got.float() - want.float()).abs().max()))
+    json.dump(out, sys.stdout)
+""") % {"cases": CASES}
+
+COMPILE_CHILD = BUILD + textwrap.dedent(r"""
+    import json, re, sys, types
+    from unittest import mock
+    import numba
+    torch.set_num_threads(1)
+    from pagedweight.cuda._compat import cuda
+    import numba.cuda.dispatcher as dispatcher
+    from pagedweight.cuda import attention_kernels as ak
+
+    sigs = {"_split_kernel": [], "_combine_kernel": []}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, config):
+            def launch(*args):
+                sig = tuple(numba.typeof(a) for a in args)
+                if sig not in sigs[self.name]:
+                    sigs[self.name].append(sig)
+            return launch
+
+    # the launcher's own argument types (numpy views stand in for device arrays: numba.typeof agrees)
+    with mock.patch.multiple(ak, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
+                             **{name: Recorder(name) for name in sigs}):
+        for i, case in enumerate(%(cases)r):
+            q, kv, _, tables, lengths = build(*case, seed=i)
+            ak.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)
+    sm90 = types.SimpleNamespace(compute_capability=(9, 0))
+    out = {}
+    with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
+        for name, found in sigs.items():
+            runs = []
+            for sig in found:
+                ptx, resty = cuda.compile_ptx(getattr(ak, name).py_func, sig, cc=(9, 0))
+                runs.append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
+                                 entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
+            out[name] = runs
+    json.dump(out, sys.stdout)
+""") % {"cases": CASES}
+
+
+def tol(dtype: str) -> float:
+    return 2e-3 if dtype == "float16" else 1e-5
+
+
+@pytest.fixture(scope="module")
+def sim() -> dict:
+    return run_child_json(SIM_CHILD, timeout=900, NUMBA_ENABLE_CUDASIM="1")
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_kernel_matches_twin_under_simulator(sim: dict, i: int) -> None:
+    r = sim[f"case{i}"]
+    assert r["dtype_ok"] and r["shape_ok"], r
+    assert r["finite"], r  # it never read the NaN keys past a row's length
+    assert r["max_err"] <= tol(CASES[i][-1]), r
+
+
+def test_kernels_compile_to_sm90_ptx() -> None:
+    out = run_child_json(COMPILE_CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
+    for name, runs in out.items():
+        assert runs, f"{name}: the launcher never launched it"
+        for r in runs:
+            assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
+            assert re.search(rf"17attention_kernels{len(name)}{name}B", r["entries"][0]), r
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_twin_matches_sdpa_on_gathered_keys(i: int) -> None:
+    """The twin against torch's SDPA over each row's gathered keys under a length mask (the torch decode path)."""
+    ns: dict = {}
+    exec(BUILD, ns)
+    B, H, Hkv, hd, bs, M, dtype = CASES[i]
+    q, _, clean, tables, lengths = ns["build"](*CASES[i], seed=i)
+    want = paged_decode_attention_reference(q, clean, tables, lengths, hd ** -0.5).float()
+    keys = clean[tables].float()  # [B, M, 2, bs, Hkv, hd]
+    k, v = (keys[:, :, j].reshape(B, M * bs, Hkv, hd).transpose(1, 2) for j in (0, 1))
+    mask = (torch.arange(M * bs)[None, :] < lengths[:, None])[:, None, None, :]
+    got = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=mask, scale=hd ** -0.5,
+                                         enable_gqa=H != Hkv)[:, :, 0]
+    torch.testing.assert_close(got.to(q.dtype).float(), want, rtol=0, atol=tol(dtype))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_kernel_matches_twin_on_gpu(i: int) -> None:
+    from pagedweight.cuda.attention_kernels import paged_decode_attention
+
+    ns: dict = {}
+    exec(BUILD, ns)
+    hd, dtype = CASES[i][3], CASES[i][-1]
+    q, kv, clean, tables, lengths = ns["build"](*CASES[i], seed=i, device="cuda")
+    assert not kv.is_contiguous()  # the engine's pool view
+    got = paged_decode_attention(q, kv, tables, lengths, hd ** -0.5)
+    want = paged_decode_attention_reference(q, clean, tables, lengths, hd ** -0.5)
+    assert torch.isfinite(got).all()
+    assert (got.float() - want.float()).abs().max().item() <= tol(dtype)
