@@ -5,13 +5,15 @@ Why: PyTorch's memory-efficient SDPA kernel, the one that takes a mask, runs one
 has one query. A batch-1 decode step of a Qwen1.5-MoE (16 heads, 2048 keys) gets 16 blocks on 132 SMs: 82 us per
 layer for 16 MB of K/V (0.2 TB/s), 29 % of the whole step's device time, plus two gathers that copy K and V out of
 the pages first (benchmarks/results/decode_profile-nvidia-h200-20261129-s6.txt). Here a block takes CHUNK keys of one
-(row, head), so the same step runs 16 x 16 blocks, and keys are read once, in place.
+(row, head), so the same step runs 16 x 32 blocks, and keys are read once, in place.
 
 Two launches, both capturable in a CUDA graph (no host read; the grid depends only on the padded table width):
-1. `_split_kernel`, grid (B * H, splits): thread t scores key t of the chunk against q in shared memory; block
-   reductions give the chunk's max m and sum l of exp(score - m); then its un-normalised sum of exp(score - m) * v,
-   one thread per head dim. Reductions go through shared memory, not warp shuffles, so that the CUDA simulator
-   (which has no shuffles) runs this very kernel in the CPU tests.
+1. `_split_kernel`, grid (B * H, splits): SUB threads share a key row, each holding every SUB-th dim of q in
+   registers, so a warp's load reads SUB consecutive dims of 32 / SUB keys and each thread has up to MAX_DIMS loads
+   in flight; the key partials meet in shared memory; block reductions give the chunk's max m and sum l of
+   exp(score - m); the same thread layout sums exp(score - m) * v, un-normalised. Reductions go through shared
+   memory, not warp shuffles, so that the CUDA simulator (which has no shuffles) runs this very kernel in the CPU
+   tests. (A first version gave each thread a whole key row: 55 us per layer at batch 1, 0.3 TB/s.)
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. K/V may be fp16 or fp32 (q the same dtype);
 bf16 stays on the torch path (Numba has no bf16 arrays).
@@ -26,10 +28,13 @@ import torch
 from ._compat import cuda
 from .moe_kernels import _dev, _stream
 
-CHUNK = 128  # keys per split: one per thread
+CHUNK = 64  # keys per split
 THREADS = 128
-MAX_HEAD_DIM = 256  # q of one head in shared memory
-DTYPES = (torch.float16, torch.float32)
+SUB = 16  # threads per key row: thread (g, sub) reads dims sub, sub + SUB, ... of keys g, g + GROUPS, ...
+GROUPS = THREADS // SUB
+MAX_DIMS = 16  # dims per thread: head_dim <= SUB * MAX_DIMS, a multiple of SUB
+MAX_HEAD_DIM = SUB * MAX_DIMS
+PART = GROUPS * MAX_HEAD_DIM  # shared floats of a block's partials (a shared array's size must be one constant)
 
 float32 = np.float32
 
@@ -51,9 +56,11 @@ def _block_reduce(red, v, t, take_max):
 
 
 @cuda.jit(cache=True)
-def _split_kernel(q, kv, tables, lengths, scale, block_size, group, part_m, part_l, part_acc):
-    """q [B, H, hd]; kv [blocks, 2, bs, Hkv, hd]; tables [B, M]; lengths [B]; part_m, part_l [B, H, S];
-    part_acc [B, H, S, hd]. Block (b * H + h, s) reduces keys [s * CHUNK, min((s + 1) * CHUNK, lengths[b]))."""
+def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
+    """q [B, H, hd]; rows [blocks, row] the pool's KV blocks, each [2 (k|v), bs, Hkv, hd] at its start (C order: a
+    key's dims are consecutive elements, so the loads of a thread differ by constant offsets); tables [B, M];
+    lengths [B]; part_m, part_l [B, H, S]; part_acc [B, H, S, hd]. Block (b * H + h, s) reduces keys
+    [s * CHUNK, min((s + 1) * CHUNK, lengths[b]))."""
     H, hd = q.shape[1], q.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H
@@ -62,80 +69,108 @@ def _split_kernel(q, kv, tables, lengths, scale, block_size, group, part_m, part
     count = min(CHUNK, lengths[b] - start)
     if count <= 0:  # uniform over the block: no thread reaches a barrier
         return
-    hk = h // group
+    dims = hd // SUB
     t = cuda.threadIdx.x
-    qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-    probs = cuda.shared.array(CHUNK, np.float32)
+    sub = t % SUB
+    g = t // SUB
+    head = (h // group) * hd  # the KV head's first element in a key's row
+    v_off = block_size * hkv * hd  # V follows K in a block
     pages = cuda.shared.array(CHUNK, np.int64)
-    slots = cuda.shared.array(CHUNK, np.int32)
+    offs = cuda.shared.array(CHUNK, np.int32)  # element offset of key j's row (its KV head's part) in its block
+    probs = cuda.shared.array(CHUNK, np.float32)
     red = cuda.shared.array(THREADS, np.float32)
-    for d in range(t, hd, THREADS):
-        qs[d] = float32(q[b, h, d]) * scale
-    score = float32(-math.inf)
-    page, slot = 0, 0
-    if t < count:  # thread t scores key t: its K row is contiguous (one 32-byte sector per 16 fp16 dims)
+    part = cuda.shared.array(PART, np.float32)  # key partials [CHUNK][SUB + 1], then V partials [GROUPS][hd]
+    qr = cuda.local.array(MAX_DIMS, np.float32)  # registers: every index below is a constant once unrolled
+    acc = cuda.local.array(MAX_DIMS, np.float32)
+    for i in range(MAX_DIMS):
+        qr[i] = float32(q[b, h, sub + SUB * i]) * scale if i < dims else float32(0.0)
+        acc[i] = float32(0.0)
+    if t < count:
         pos = start + t
         blk = pos // block_size
-        page = tables[b, blk]
-        slot = pos - blk * block_size
-        pages[t] = page
-        slots[t] = slot
+        pages[t] = tables[b, blk]
+        offs[t] = (pos - blk * block_size) * hkv * hd + head
     cuda.syncthreads()
+    for j in range(g, count, GROUPS):  # a key's SUB threads read it whole, SUB consecutive dims per load
+        page, off = pages[j], offs[j] + sub
+        dot = float32(0.0)
+        for i in range(MAX_DIMS):
+            if i < dims:
+                dot += qr[i] * float32(rows[page, off + SUB * i])
+        part[j * (SUB + 1) + sub] = dot  # padded rows: the summing threads below hit distinct banks
+    cuda.syncthreads()
+    score = float32(-math.inf)
     if t < count:
         score = float32(0.0)
-        for d in range(hd):
-            score += qs[d] * float32(kv[page, 0, slot, hk, d])
+        for k in range(SUB):
+            score += part[t * (SUB + 1) + k]
     m = _block_reduce(red, score, t, True)
     p = float32(math.exp(score - m)) if t < count else float32(0.0)
-    probs[t] = p
-    total = _block_reduce(red, p, t, False)  # its barriers also publish probs
+    if t < CHUNK:
+        probs[t] = p
+    total = _block_reduce(red, p, t, False)  # its barriers also publish probs and retire the key partials
+    for j in range(g, count, GROUPS):
+        page, off, pj = pages[j], offs[j] + v_off + sub, probs[j]
+        for i in range(MAX_DIMS):
+            if i < dims:
+                acc[i] += pj * float32(rows[page, off + SUB * i])
+    for i in range(MAX_DIMS):
+        if i < dims:
+            part[g * hd + sub + SUB * i] = acc[i]
+    cuda.syncthreads()
+    for d in range(t, hd, THREADS):
+        v = float32(0.0)
+        for k in range(GROUPS):
+            v += part[k * hd + d]
+        part_acc[b, h, s, d] = v
     if t == 0:
         part_m[b, h, s] = m
         part_l[b, h, s] = total
-    if hd >= THREADS:  # thread t owns dims t, t + THREADS, ...: a warp reads 64 contiguous bytes of a V row
-        for d in range(t, hd, THREADS):
-            acc = float32(0.0)
-            for j in range(count):
-                acc += probs[j] * float32(kv[pages[j], 1, slots[j], hk, d])
-            part_acc[b, h, s, d] = acc
-        return
-    groups = THREADS // hd  # smaller heads: `groups` threads share a dim, each over every groups-th key
-    g = t // hd
-    d = t - g * hd
-    acc = float32(0.0)
-    if g < groups:
-        for j in range(g, count, groups):
-            acc += probs[j] * float32(kv[pages[j], 1, slots[j], hk, d])
-    red[t] = acc
-    cuda.syncthreads()
-    if t < hd:
-        for g in range(1, groups):
-            acc += red[g * hd + t]
-        part_acc[b, h, s, t] = acc
 
 
 @cuda.jit(cache=True)
 def _combine_kernel(lengths, part_m, part_l, part_acc, out):
-    """out [B, H, hd] (float32) = the splits of (b, h) rescaled to their common max and normalised."""
+    """out [B, H, hd] (float32) = the splits of (b, h) rescaled to their common max and normalised. Thread s loads
+    split s's max and sum (a loop of them beyond THREADS splits); every thread then reads only shared weights."""
     H, hd = out.shape[1], out.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H
+    t = cuda.threadIdx.x
     splits = (lengths[b] + CHUNK - 1) // CHUNK
+    red = cuda.shared.array(THREADS, np.float32)
+    weight = cuda.shared.array(COMBINE_SPLITS, np.float32)
     m = float32(-math.inf)
-    for s in range(splits):
+    for s in range(t, splits, THREADS):
         m = max(m, part_m[b, h, s])
+    m = _block_reduce(red, m, t, True)
     total = float32(0.0)
-    for s in range(splits):
-        total += float32(math.exp(part_m[b, h, s] - m)) * part_l[b, h, s]
-    for d in range(cuda.threadIdx.x, hd, THREADS):
-        acc = float32(0.0)
+    for s in range(t, splits, THREADS):
+        w = float32(math.exp(part_m[b, h, s] - m))
+        weight[s] = w
+        total += w * part_l[b, h, s]
+    total = _block_reduce(red, total, t, False)  # its barriers publish the weights
+    for d in range(t, hd, THREADS):
+        v = float32(0.0)
         for s in range(splits):
-            acc += float32(math.exp(part_m[b, h, s] - m)) * part_acc[b, h, s, d]
-        out[b, h, d] = acc / total
+            v += weight[s] * part_acc[b, h, s, d]
+        out[b, h, d] = v / total
+
+
+COMBINE_SPLITS = 2048  # splits the combine can weigh: contexts up to CHUNK * COMBINE_SPLITS = 131072 keys
+DTYPES = (torch.float16, torch.float32)
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in DTYPES and head_dim <= MAX_HEAD_DIM
+    return dtype in DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % SUB == 0
+
+
+def block_rows(kv: torch.Tensor) -> torch.Tensor:
+    """[blocks, row] over the blocks of a [blocks, 2, bs, Hkv, hd] view whose blocks are C-ordered but may sit
+    further apart (the pool's pages): contiguous, so the kernel's loads of one key differ by constant offsets."""
+    inner = kv[0].numel()
+    if kv.stride()[1:] != kv[0].contiguous().stride() or kv.stride(0) < inner:
+        raise ValueError(f"KV blocks must each be C-ordered, strides {kv.stride()}")
+    return kv.as_strided((kv.shape[0], kv.stride(0)), (kv.stride(0), 1))
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -147,19 +182,21 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     block_size (the row's own key included, already written). Returns [B, H, hd] in q's dtype. No host sync."""
     B, H, hd = q.shape
     _, two, block_size, hkv, kv_hd = kv.shape
-    if not supports(q.dtype, hd) or kv.dtype != q.dtype or two != 2 or kv_hd != hd or H % hkv:
-        raise ValueError(f"paged_decode_attention takes fp16/fp32 q and kv of one dtype, head_dim <= "
-                         f"{MAX_HEAD_DIM}, H a multiple of Hkv; got q {tuple(q.shape)} {q.dtype}, "
-                         f"kv {tuple(kv.shape)} {kv.dtype}")
     splits = -(-tables.shape[1] * block_size // CHUNK)
+    if (not supports(q.dtype, hd) or kv.dtype != q.dtype or two != 2 or kv_hd != hd or H % hkv
+            or splits > COMBINE_SPLITS):
+        raise ValueError(f"paged_decode_attention takes fp16/fp32 q and kv of one dtype, head_dim <= "
+                         f"{MAX_HEAD_DIM} and a multiple of {SUB}, H a multiple of Hkv, tables of at most "
+                         f"{CHUNK * COMBINE_SPLITS} keys; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} "
+                         f"{kv.dtype}, tables {tuple(tables.shape)}")
     dev = q.device
     ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=dev)  # each split's max and sum
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)
     out = torch.empty(B, H, hd, dtype=torch.float32, device=dev)
-    a = [_dev(t) for t in (q.contiguous(), kv, tables, lengths, ml[0], ml[1], acc, out)]
-    q_, kv_, tables_, lengths_, m_, l_, acc_, out_ = a
+    a = [_dev(t) for t in (q.contiguous(), block_rows(kv), tables, lengths, ml[0], ml[1], acc, out)]
+    q_, rows_, tables_, lengths_, m_, l_, acc_, out_ = a
     stream = _stream()
-    _split_kernel[(B * H, splits), THREADS, stream](q_, kv_, tables_, lengths_, float32(scale), block_size,
+    _split_kernel[(B * H, splits), THREADS, stream](q_, rows_, tables_, lengths_, float32(scale), block_size, hkv,
                                                     H // hkv, m_, l_, acc_)
     _combine_kernel[B * H, THREADS, stream](lengths_, m_, l_, acc_, out_)
     return out.to(q.dtype)
