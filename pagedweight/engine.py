@@ -224,6 +224,7 @@ class LLM:
         self._committed, self._committed_at = None, -1  # committed_widths() and the table.commits it was built at
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
         self._in_flight = False  # the last boundary left pages in flight
+        self._settled = False  # the last boundary was settled: the next may overlap its step (step())
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
@@ -317,17 +318,23 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that advanced or finished.
 
-        The paging boundary (planner, move requests, commits) runs once the step's forward is queued on the
-        device, before its tokens are read: on a GPU its host time overlaps the step instead of leaving the GPU
-        idle between steps. What it changes reaches the device stream-ordered after this step's reads (table
-        updates, relocation copies) or behind this step's fence (copies into pages this step may still read), and
-        the next step's scheduling sees its commits, as it would right before that step."""
+        The paging boundary (planner, move requests, commits) runs before the step is scheduled, so that what it
+        releases can be admitted at once. When the last boundary was settled (no plan, no move under way or
+        wanted) and no request waits for admission, it runs instead once the step's forward is queued on the
+        device, before its tokens are read: its host time then overlaps the step instead of leaving the GPU idle
+        between steps (most decode steps). What it changes there reaches the device stream-ordered after this
+        step's reads (table updates, relocation copies) or behind this step's fence (copies into pages this step
+        may still read), and a release it starts commits at the next step's boundary."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        overlap = self._settled and not self.scheduler.waiting
+        if not overlap:
+            self._boundary()
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.failed]
         if not batch.seqs:
-            self._boundary()
+            if overlap:
+                self._boundary()
             self._end_step(t0)
             return outputs
         observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
@@ -346,7 +353,8 @@ class LLM:
         finally:
             if self.mover is not None:
                 self.mover.end_step()  # fences this step's reads of the pages it used
-        self._boundary()
+        if overlap:
+            self._boundary()
         if failure is None:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
@@ -430,10 +438,12 @@ class LLM:
         return self._committed
 
     def _paging_boundary(self) -> bool:
-        """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight."""
+        """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight.
+        Sets `_settled`: no plan written, no move under way or wanted, nothing in flight."""
         if self.mover is None:
             return False
         wanted = self.scheduler.blocks_wanted()
+        settled = plan = None
         if self.planner is not None:
             t0 = time.perf_counter()
             committed = self.committed_widths()
@@ -452,7 +462,8 @@ class LLM:
                 elif plan.kind == "reload":
                     self.paging.reload_triggers += 1
             t2 = time.perf_counter()
-            self._request_moves(committed, (demand + 1 + self.planner.knobs.trigger_blocks) * self.kv.block_bytes)
+            settled = self._request_moves(committed, (demand + 1 + self.planner.knobs.trigger_blocks)
+                                          * self.kv.block_bytes)
             t3 = time.perf_counter()
             self.paging.requests_host_s += t3 - t2
             self.paging.planner_step_ms = (t3 - t0) * 1e3
@@ -462,9 +473,11 @@ class LLM:
             torch.cuda.synchronize(self.device)
             self.mover.boundary()
             self.paging.syncs += 1
-        return not self.mover.idle()
+        idle = self.mover.idle()
+        self._settled = bool(settled) and plan is None and idle
+        return not idle
 
-    def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> None:
+    def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> bool:
         """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on).
 
         Offloads first: their new LUTs need pages. A reload starts only if it leaves `keep_free_bytes` free (the KV
@@ -476,7 +489,7 @@ class LLM:
         """
         want = self.planner.desired
         if not self._requested and np.array_equal(want, committed):
-            return  # settled (most decode steps): no move under way and none wanted
+            return True  # settled (most decode steps): no move under way and none wanted
         diff = want != committed
         for i, b in list(self._requested.items()):  # the moves started earlier: keep, retarget or forget
             if self.mover.pending(i):
@@ -508,6 +521,7 @@ class LLM:
             started += 1
             if started == cap:
                 break
+        return False
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         """Add a sampled token, extend the text, and finish the request when a stop condition holds."""
