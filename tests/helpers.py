@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,3 +18,20 @@ def run_child_json(code: str, timeout: float, **env: str) -> dict:
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Pasted into a child's code (`%(recorder)s`): a stand-in for a Numba kernel that records, per kernel name, each
+# distinct argument-type signature of `kernel[grid, block, stream, shmem](*args)` in the child's `sigs` and launches
+# nothing. The compile tests then compile exactly the signatures the host launcher builds.
+KERNEL_RECORDER = textwrap.dedent("""
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, config):
+            def launch(*args):
+                sig = tuple(numba.typeof(a) for a in args)
+                if sig not in sigs[self.name]:
+                    sigs[self.name].append(sig)
+            return launch
+""")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_child_json
+from helpers import KERNEL_RECORDER, run_child_json
 from pagedweight.cuda.reference import paged_decode_attention_reference
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
@@ -77,16 +77,7 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
 
     sigs = {"_split_kernel": [], "_combine_kernel": []}
 
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, config):
-            def launch(*args):
-                sig = tuple(numba.typeof(a) for a in args)
-                if sig not in sigs[self.name]:
-                    sigs[self.name].append(sig)
-            return launch
+    %(recorder)s
 
     # the launcher's own argument types (numpy views stand in for device arrays: numba.typeof agrees)
     with mock.patch.multiple(ak, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
@@ -105,7 +96,7 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
                                  entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
             out[name] = runs
     json.dump(out, sys.stdout)
-""") % {"cases": CASES}
+""") % {"cases": CASES, "recorder": KERNEL_RECORDER}
 
 
 def tol(dtype: str) -> float:

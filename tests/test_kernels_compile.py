@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from helpers import run_child_json
+from helpers import KERNEL_RECORDER, run_child_json
 
 KERNELS = ("_route_kernel", "_gemv_kernel", "_dequant_kernel")
 
@@ -31,17 +31,7 @@ CHILD = textwrap.dedent(r"""
     KERNELS = %(kernels)r
     sigs = {name: [] for name in KERNELS}
 
-    class Recorder:
-        # kernel[grid, block, stream, shmem](*args) -> record the argument types, launch nothing
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, config):
-            def launch(*args):
-                sig = tuple(numba.typeof(a) for a in args)
-                if sig not in sigs[self.name]:
-                    sigs[self.name].append(sig)
-            return launch
+    %(recorder)s
 
     moe = build_synthetic_moe(E=5, D=80, F=40, P=6, seed_bits=3, seed=1)
     g = torch.Generator().manual_seed(0)
@@ -74,7 +64,7 @@ CHILD = textwrap.dedent(r"""
         except numba.core.errors.TypingError as err:
             results["negative_control"] = "TypingError: " + str(err).splitlines()[0]
     json.dump(results, sys.stdout)
-""") % {"kernels": KERNELS}
+""") % {"kernels": KERNELS, "recorder": KERNEL_RECORDER}
 
 
 @pytest.fixture(scope="module")
