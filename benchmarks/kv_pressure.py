@@ -14,6 +14,7 @@ import argparse
 import cProfile
 import dataclasses
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each mode's step boundaries to FILE (which calls a release "
                         "plan's move requests spend their host time in; slows the boundaries)")
+    p.add_argument("--planner-knobs", default=None, metavar="JSON",
+                   help='PagedWeight planner knob overrides, e.g. \'{"reload_dwell_steps": 64}\' (pagedweight/knobs.py)')
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)
@@ -184,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)
     options = dict(detokenize=False, block_size=args.block_size, max_num_seqs=64, max_num_batched_tokens=chunk,
                    max_model_len=hi + gen + 16)
-    modes = [("pagedweight", dict(bits=args.parent_bits, paging=True))]
+    knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
+    modes = [("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))]
     modes += [(f"static-ap{b}", dict(bits=b, paging=False)) for b in static_bits]
     rows: list[dict] = []
     skipped: list[str] = []
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
-            "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s}
+            "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""

@@ -33,6 +33,21 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
 
 
+def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
+    """--planner-knobs overrides PagedWeight's planner: with a reload dwell longer than the run, widths released
+    under pressure never come back (reload triggers 0), and the result records the overrides."""
+    from benchmarks import kv_pressure
+
+    knobs = {"reload_dwell_steps": 10**6}
+    assert kv_pressure.main(["--tiny", "--device", "cpu", "--static-bits", "4", "--planner-knobs", json.dumps(knobs),
+                             "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("kv_pressure-*.json")
+    res = json.loads(path.read_text())
+    paged = next(r for r in res["rows"] if r["mode"] == "pagedweight")
+    assert res["planner_knobs"] == knobs
+    assert paged["offload_triggers"] > 0 and paged["reload_triggers"] == 0 and paged["requests_done"] == paged["requests"]
+
+
 def test_engine_bench_torch_profile_covers_decode_steps_only(tmp_path):
     from benchmarks import engine_bench
 
