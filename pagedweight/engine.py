@@ -186,6 +186,7 @@ class LLM:
                weights: APWeights | None) -> None:
         """Pool, weights, KV cache, scheduler and runner around a loaded model."""
         opts, cfg = self.options, model.config
+        model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)

@@ -6,12 +6,15 @@ lengths, and 16 greedy tokens must be identical to transformers' generate (which
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
 
 from pagedweight.checkpoint import save_hf
+from pagedweight.engine import param_bytes
 from pagedweight.generate import generate
 from pagedweight.models import DenseExperts, iter_expert_blocks, load_model
 from pagedweight.sampling import SamplingParams
@@ -250,3 +253,20 @@ def test_gathered_decode_has_no_sync_and_ops_independent_of_experts():
         assert not SYNC_OPS & set(names), names
         counts.append(len(names))
     assert counts[0] == counts[1]
+
+
+def test_fused_projections_match_transformers(pair):
+    """The serving layout (q/k/v and shared gate/up fused, `fuse_projections`) computes what transformers does,
+    with the same parameter bytes; fusing twice changes nothing."""
+    family, hf, ours, _ = pair
+    fused = copy.deepcopy(ours)
+    fused.fuse_projections()
+    fused.fuse_projections()
+    names = {n for n, _ in fused.named_parameters()}
+    assert not any(k in n for n in names for k in (".q_proj.", ".k_proj.", ".v_proj.", "shared_expert.gate_proj"))
+    assert any("qkv_proj" in n for n in names)
+    assert param_bytes(fused) == param_bytes(ours)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert max_rel_err(fused(ids), ref) <= 1e-4, family

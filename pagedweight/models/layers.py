@@ -87,6 +87,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, d, bias=cfg.o_bias)
+        self.qkv_proj: nn.Linear | None = None  # q, k, v in one projection after fuse_qkv()
+        self._qkv_sizes = (q_out, kv_out, kv_out)
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -97,7 +99,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -113,6 +118,29 @@ class Attention(nn.Module):
         out = sdpa(q, k, v, None, scale) if cache is None else cache.attend(self.layer, q, k, v, scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def fuse_qkv(self) -> None:
+        """q, k and v from one projection (serving): a decode step launches one GEMM instead of three and reads the
+        same bytes. The separate projections, and their checkpoint names, are dropped."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+
+def fuse_linears(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the parts' outputs concatenated, in order (same dtype, device and bias use).
+    Each part is copied into its rows of the new weight: no concatenated temporary."""
+    w = parts[0].weight
+    bias = parts[0].bias is not None
+    fused = nn.utils.skip_init(nn.Linear, w.shape[1], sum(p.out_features for p in parts), bias=bias,
+                               device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        row = 0
+        for p in parts:
+            fused.weight[row:row + p.out_features].copy_(p.weight)
+            if bias:
+                fused.bias[row:row + p.out_features].copy_(p.bias)
+            row += p.out_features
+    return fused
+
 
 class MLP(nn.Module):
     """SwiGLU MLP (the shared expert)."""
@@ -122,9 +150,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # gate and up in one projection after fuse_gate_up()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+    def fuse_gate_up(self) -> None:
+        """gate and up from one projection (serving); the separate ones and their checkpoint names are dropped."""
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
 
 class DenseExperts(nn.Module):
