@@ -40,6 +40,7 @@ for s in "${steps[@]}"; do case $s in
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
+  attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
   pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).

@@ -233,7 +233,14 @@ class PagedKVCache:
         pages = lay.tables[:, layer]  # [B, M]
         if self._decode_attention is not None:
             return self._decode_attention(q[:, :, 0], self.view, pages, lay.lengths, scale)[:, :, None]
-        b, m = pages.shape
-        _, _, bs, hkv, hd = self.view.shape
-        k_all, v_all = (self.view[:, j][pages].view(b, m * bs, hkv, hd).transpose(1, 2) for j in (0, 1))
-        return sdpa(q, k_all, v_all, lay.mask, scale)
+        return gathered_decode_attention(q, self.view, pages, lay.mask, scale)
+
+
+def gathered_decode_attention(q: torch.Tensor, view: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """The torch decode path: q [B, H, 1, hd] over each row's M blocks of `view` [blocks, 2, bs, Hkv, hd], gathered
+    whole per K and V (one copy each), under the length mask [B, 1, 1, M * bs]."""
+    b, m = pages.shape
+    _, _, bs, hkv, hd = view.shape
+    k_all, v_all = (view[:, j][pages].view(b, m * bs, hkv, hd).transpose(1, 2) for j in (0, 1))
+    return sdpa(q, k_all, v_all, mask, scale)

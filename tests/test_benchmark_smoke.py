@@ -60,3 +60,14 @@ def test_engine_bench_torch_profile_covers_decode_steps_only(tmp_path):
     # one forward per decode step: the prefill's forward is not in the profile
     calls = re.findall(r"aten::embedding .* (\d+)\s*$", text, flags=re.M)
     assert calls and set(calls) == {"4"}
+
+
+def test_attention_bench_quick_on_cpu(tmp_path):
+    """The decode-attention benchmark runs the engine's torch path on the CPU and checks it against the twin."""
+    from benchmarks import attention_bench
+
+    assert attention_bench.main(["--device", "cpu", "--quick", "--iters", "2", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("attention_bench-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["method"] == "sdpa" and row["context"] == 64 and row["max_abs_err_vs_twin"] < 1e-5
+    assert row["kv_bytes"] == 2 * 64 * 2 * 64 * 4  # K and V of 64 keys, 2 KV heads of 64 dims, float32
