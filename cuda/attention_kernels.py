@@ -35,6 +35,9 @@ GROUPS = THREADS // SUB
 MAX_DIMS = 16  # dims per thread: head_dim <= SUB * MAX_DIMS, a multiple of SUB
 MAX_HEAD_DIM = SUB * MAX_DIMS
 PART = GROUPS * MAX_HEAD_DIM  # shared floats of a block's partials (a shared array's size must be one constant)
+COMBINE_SPLITS = 2048  # splits the combine can weigh
+MAX_KEYS = CHUNK * COMBINE_SPLITS  # 131072
+DTYPES = (torch.float16, torch.float32)
 
 float32 = np.float32
 
@@ -156,12 +159,9 @@ def _combine_kernel(lengths, part_m, part_l, part_acc, out):
         out[b, h, d] = v / total
 
 
-COMBINE_SPLITS = 2048  # splits the combine can weigh: contexts up to CHUNK * COMBINE_SPLITS = 131072 keys
-DTYPES = (torch.float16, torch.float32)
-
-
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % SUB == 0
+def supports(dtype: torch.dtype, head_dim: int, max_keys: int) -> bool:
+    """Whether the kernel takes this dtype, head size and rows of up to max_keys keys (their padded tables)."""
+    return dtype in DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % SUB == 0 and max_keys <= MAX_KEYS
 
 
 def block_rows(kv: torch.Tensor) -> torch.Tensor:
@@ -182,13 +182,13 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     block_size (the row's own key included, already written). Returns [B, H, hd] in q's dtype. No host sync."""
     B, H, hd = q.shape
     _, two, block_size, hkv, kv_hd = kv.shape
-    splits = -(-tables.shape[1] * block_size // CHUNK)
-    if (not supports(q.dtype, hd) or kv.dtype != q.dtype or two != 2 or kv_hd != hd or H % hkv
-            or splits > COMBINE_SPLITS):
+    keys = tables.shape[1] * block_size
+    if not supports(q.dtype, hd, keys) or kv.dtype != q.dtype or two != 2 or kv_hd != hd or H % hkv:
         raise ValueError(f"paged_decode_attention takes fp16/fp32 q and kv of one dtype, head_dim <= "
                          f"{MAX_HEAD_DIM} and a multiple of {SUB}, H a multiple of Hkv, tables of at most "
-                         f"{CHUNK * COMBINE_SPLITS} keys; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} "
+                         f"{MAX_KEYS} keys; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} "
                          f"{kv.dtype}, tables {tuple(tables.shape)}")
+    splits = -(-keys // CHUNK)
     dev = q.device
     ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=dev)  # each split's max and sum
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)

@@ -57,8 +57,8 @@ class DecodeLayout:
     write_pages: torch.Tensor  # [L, B] pool KV block of each row's new token, per layer
     write_slots: torch.Tensor  # [B] slot inside its block
     src_rows: torch.Tensor  # [B] whose K/V each row writes: a padding row rewrites its source row's exact values
-    lengths: torch.Tensor  # [B] keys each row sees (its position + 1)
-    mask: torch.Tensor  # bool [B, 1, 1, M * block_size]: key position <= the row's position
+    lengths: torch.Tensor | None  # [B] keys each row sees (its position + 1): the kernel's bound
+    mask: torch.Tensor | None  # bool [B, 1, 1, M * block_size], key position <= the row's position: SDPA's bound
 
 
 class PagedKVCache:
@@ -89,7 +89,7 @@ class PagedKVCache:
         self._decode_attention = None
         if decode_kernel and pool.device.type == "cuda":
             from pagedweight.cuda import attention_kernels
-            if attention_kernels.supports(dtype, cfg.head_dim):
+            if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
                 self._decode_attention = attention_kernels.paged_decode_attention
         pool.add_kv_listener(self._relocated)
 
@@ -204,10 +204,14 @@ class PagedKVCache:
         new tokens, src_rows [B], tables [B, L, M] pool KV blocks (padded with blocks of finite bytes)."""
         b, layers, m = tables.shape
         block = (positions // self.block_size)[:, None, None].expand(b, layers, 1)
-        keys = torch.arange(m * self.block_size, device=positions.device)
+        lengths = mask = None  # only the bound the step's attention reads (each is device work in every step)
+        if self._decode_attention is not None:
+            lengths = positions + 1
+        else:
+            keys = torch.arange(m * self.block_size, device=positions.device)
+            mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
         return DecodeLayout(tables=tables, write_pages=tables.gather(2, block)[..., 0].t(),
-                            write_slots=positions % self.block_size, src_rows=src_rows, lengths=positions + 1,
-                            mask=(keys[None, :] <= positions[:, None])[:, None, None, :])
+                            write_slots=positions % self.block_size, src_rows=src_rows, lengths=lengths, mask=mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd]

@@ -63,6 +63,10 @@ SIM_CHILD = BUILD + textwrap.dedent(r"""
         out[f"case{i}"] = dict(dtype_ok=got.dtype == q.dtype, shape_ok=tuple(got.shape) == tuple(q.shape),
                                finite=bool(torch.isfinite(got).all()),
                                max_err=float((got.float() - want.float()).abs().max()))
+    from pagedweight.cuda import attention_kernels as ak
+    out["supports"] = [ak.supports(torch.float16, 128, ak.MAX_KEYS), ak.supports(torch.float32, 64, 8192),
+                       ak.supports(torch.float16, 128, ak.MAX_KEYS + 1), ak.supports(torch.bfloat16, 128, 8192),
+                       ak.supports(torch.float16, 72, 8192), ak.supports(torch.float16, 2 * ak.MAX_HEAD_DIM, 8192)]
     json.dump(out, sys.stdout)
 """) % {"cases": CASES}
 
@@ -114,6 +118,12 @@ def test_kernel_matches_twin_under_simulator(sim: dict, i: int) -> None:
     assert r["dtype_ok"] and r["shape_ok"], r
     assert r["finite"], r  # it never read the NaN keys past a row's length
     assert r["max_err"] <= tol(CASES[i][-1]), r
+
+
+def test_supports_names_what_the_kernel_takes(sim: dict) -> None:
+    """fp16/fp32, head dims that are multiples of SUB up to MAX_HEAD_DIM, rows up to MAX_KEYS keys; else the torch
+    path (the engine asks once, with the model's longest context)."""
+    assert sim["supports"] == [True, True, False, False, False, False]
 
 
 def test_kernels_compile_to_sm90_ptx() -> None:
