@@ -8,12 +8,17 @@ the pages first (benchmarks/results/decode_profile-nvidia-h200-20261129-s6.txt).
 (row, head), so the same step runs 16 x 32 blocks, and keys are read once, in place.
 
 Two launches, both capturable in a CUDA graph (no host read; the grid depends only on the padded table width):
-1. `_split_kernel`, grid (B * H, splits): SUB threads share a key row, each holding every SUB-th dim of q in
-   registers, so a warp's load reads SUB consecutive dims of 32 / SUB keys and each thread has up to MAX_DIMS loads
-   in flight; the key partials meet in shared memory; block reductions give the chunk's max m and sum l of
+1. `_split_kernel`, grid (B * H, splits): SUB threads share a key row, so a warp's load reads SUB consecutive dims
+   of 32 / SUB keys; a thread takes KEYS keys and loads one dim of all of them before using any (KEYS independent
+   loads in flight, no branch: keys past the row's length repeat a valid key with weight 0); the key partials meet
+   in shared memory; block reductions give the chunk's max m and sum l of
    exp(score - m); the same thread layout sums exp(score - m) * v, un-normalised. Reductions go through shared
    memory, not warp shuffles, so that the CUDA simulator (which has no shuffles) runs this very kernel in the CPU
-   tests. (A first version gave each thread a whole key row: 55 us per layer at batch 1, 0.3 TB/s.)
+   tests. Per call at batch 1, 2048 keys, 16 heads of 128 (benchmarks/results/attention_bench-nvidia-h200-20261129-
+   v2.json, -v3.json): v1 gave each thread a whole key row, 55 us; v2 had a thread walk its keys one after another,
+   each key's dims loaded under a branch, 33 us; this layout 21 us (gather + SDPA on the same exact-length table: 23).
+   Grouped-query heads each read their KV head again: with 8 query heads per KV head (gqa-32x4) this kernel takes
+   32 us where gather + SDPA takes 17, and the gap grows with the context (a block per KV head is the next step).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. K/V may be fp16 or fp32 (q the same dtype);
 bf16 stays on the torch path (Numba has no bf16 arrays).
@@ -32,8 +37,8 @@ CHUNK = 64  # keys per split
 THREADS = 128
 SUB = 16  # threads per key row: thread (g, sub) reads dims sub, sub + SUB, ... of keys g, g + GROUPS, ...
 GROUPS = THREADS // SUB
-MAX_DIMS = 16  # dims per thread: head_dim <= SUB * MAX_DIMS, a multiple of SUB
-MAX_HEAD_DIM = SUB * MAX_DIMS
+KEYS = CHUNK // GROUPS  # keys per thread
+MAX_HEAD_DIM = 256  # q of one head in shared memory; head_dim a multiple of SUB
 PART = GROUPS * MAX_HEAD_DIM  # shared floats of a block's partials (a shared array's size must be one constant)
 COMBINE_SPLITS = 2048  # splits the combine can weigh
 MAX_KEYS = CHUNK * COMBINE_SPLITS  # 131072
@@ -76,31 +81,35 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     t = cuda.threadIdx.x
     sub = t % SUB
     g = t // SUB
-    head = (h // group) * hd  # the KV head's first element in a key's row
-    v_off = block_size * hkv * hd  # V follows K in a block
+    qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
     pages = cuda.shared.array(CHUNK, np.int64)
     offs = cuda.shared.array(CHUNK, np.int32)  # element offset of key j's row (its KV head's part) in its block
     probs = cuda.shared.array(CHUNK, np.float32)
     red = cuda.shared.array(THREADS, np.float32)
     part = cuda.shared.array(PART, np.float32)  # key partials [CHUNK][SUB + 1], then V partials [GROUPS][hd]
-    qr = cuda.local.array(MAX_DIMS, np.float32)  # registers: every index below is a constant once unrolled
-    acc = cuda.local.array(MAX_DIMS, np.float32)
-    for i in range(MAX_DIMS):
-        qr[i] = float32(q[b, h, sub + SUB * i]) * scale if i < dims else float32(0.0)
-        acc[i] = float32(0.0)
-    if t < count:
-        pos = start + t
+    for d in range(t, hd, THREADS):
+        qs[d] = float32(q[b, h, d]) * scale
+    if t < CHUNK:  # keys past the row's length repeat the chunk's last key: every load below is valid, unguarded
+        pos = start + min(t, count - 1)
         blk = pos // block_size
         pages[t] = tables[b, blk]
-        offs[t] = (pos - blk * block_size) * hkv * hd + head
+        offs[t] = (pos - blk * block_size) * hkv * hd + (h // group) * hd
     cuda.syncthreads()
-    for j in range(g, count, GROUPS):  # a key's SUB threads read it whole, SUB consecutive dims per load
-        page, off = pages[j], offs[j] + sub
-        dot = float32(0.0)
-        for i in range(MAX_DIMS):
-            if i < dims:
-                dot += qr[i] * float32(rows[page, off + SUB * i])
-        part[j * (SUB + 1) + sub] = dot  # padded rows: the summing threads below hit distinct banks
+    # thread (g, sub) takes keys g, g + GROUPS, ... (KEYS of them, in registers: constant indices once unrolled) and
+    # for each dim sub + SUB * i loads all of them before using any: KEYS independent loads in flight per dim
+    pg = cuda.local.array(KEYS, np.int64)
+    off = cuda.local.array(KEYS, np.int32)
+    dot = cuda.local.array(KEYS, np.float32)
+    for u in range(KEYS):
+        pg[u] = pages[g + GROUPS * u]
+        off[u] = offs[g + GROUPS * u] + sub
+        dot[u] = float32(0.0)
+    for i in range(dims):
+        qv = qs[sub + SUB * i]
+        for u in range(KEYS):
+            dot[u] += qv * float32(rows[pg[u], off[u] + SUB * i])
+    for u in range(KEYS):
+        part[(g + GROUPS * u) * (SUB + 1) + sub] = dot[u]  # padded rows: the summing threads hit distinct banks
     cuda.syncthreads()
     score = float32(-math.inf)
     if t < count:
@@ -110,16 +119,17 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     m = _block_reduce(red, score, t, True)
     p = float32(math.exp(score - m)) if t < count else float32(0.0)
     if t < CHUNK:
-        probs[t] = p
+        probs[t] = p  # 0 for the repeated keys past the length
     total = _block_reduce(red, p, t, False)  # its barriers also publish probs and retire the key partials
-    for j in range(g, count, GROUPS):
-        page, off, pj = pages[j], offs[j] + v_off + sub, probs[j]
-        for i in range(MAX_DIMS):
-            if i < dims:
-                acc[i] += pj * float32(rows[page, off + SUB * i])
-    for i in range(MAX_DIMS):
-        if i < dims:
-            part[g * hd + sub + SUB * i] = acc[i]
+    v_off = block_size * hkv * hd  # V follows K in a block
+    for u in range(KEYS):
+        dot[u] = probs[g + GROUPS * u]
+        off[u] += v_off
+    for i in range(dims):
+        acc = float32(0.0)
+        for u in range(KEYS):
+            acc += dot[u] * float32(rows[pg[u], off[u] + SUB * i])
+        part[g * hd + sub + SUB * i] = acc
     cuda.syncthreads()
     for d in range(t, hd, THREADS):
         v = float32(0.0)
