@@ -183,7 +183,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
 
 
 TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms", "running", "waiting",
-                 "pages_in_flight", "move_requests", "move_refusals", "compactions"]
+                 "pages_in_flight", "move_requests", "move_refusals", "compactions", "overlapped"]
 
 
 def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: int) -> list:
@@ -191,13 +191,15 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
     (the planner's and the move requests' within it) and the routing read's; requests running and waiting after
     it; whether pages were in flight after the boundary (a move whose copy finished within it has committed and
     does not count); move requests and refusals; pool compactions since `compactions_before` (the pool's
-    `relocations`). `before`: a copy of llm.paging taken before."""
+    `relocations`); whether the boundary ran beside the forward (overlapped). `before`: a copy of llm.paging taken
+    before."""
     now, ms = llm.paging, lambda a, b: round((a - b) * 1e3, 3)
     return [ms(time.perf_counter(), t_step), ms(now.boundary_host_s, before.boundary_host_s),
             ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
             ms(now.observe_host_s, before.observe_host_s), len(llm.scheduler.running), len(llm.scheduler.waiting),
             now.steps_in_flight > before.steps_in_flight, now.move_requests - before.move_requests,
-            now.move_refusals - before.move_refusals, llm.pool.relocations - compactions_before]
+            now.move_refusals - before.move_refusals, llm.pool.relocations - compactions_before,
+            now.overlapped_boundaries > before.overlapped_boundaries]
 
 
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,

@@ -84,7 +84,8 @@ class EngineOptions:
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
     cuda_graphs: bool = True  # on CUDA: decode steps replay whole-step graphs (runner.DecodeGraphs), the MoE
     # launches of small mixed steps per-layer ones (runner.APExperts)
-    # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32; False: gather + SDPA)
+    # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32, one query head per KV
+    # head; False or otherwise: gather + SDPA)
     decode_attention_kernel: bool = True
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
@@ -116,6 +117,7 @@ class PagingStats:
     move_requests: int = 0  # mover.request calls (offloads and reloads)
     move_refusals: int = 0  # of which refused (busy, out of pages, or would take KV the admitted requests need)
     observe_host_s: float = 0.0  # measured: host time reading routing statistics into the planner
+    overlapped_boundaries: int = 0  # boundaries that ran beside their step's forward instead of before it
 
 
 def round_up(n: int, m: int) -> int:
@@ -356,6 +358,7 @@ class LLM:
                 self.mover.end_step()  # fences this step's reads of the pages it used
         if overlap:
             self._boundary()
+            self.paging.overlapped_boundaries += 1
         if failure is None:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
@@ -449,7 +452,8 @@ class LLM:
             t0 = time.perf_counter()
             committed = self.committed_widths()
             demand = self.scheduler.blocks_demand()
-            kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes())
+            kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes(),
+                         self.kv.num_used_blocks)
             t1 = time.perf_counter()
             plan = self.planner.step(kv, committed)
             self.paging.planner_host_s += time.perf_counter() - t1
