@@ -25,7 +25,9 @@ from pagedweight.pool import PAGE_ALIGN
 
 SHAPES = {  # name: (query heads, KV heads, head dim)
     "qwen1.5-moe": (16, 16, 128),
-    "gqa-32x4": (32, 4, 128),
+    "gqa-32x4": (32, 4, 128),  # 8 query heads per KV head (Qwen3-MoE-30B-A3B)
+    "gqa-32x8": (32, 8, 128),  # 4 (Mixtral-8x7B)
+    "gqa-16x8": (16, 8, 128),  # 2
     "pw-tiny-moe": (4, 2, 64),
 }
 

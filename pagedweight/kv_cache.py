@@ -87,7 +87,9 @@ class PagedKVCache:
         self._ids = itertools.count()
         self.layout: StepLayout | DecodeLayout | None = None
         self._decode_attention = None
-        if decode_kernel and pool.device.type == "cuda":
+        # grouped-query models keep gather + SDPA: the kernel reads a KV head once per query head, 2-9x slower
+        # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4)
+        if decode_kernel and pool.device.type == "cuda" and cfg.num_key_value_heads == cfg.num_attention_heads:
             from pagedweight.cuda import attention_kernels
             if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
                 self._decode_attention = attention_kernels.paged_decode_attention
