@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-room-blocks", type=int, default=None,
                    help="KV blocks the budget leaves with every expert at the parent width (default 128; tiny: 6)")
     p.add_argument("--parent-bits", type=int, default=6)
-    p.add_argument("--static-bits", default=None, help="static uniform widths to compare (default: parent,4)")
+    p.add_argument("--static-bits", default=None,
+                   help="static uniform widths to compare (default: parent,4; 'none': PagedWeight alone)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
     p.add_argument("--seed", type=int, default=0)
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = args.gen or (12 if tiny else 128)
     room = args.kv_room_blocks or (6 if tiny else 128)
     chunk = args.chunk or (64 if tiny else 1024)
-    static_bits = [int(b) for b in (args.static_bits or f"{args.parent_bits},4").split(",")]
+    static = args.static_bits or f"{args.parent_bits},4"
+    static_bits = [] if static == "none" else [int(b) for b in static.split(",")]
 
     cfg = model_config(tiny)
     dtype = torch.float16 if args.device == "cuda" else torch.float32

@@ -30,7 +30,7 @@ class PlannerKnobs:
     trigger_blocks: int = 2  # offload once free KV blocks <= target + trigger_blocks
     lookahead_blocks: int = 8  # the standing plan always covers at least this many KV blocks
     hysteresis_blocks: int = 4  # a reload leaves free blocks more than this many above the offload threshold
-    reload_dwell_steps: int = 8  # no reload within this many planner steps of the last release
+    reload_dwell_steps: int = 8  # a reload leaves room for the peak KV need of this many recent planner steps
     queue_len: int = 4  # plans kept in the plan queue
 
     def __post_init__(self) -> None:

@@ -403,12 +403,18 @@ class KVState:
     counts remaining prompt and tokens still to generate), so one release covers a request for its whole life and
     the free blocks minus the target stay put while it runs; a reload needs that margin to grow (a request ends).
     `transit_bytes` are pool bytes that moves hold beyond the committed widths' footprint (PageMover.transit_bytes).
+    `used_blocks` are the blocks the requests hold now: with the target, what the KV cache needs whatever the widths.
     """
 
     free_blocks: int
     target_free_blocks: int
     block_bytes: int
     transit_bytes: int = 0
+    used_blocks: int = 0
+
+    @property
+    def need_blocks(self) -> int:
+        return self.used_blocks + self.target_free_blocks
 
 
 class Planner:
@@ -417,9 +423,13 @@ class Planner:
     `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
     target + trigger_blocks, the newest queued plan is cut to the demand and written; when they exceed that
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
-    offload within hysteresis_blocks, and not within `knobs.reload_dwell_steps` steps of the last release: work arriving
-    and finishing in turns (a request ends, the next arrives) would otherwise raise and lower the same bits each
-    time. `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
+    offload within hysteresis_blocks if the KV cache needed again its peak of the last `knobs.reload_dwell_steps`
+    steps (blocks held + still wanted, `KVState.need_blocks`). Work arriving and finishing in turns (a request ends,
+    the next arrives) would otherwise raise and lower the same bits each time: a reload takes only bytes the KV cache
+    has not needed for a while, so it comes once the load has fallen and stayed down, and only as far as it fell.
+    (Counting from the last release instead let a request's end reload everything the next arrival then released
+    again: 15 reloads for 16 releases on the H200 workload, kv_pressure-nvidia-h200-20261129-s6-final.json.)
+    `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
     only when its inputs changed, so a step where nothing changed costs a few array compares.
     """
 
@@ -442,7 +452,7 @@ class Planner:
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0, "quiet": 0}
         self._quiet: tuple | None = None  # inputs of the last step that wrote no plan, and its committed widths
         self.steps = 0  # decide() calls so far
-        self._released_at = -knobs.reload_dwell_steps  # decide() call of the last release written
+        self._needs: deque[int] = deque(maxlen=max(knobs.reload_dwell_steps, 1))  # KV need (blocks) of recent steps
 
     def observe(self, step_mass: np.ndarray | None = None, features: np.ndarray | None = None) -> None:
         """Fold in one step's routing mass [L, E] (already merged across the batch) and block features [n, 4]."""
@@ -519,21 +529,28 @@ class Planner:
         self.counters["refresh"] += 1
         return plan
 
+    def _peak_need(self, kv: KVState) -> int:
+        """Count this step's KV need into the window; the window's peak (blocks)."""
+        self.steps += 1
+        self._needs.append(kv.need_blocks)
+        return max(self._needs)
+
     def decide(self, kv: KVState, committed: np.ndarray) -> Plan | None:
         """Write new desired widths if pressure crossed a threshold; returns the plan written, else None."""
+        return self._decide(kv, committed, self._peak_need(kv))
+
+    def _decide(self, kv: KVState, committed: np.ndarray, peak: int) -> Plan | None:
         k = self.knobs
-        self.steps += 1
         free = self._free_bytes(kv, committed)
         low = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes
         if free < low:
             plan = self._release(low - free)
             if np.array_equal(plan.widths, self.desired):
                 return None
-            self._released_at = self.steps
             return self._write(plan)
-        budget = free - low - k.hysteresis_blocks * kv.block_bytes
-        dwelt = self.steps - self._released_at >= k.reload_dwell_steps
-        if dwelt and budget >= kv.block_bytes and (self.desired < self.home).any():
+        # free bytes were the window's peak need back (it is never below the need now)
+        budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks) * kv.block_bytes
+        if budget >= kv.block_bytes and (self.desired < self.home).any():
             dhat, _ = self.signals()
             plan = plan_reload(self.tables, self.desired, budget, dhat, self.home)
             if plan.delta_bytes > 0:
@@ -544,20 +561,19 @@ class Planner:
         """decide, then refresh the queue for the next step.
 
         A quiet step is answered at once: the same KV state, committed and desired widths, signals and newest
-        queued plan as the last step, which wrote no plan, and the reload dwell in the same state. decide would
+        queued plan as the last step, which wrote no plan, and the same peak need in the reload window. decide would
         write nothing again and refresh keep its plan. Most decode steps are quiet (KV changes once a block fills);
         at 2,880 blocks a quiet step takes 0.007 ms instead of 0.017 (warm caches, planner-speed-cpu-2c-20261129-
         quiet-step.json), more between model steps, whose work leaves the caches cold."""
         dhat, _ = self.signals()
-        dwelt = self.steps + 1 - self._released_at >= self.knobs.reload_dwell_steps
-        key = (kv, self.version, dwelt)
+        peak = self._peak_need(kv)
+        key = (kv, self.version, peak)
         q = self._quiet
         if (q is not None and q[0] == key and q[1] is dhat and q[2] is (self.queue[-1] if self.queue else None)
                 and np.array_equal(q[3], committed)):
-            self.steps += 1
             self.counters["quiet"] += 1
             return None
-        plan = self.decide(kv, committed)
+        plan = self._decide(kv, committed, peak)
         self.refresh(kv, committed)
         self._quiet = None if plan is not None else (key, dhat, self.queue[-1] if self.queue else None,
                                                        committed.copy())

@@ -313,10 +313,10 @@ def _pressure_run(ap_dir, dtype: str | None):
     weights_8 = probe.stats()["resident_weight_bytes"]
     budget = (param_bytes(probe.model) + weights_8 + probe.pool.bytes_of(probe.pool.reserve_pages)
               + 8 * probe.kv.block_bytes)
-    # no cap on reload starts (tested on its own below): reloads beside the running requests fragment the pool the
-    # way the GPU run did, so this scenario also covers weight-run relocation
+    # no cap on reload starts (tested on its own below) and a reload window of one step: reloads beside the running
+    # requests fragment the pool the way the GPU run did, so this scenario also covers weight-run relocation
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store, dtype=dtype,
-              reload_starts_per_step=0)
+              reload_starts_per_step=0, planner_knobs={"reload_dwell_steps": 1})
     start = _mean_width(llm)
     ref, mismatches, detach = _shadow_planner(llm)
     for p in PROMPTS:
@@ -404,8 +404,9 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
     budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    # a one-step reload window and a small hysteresis: the KV the short requests give back is reloaded at once
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
-              reload_starts_per_step=1)
+              reload_starts_per_step=1, planner_knobs={"reload_dwell_steps": 1, "hysteresis_blocks": 1})
     starts: dict[int, int] = {}
     request = llm.mover.request
 
