@@ -30,7 +30,10 @@ class PlannerKnobs:
     trigger_blocks: int = 2  # offload once free KV blocks <= target + trigger_blocks
     lookahead_blocks: int = 8  # the standing plan always covers at least this many KV blocks
     hysteresis_blocks: int = 4  # a reload leaves free blocks more than this many above the offload threshold
-    reload_dwell_steps: int = 8  # a reload leaves room for the peak KV need of this many recent planner steps
+    # a reload leaves room for the peak KV need of this many recent planner steps. 64 on the H200 KV-pressure run
+    # (Poisson arrivals, ~40 steps/s): 3 mean-width reversals, against 9 at 32 steps and 11 at 8
+    # (kv_pressure-nvidia-h200-20261129-s7-win*.json)
+    reload_dwell_steps: int = 64
     queue_len: int = 4  # plans kept in the plan queue
 
     def __post_init__(self) -> None:

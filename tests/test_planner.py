@@ -377,14 +377,16 @@ def test_hysteresis_prevents_flapping():
 
 def test_demand_covering_the_whole_request_releases_once():
     """The engine's target counts what a request will still need, so free - target stays put while it runs: one
-    release when it arrives, none while its prompt chunks and tokens fill the blocks, a reload once it ends."""
+    release when it arrives, none while its prompt chunks and tokens fill the blocks, a reload once its need has left
+    the reload window (reload_dwell_steps planner steps after it ended)."""
     rng = np.random.default_rng(11)
     t = make_tables(rng, 2, 8, 8)
     planner = Planner(t, PlannerKnobs(), np.full(t.n_blocks, 8))
     block = int(t.mem[:, 8].max())
     home_bytes = t.mem[np.arange(t.n_blocks), planner.home].sum()
     need, used, events = 40, 0, []
-    for step in range(60):
+    window = planner.knobs.reload_dwell_steps
+    for step in range(60 + window):
         committed = planner.desired.copy()
         freed = int((home_bytes - t.mem[np.arange(t.n_blocks), committed].sum()) // block)
         running = step < 50
@@ -393,11 +395,11 @@ def test_demand_covering_the_whole_request_releases_once():
         else:
             used = 0  # the request ended: its blocks are free and it needs nothing more
         kv = KVState(free_blocks=10 + freed - used, target_free_blocks=need - used if running else 0,
-                     block_bytes=block)
+                     block_bytes=block, used_blocks=used)
         plan = planner.step(kv, committed)
         if plan is not None:
             events.append((step, plan.kind))
-    assert events == [(0, "release"), (50, "reload")], events
+    assert events == [(0, "release"), (49 + window, "reload")], events
 
 
 class EveryStepPlanner(Planner):
