@@ -156,6 +156,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    phases = StepPhases(llm) if trace is not None else None
     sync()
     t0 = time.perf_counter()
     first: dict[str, float] = {}
@@ -164,7 +165,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
         outs = llm.step()
         if trace is not None:
-            trace.append(trace_row(llm, paging, t_step, compactions))
+            trace.append(trace_row(llm, paging, t_step, compactions, phases))
         for out in outs:
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter()
@@ -183,23 +184,57 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
 
 
 TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms", "running", "waiting",
-                 "pages_in_flight", "move_requests", "move_refusals", "compactions", "overlapped"]
+                 "pages_in_flight", "move_requests", "move_refusals", "compactions", "overlapped",
+                 "pre_ms", "forward_ms", "between_ms", "sample_ms", "post_ms"]
 
 
-def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: int) -> list:
+class StepPhases:
+    """Host clock marks inside llm.step(), for traces: wraps the runner's `run` and the sampler of one engine (in
+    the benchmark; the engine has no hooks). A step then splits into before the forward (a boundary that did not
+    overlap, scheduling), the forward's host part (inputs, launch or graph replay), between it and sampling (an
+    overlapped boundary, the routing read), sampling (which waits for the device: the GPU's remaining time when
+    the host is ahead) and after (outputs). A step that ran no forward gets None."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.marks: dict[str, float] = {}
+        run, sample = llm.runner.run, llm.sampler
+
+        def timed(name: str, fn: Callable) -> Callable:
+            def wrapper(*args, **kwargs):
+                self.marks[name + "0"] = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.marks[name + "1"] = time.perf_counter()
+            return wrapper
+
+        llm.runner.run, llm.sampler = timed("run", run), timed("sample", sample)
+
+    def split(self, t_step: float, t_end: float) -> list[float | None]:
+        """[pre, forward, between, sample, post] ms of the step that ran from t_step to t_end; clears the marks."""
+        m, self.marks = self.marks, {}
+        if len(m) < 4:
+            return [None] * 5
+        edges = [t_step, m["run0"], m["run1"], m["sample0"], m["sample1"], t_end]
+        return [round((b - a) * 1e3, 3) for a, b in zip(edges, edges[1:])]
+
+
+def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: int,
+              phases: StepPhases | None = None) -> list:
     """One step of a trace (TRACE_COLUMNS): wall ms of llm.step() since `t_step`, of which the boundary's host ms
     (the planner's and the move requests' within it) and the routing read's; requests running and waiting after
     it; whether pages were in flight after the boundary (a move whose copy finished within it has committed and
     does not count); move requests and refusals; pool compactions since `compactions_before` (the pool's
-    `relocations`); whether the boundary ran beside the forward (overlapped). `before`: a copy of llm.paging taken
-    before."""
-    now, ms = llm.paging, lambda a, b: round((a - b) * 1e3, 3)
-    return [ms(time.perf_counter(), t_step), ms(now.boundary_host_s, before.boundary_host_s),
+    `relocations`); whether the boundary ran beside the forward (overlapped); the step's host phases (StepPhases,
+    None without). `before`: a copy of llm.paging taken before."""
+    now, ms, t_end = llm.paging, lambda a, b: round((a - b) * 1e3, 3), time.perf_counter()
+    split = phases.split(t_step, t_end) if phases is not None else [None] * 5
+    return [ms(t_end, t_step), ms(now.boundary_host_s, before.boundary_host_s),
             ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
             ms(now.observe_host_s, before.observe_host_s), len(llm.scheduler.running), len(llm.scheduler.waiting),
             now.steps_in_flight > before.steps_in_flight, now.move_requests - before.move_requests,
             now.move_refusals - before.move_refusals, llm.pool.relocations - compactions_before,
-            now.overlapped_boundaries > before.overlapped_boundaries]
+            now.overlapped_boundaries > before.overlapped_boundaries, *split]
 
 
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
@@ -297,7 +332,8 @@ def _mean(hist: list) -> float | None:
 
 def decode_ratios(rows: list[dict]) -> dict:
     """Decode tokens/s of PagedWeight over uniform at the same width, batch and round (configurations of a round
-    run back to back, so slow drift of the host cancels), and the median over rounds per width and batch."""
+    run back to back, in the other order every other round, so slow drift of the host cancels), and the median over
+    rounds per width and batch."""
     speed = {(r["config"], r["batch"], r["round"]): r["decode_tokens_per_s"] for r in rows
              if r.get("decode_tokens_per_s")}
     out: dict[str, dict] = {}
@@ -312,9 +348,11 @@ def decode_ratios(rows: list[dict]) -> dict:
     return out
 
 
-def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None, int | None]]:
+def plan(args: argparse.Namespace, paged_first: bool = False) -> list[tuple[int, str, int | None, int | None]]:
     """(batch, kind, bits, home width) in priority order: a round per width of `--bits` (FP16 joins the first), each
-    round over every batch, so a time budget that cuts the run keeps the most important comparisons."""
+    round over every batch, so a time budget that cuts the run keeps the most important comparisons. `paged_first`
+    runs PagedWeight before uniform (odd rounds: the host's drift between the two then cancels over two rounds; the
+    H200's steps slow by several % from one configuration to the next, engine_bench-…-s7-fused.json)."""
     batches = [int(b) for b in args.batches.split(",")]
     configs = []
     for n, b in enumerate(int(x) for x in args.bits.split(",")):
@@ -323,7 +361,8 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, int | None, int | Non
         for batch in batches:
             if n == 0 and not args.skip_fp16:
                 configs.append((batch, "fp16", None, None))
-            configs += [(batch, "uniform", b, None)] + [(batch, "paged", b, h) for h in dict.fromkeys(homes)]
+            pair = [(batch, "uniform", b, None)], [(batch, "paged", b, h) for h in dict.fromkeys(homes)]
+            configs += pair[1] + pair[0] if paged_first else pair[0] + pair[1]
     return configs
 
 
@@ -395,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                             extra={**extra, "complete": complete, "skipped_configs": skipped})
 
     save()
-    for rnd, (batch, kind, b, home) in ((r, c) for r in range(args.rounds) for c in plan(args)):
+    for rnd, (batch, kind, b, home) in ((r, c) for r in range(args.rounds) for c in plan(args, r % 2 == 1)):
         name = config_name(kind, b, home, args.parent_bits)
         if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
             skipped.append(f"{name}/b{batch}")

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import failed_row, write_result
-from benchmarks.engine_bench import (TRACE_COLUMNS, ap_weights, append_profile, expert_pool_bytes, model_config,
-                                     page_bytes, random_model, trace_row)
+from benchmarks.engine_bench import (TRACE_COLUMNS, StepPhases, ap_weights, append_profile, expert_pool_bytes,
+                                     model_config, page_bytes, random_model, trace_row)
 from pagedweight.engine import LLM, param_bytes
 from pagedweight.sampling import SamplingParams
 
@@ -58,6 +58,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
+    phases = StepPhases(llm) if trace is not None else None
     t0 = time.perf_counter()
     while finished < len(requests):
         if deadline is not None and time.perf_counter() > deadline:
@@ -78,7 +79,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         sync()
         t = time.perf_counter()
         if trace is not None:
-            trace.append(trace_row(llm, paging, t_step, compactions))
+            trace.append(trace_row(llm, paging, t_step, compactions, phases))
         for out in outs:
             n = out.completion_tokens
             if n and out.request_id not in last:
