@@ -347,7 +347,9 @@ class LLM:
             self.router_stats.token_weights = batch_token_weights(
                 batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
         if self.router_stats is not None:
-            self.model.set_router_observer(self.router_stats if observe else None)
+            wanted = self.router_stats if observe else None
+            if self.model.layers[0].mlp.observer is not wanted:  # a Module setattr per layer is host time per step
+                self.model.set_router_observer(wanted)
         to_sample, tokens, failure = [], [], None
         try:
             to_sample, logits = self.runner.run(batch)
@@ -356,6 +358,8 @@ class LLM:
         finally:
             if self.mover is not None:
                 self.mover.end_step()  # fences this step's reads of the pages it used
+        if observe:  # the copy of its statistics, queued right behind the forward: the next step reads it
+            self.router_stats.prefetch()
         if overlap:
             self._boundary()
             self.paging.overlapped_boundaries += 1
@@ -373,9 +377,7 @@ class LLM:
                     self.scheduler.finish(seq, "error", f"{type(failure).__name__}: {failure}")
                     outputs.append(self._output(seq))
             to_sample, tokens = [], []
-        if observe:
-            self.router_stats.prefetch()  # read by the next step, after it has launched its own work
-            self._routing_unread = True
+        self._routing_unread = self._routing_unread or observe  # set after this step's own read of the last window
         now = time.perf_counter()
         for seq, tok in zip(to_sample, tokens):
             self._append(seq, tok, now)
@@ -398,10 +400,11 @@ class LLM:
     def _read_routing(self) -> None:
         """Fold the routing statistics of the last observed step into the planner, if not done yet.
 
-        Called once the next step's work is queued: its copy to the host was started at the end of the observed
-        step (`RouterStats.prefetch`), so this is host work beside the running step, not after it (the H200 traces
-        put 0.23-0.29 ms on each observed step at batch 1 when it came after the step). The planner sees each
-        window one step later than it was observed."""
+        Called once the next step's work is queued: its copy to the host was queued right after the observed
+        step's forward (`RouterStats.prefetch`), so this is host work beside the running step, not after it (the
+        H200 traces put 0.23-0.29 ms on each observed step at batch 1 when it came after the step; the prefetch
+        itself, after sampling, cost 0.2-0.3 ms of host time there at batch 4: engine_bench-…-s7-v3.json). The
+        planner sees each window one step later than it was observed."""
         if not self._routing_unread:
             return
         t0 = time.perf_counter()

@@ -216,7 +216,7 @@ def test_relocation_between_steps(ap_dir):
 
 def test_paging_under_pressure(ap_dir):
     """The paging loop (tests/test_engine.py's pressure scenario) with static decode steps: widths drop under KV
-    pressure and come back, and the planner sees the routing statistics of the real rows. On the CPU everything equals
+    pressure and come back once it is gone, and the planner sees the routing statistics of the real rows. On the CPU everything equals
     the packed run; on CUDA, where commits wait for copies (timing), it finishes every request with graphs replayed."""
     from pagedweight.engine import param_bytes
 
@@ -231,8 +231,13 @@ def test_paging_under_pressure(ap_dir):
         decode = static_decode(llm) if static else None
         outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=96, ignore_eos=True), use_tqdm=False)
         assert all(o.finish_reason == "length" and o.completion_tokens == 96 for o in outs)
+        for _ in range(400):  # pressure gone: idle steps reload, once the need has left the reload window
+            if llm.mover.idle() and (llm.committed_widths() == llm.planner.home).all():
+                break
+            llm.step()
         st = llm.stats()
         assert st["offload_triggers"] > 0 and st["reload_triggers"] > 0
+        assert (llm.committed_widths() == llm.planner.home).all(), "the widths did not come back"
         runs.append(([o.token_ids for o in outs], llm.routing_mass()))
         llm.table.check()
     check_used(decode, replays_at_least=20)

@@ -501,8 +501,8 @@ def test_compactions_for_reloads_are_rationed_while_requests_run(ap_dir):
 
 
 def test_routing_read_lands_one_step_later(ap_dir):
-    """An observed step's routing statistics reach the planner during the next step (their host copy was started
-    at the end of the observed one), or at the next routing_mass() call."""
+    """An observed step's routing statistics reach the planner during the next step (their host copy was queued
+    right behind the observed step's forward), or at the next routing_mass() call."""
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
     mass = llm.planner.routing.mass.copy()
     llm.add_request(PROMPTS[0], greedy(6))
