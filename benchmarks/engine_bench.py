@@ -155,6 +155,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
+    decode_ms: list[float] = []  # wall ms of each step that began with every request decoding
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     phases = StepPhases(llm) if trace is not None else None
     sync()
@@ -163,7 +164,10 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     done: dict[str, int] = {}
     while llm.has_unfinished():
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
+        decoding = len(first) == batch
         outs = llm.step()
+        if decoding:
+            decode_ms.append((time.perf_counter() - t_step) * 1e3)
         if trace is not None:
             trace.append(trace_row(llm, paging, t_step, compactions, phases))
         for out in outs:
@@ -179,7 +183,9 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
     t1 = time.perf_counter()
     t_first = max(first[r] for r in ids)
     decode_tokens = sum(done.values()) - batch
+    step_ms = float(np.median(decode_ms)) if decode_ms else None
     return {"prefill_ms": (t_first - t0) * 1e3, "decode_tokens_per_s": decode_tokens / max(t1 - t_first, 1e-9),
+            "decode_step_ms_median": step_ms, "steady_decode_tokens_per_s": step_ms and batch / step_ms * 1e3,
             "tokens_per_s": sum(done.values()) / (t1 - t0), "generated_tokens": sum(done.values())}
 
 
@@ -253,7 +259,10 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
                          decode_attention_kernel=args.decode_attention == "kernel",
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
-    serve(llm, batch, seq_len - gen, 4, cfg.vocab_size, seed=1)  # warm-up at the timed length: graphs captured here
+    # warm-up as long as the timed batch: every decode graph it replays (each padded batch, once all rows decode
+    # together) is captured here; a 4-token warm-up left 2 eager steps and 2 captures, 40-90 ms each, inside the
+    # timed batch-4 decode (engine_bench-…-s7-final.json)
+    serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1)
     def counters() -> dict:
         graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
         return dict(llm.stats(), sync_waits=llm.paging.syncs, steps=llm.num_steps, decode_graph_replays=graphs and graphs.replayed,
@@ -330,12 +339,11 @@ def _mean(hist: list) -> float | None:
     return float((counts * np.arange(len(counts))).sum() / counts.sum())
 
 
-def decode_ratios(rows: list[dict]) -> dict:
-    """Decode tokens/s of PagedWeight over uniform at the same width, batch and round (configurations of a round
-    run back to back, in the other order every other round, so slow drift of the host cancels), and the median over
-    rounds per width and batch."""
-    speed = {(r["config"], r["batch"], r["round"]): r["decode_tokens_per_s"] for r in rows
-             if r.get("decode_tokens_per_s")}
+def decode_ratios(rows: list[dict], metric: str = "decode_tokens_per_s") -> dict:
+    """Decode tokens/s (`metric`) of PagedWeight over uniform at the same width, batch and round (configurations of
+    a round run back to back, in the other order every other round, so slow drift of the host cancels), and the
+    median over rounds per width and batch."""
+    speed = {(r["config"], r["batch"], r["round"]): r[metric] for r in rows if r.get(metric)}
     out: dict[str, dict] = {}
     for (config, batch, rnd), v in sorted(speed.items()):
         m = re.fullmatch(r"pagedweight(-home\d+)?@ap(\d+)-memory", config)
@@ -454,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         row["round"] = rnd
         rows.append(row)
         extra["decode_ratio_paged_over_uniform"] = decode_ratios(rows)
+        # the same over each configuration's median decode step: robust to a few slow steps (a capture, a GC)
+        extra["steady_decode_ratio_paged_over_uniform"] = decode_ratios(rows, "steady_decode_tokens_per_s")
         save()
     print(save(complete=True))
     return 0
