@@ -219,12 +219,14 @@ class AsyncEngine:
                         self._queues.pop(rid, None)
                     busy = self.llm.has_unfinished()
                     outputs = self.llm.step() if busy else []
+                    # idle: reloads run now (widths lowered for requests that have ended come back)
+                    paging = not busy and self.llm.step_idle()
                 for out in outputs:
                     self._deliver(out)
                 self._tokens_since_sync += len(outputs)
                 self._export_stats()
                 self._sync_routing()
-                if not busy:
+                if not busy and not paging:
                     self._wake.wait(STATS_INTERVAL_S)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers

@@ -385,6 +385,24 @@ class LLM:
         self._end_step(t0)
         return outputs
 
+    def step_idle(self, max_boundaries: int = 64) -> bool:
+        """With no request in the engine, run paging boundaries (no forward) until the paging loop settles or
+        `max_boundaries` ran; True if paging work remains. A server calls it while idle: no request, so no KV need
+        can come back before the next one, and the planner's reload window is cleared (`Planner.forget_need`). The
+        weights then regain their widths at once, not only after `reload_dwell_steps` steps that an idle engine
+        never takes. On CUDA each boundary that leaves copies in flight waits for them (nothing else runs)."""
+        if self.mover is None or self.has_unfinished():
+            return False
+        if self.planner is not None:
+            self.planner.forget_need()
+        for _ in range(max_boundaries):
+            self._boundary()
+            if self._settled:
+                return False
+            if self._in_flight and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return True
+
     def _boundary(self) -> None:
         t0 = time.perf_counter()
         self._in_flight = self._paging_boundary()
@@ -790,6 +808,9 @@ def run(args) -> int:
             if min_width is not None:
                 min_width = min(min_width, mean_width(llm.stats()["committed_width_hist"]))
     elapsed = time.perf_counter() - t0
+    last = llm.stats()
+    while llm.step_idle():  # as a server does once idle: the reloads the ended requests allow
+        pass
     st = llm.stats()
     gen = sum(o.completion_tokens for o in done.values())
     reasons: dict[str, int] = {}
@@ -807,7 +828,8 @@ def run(args) -> int:
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
     if llm.table is not None:
         print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
-              f"{min_width:.2f} at the lowest step, {mean_width(st['committed_width_hist']):.2f} at end; offload triggers {st['offload_triggers']}, "
-              f"reload triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / 2**20:.1f} MiB out, "
-              f"{st['bytes_reloaded'] / 2**20:.1f} MiB in")
+              f"{min_width:.2f} at the lowest step, {mean_width(last['committed_width_hist']):.2f} when the last "
+              f"request ended, {mean_width(st['committed_width_hist']):.2f} once idle; offload triggers "
+              f"{st['offload_triggers']}, reload triggers {st['reload_triggers']}; moved "
+              f"{st['bytes_offloaded'] / 2**20:.1f} MiB out, {st['bytes_reloaded'] / 2**20:.1f} MiB in")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

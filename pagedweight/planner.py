@@ -535,6 +535,10 @@ class Planner:
         self._needs.append(kv.need_blocks)
         return max(self._needs)
 
+    def forget_need(self) -> None:
+        """Clear the reload window: the KV need of past steps no longer holds (the engine has no request)."""
+        self._needs.clear()
+
     def decide(self, kv: KVState, committed: np.ndarray) -> Plan | None:
         """Write new desired widths if pressure crossed a threshold; returns the plan written, else None."""
         return self._decide(kv, committed, self._peak_need(kv))

@@ -397,6 +397,31 @@ def test_lazy_refresh_decides_as_refreshing_every_step(run, request):
     assert live["refresh"] < ref.counters["refresh"], (live, ref.counters)
 
 
+def test_idle_engine_restores_widths_at_once(ap_dir):
+    """Once no request is left, step_idle clears the reload window and reloads: the widths come back within a few
+    boundaries, not reload_dwell_steps steps later (an idle server takes no steps)."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
+    assert llm.step_idle() is False and llm.stats()["reload_triggers"] == 0  # nothing lowered: nothing to do
+    llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    assert _mean_width(llm) < 8.0 and llm.stats()["reload_triggers"] == 0, "the scenario no longer lowers widths"
+    llm.add_request(PROMPTS[0], greedy(4))
+    assert llm.step_idle() is False and _mean_width(llm) < 8.0  # a request waits: not idle
+    llm.abort(llm.scheduler.waiting[0].request_id)
+    assert llm.step_idle() is False  # its aborted output is still to be handed out
+    assert [o.finish_reason for o in llm.step()] == ["abort"]
+    calls = 1
+    while llm.step_idle():
+        calls += 1
+        assert calls < 100, "the idle boundaries never settled"
+    assert _mean_width(llm) == 8.0 and llm.stats()["reload_triggers"] > 0
+    assert llm.mover.idle()
+    llm.table.check()
+
+
 def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     """With requests running, at most `reload_starts_per_step` reloads start per boundary (each start costs host
     time beside the decode step); with nothing running the cap is off and the widths come all the way back."""

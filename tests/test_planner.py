@@ -295,6 +295,19 @@ def test_planner_writes_max_release_when_short_and_replans_after_a_write():
     assert back.delta_bytes <= pending - (1 + 1 + knobs.trigger_blocks + knobs.hysteresis_blocks) * PAGE
 
 
+def test_forget_need_lets_a_reload_through_at_once():
+    rng = np.random.default_rng(12)
+    t = make_tables(rng, 1, 4, 8)
+    top = np.full(t.n_blocks, 8)
+    planner = Planner(t, PlannerKnobs(), top)
+    assert planner.decide(KVState(free_blocks=0, target_free_blocks=10**6, block_bytes=PAGE), top).kind == "release"
+    small = KVState(free_blocks=0, target_free_blocks=1, block_bytes=PAGE)
+    assert planner.decide(small, top) is None  # the huge need is in the window
+    planner.forget_need()
+    back = planner.decide(small, top)
+    assert back is not None and back.kind == "reload"
+
+
 def test_reload_vs_brute_force():
     """Packing greedy: OPT - gap_bound <= greedy <= OPT, within budget and caps."""
     rng = np.random.default_rng(8)
