@@ -72,7 +72,8 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
             arrival[rid] = t0 + requests[nxt][0]
             nxt += 1
         if not llm.has_unfinished():
-            time.sleep(max(0.0, requests[nxt][0] - now))
+            if not llm.step_idle():  # idle, as the engine actor is: reloads first, then wait for the next arrival
+                time.sleep(max(0.0, requests[nxt][0] - now))
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
         outs = llm.step()

@@ -34,11 +34,12 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
 
 
 def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
-    """--planner-knobs overrides PagedWeight's planner: with a reload dwell longer than the run, widths released
-    under pressure never come back (reload triggers 0), and the result records the overrides."""
+    """--planner-knobs overrides PagedWeight's planner: with a reload hysteresis larger than any KV cache, widths
+    released under pressure never come back (reload triggers 0, idle gaps included), and the result records the
+    overrides."""
     from benchmarks import kv_pressure
 
-    knobs = {"reload_dwell_steps": 10**6}
+    knobs = {"hysteresis_blocks": 10**6}
     assert kv_pressure.main(["--tiny", "--device", "cpu", "--static-bits", "4", "--planner-knobs", json.dumps(knobs),
                              "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("kv_pressure-*.json")
