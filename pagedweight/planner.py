@@ -421,7 +421,8 @@ class Planner:
     """Stateful planner of one engine: signals in, desired widths out.
 
     `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
-    target + trigger_blocks, the newest queued plan is cut to the demand and written; when they exceed that
+    target + trigger_blocks, reloads not yet committed are taken back first (`_cancel_reloads`), then the newest
+    queued plan is cut to what is still short and written; when they exceed that
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
     offload within hysteresis_blocks if the KV cache needed again its peak of the last `knobs.reload_dwell_steps`
     steps (blocks held + still wanted, `KVState.need_blocks`). Work arriving and finishing in turns (a request ends,
@@ -548,9 +549,15 @@ class Planner:
         free = self._free_bytes(kv, committed)
         low = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes
         if free < low:
+            cancel = self._cancel_reloads(committed, low - free)
+            if cancel is not None:
+                self._write(cancel)
+                if cancel.met:
+                    return cancel
+                free += cancel.delta_bytes
             plan = self._release(low - free)
             if np.array_equal(plan.widths, self.desired):
-                return None
+                return cancel
             return self._write(plan)
         # free bytes were the window's peak need back (it is never below the need now)
         budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks) * kv.block_bytes
@@ -582,6 +589,28 @@ class Planner:
         self._quiet = None if plan is not None else (key, dhat, self.queue[-1] if self.queue else None,
                                                        committed.copy())
         return plan
+
+    def _cancel_reloads(self, committed: np.ndarray, demand: float) -> Plan | None:
+        """A release that takes back reloads not yet committed (desired above committed), those that avoid the least
+        damage per byte first, until `demand` is covered; None if no reload is pending. Cheaper than any other
+        release: no committed width drops and no copy runs, so a request arriving while widths climb back does not
+        lower blocks that have just come back (a reversal of the widths) while others are still on their way up."""
+        pending = np.flatnonzero(self.desired > committed)
+        if not pending.size:
+            return None
+        dhat, _ = self.signals()
+        up, now = self.desired[pending], committed[pending]
+        gain = self.tables.mem_rows[up, pending] - self.tables.mem_rows[now, pending]  # bytes a cancel gives back
+        avoided = dhat[now, pending] - dhat[up, pending]
+        order = np.argsort(avoided / np.maximum(gain, 1.0), kind="stable")
+        cum = np.cumsum(gain[order])
+        n = min(int(np.searchsorted(cum, demand, "left")) + 1, len(order))
+        take = pending[order[:n]]
+        widths = self.desired.copy()
+        widths[take] = committed[take]
+        freed = float(cum[n - 1])
+        return Plan("release", self.desired.copy(), widths, float(demand), freed, float(avoided[order[:n]].sum()),
+                    freed >= demand, -1, 0.0)
 
     def _release(self, demand: float) -> Plan:
         """Newest queued plan cut to `demand` when it is current and was planned at the right stage."""

@@ -308,6 +308,38 @@ def test_forget_need_lets_a_reload_through_at_once():
     assert back is not None and back.kind == "reload"
 
 
+def test_release_takes_back_pending_reloads_before_lowering_committed_blocks():
+    """A request arriving while widths climb back: the release cancels reloads that have not committed (least damage
+    avoided per byte first) and lowers no committed block while that covers the demand."""
+    rng = np.random.default_rng(13)
+    t = make_tables(rng, 2, 8, 8)
+    n = t.n_blocks
+    planner = Planner(t, PlannerKnobs(reload_dwell_steps=1), np.full(n, 8))
+    top = np.full(n, 8)
+    planner.decide(KVState(free_blocks=0, target_free_blocks=10**6, block_bytes=PAGE), top)  # everything down
+    low = planner.desired.copy()
+    assert (low < 8).all()
+    freed = int(float((t.bytes_at(top) - t.bytes_at(low)).sum()) // PAGE)  # the release committed: KV blocks now
+    back = planner.decide(KVState(free_blocks=freed, target_free_blocks=1, block_bytes=PAGE), low)
+    assert back is not None and back.kind == "reload"
+    committed = low.copy()
+    landed = rng.random(n) < 0.5  # half the reloads committed, the rest still pending
+    committed[landed] = planner.desired[landed]
+    pending = planner.desired > committed
+    assert pending.any()
+    pending_bytes = float((t.bytes_at(planner.desired) - t.bytes_at(committed)).sum())
+    assert pending_bytes >= 2 * PAGE
+    # the pending reloads' bytes count as claimed: free blocks fall just under the threshold of 4 + 1 + 2 blocks
+    kv = KVState(free_blocks=int(pending_bytes // PAGE) + 6, target_free_blocks=4, block_bytes=PAGE)
+    before = planner.desired.copy()
+    plan = planner.decide(kv, committed)
+    assert plan is not None and plan.kind == "release" and plan.stage == -1 and plan.met
+    assert (planner.desired >= committed).all(), "a committed block was lowered"
+    cancelled = planner.desired < before
+    assert cancelled.any() and (cancelled <= pending).all() and (planner.desired[cancelled] == committed[cancelled]).all()
+    assert plan.delta_bytes >= plan.amount_bytes
+
+
 def test_reload_vs_brute_force():
     """Packing greedy: OPT - gap_bound <= greedy <= OPT, within budget and caps."""
     rng = np.random.default_rng(8)
