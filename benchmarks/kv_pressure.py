@@ -39,11 +39,41 @@ def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, se
             for t in arrivals]
 
 
+SWING_BITS = 0.05  # a mean-width swing reverses by at least this many bits (`swings`)
+
+
 def reversals(series: np.ndarray) -> int:
-    """Direction changes of a series (ignoring flat stretches): 0 for down-then-up, more means oscillation."""
+    """Direction changes of a series (ignoring flat stretches): 1 for down-then-up, more means oscillation."""
     d = np.sign(np.diff(series))
     d = d[d != 0]
     return int((d[1:] != d[:-1]).sum()) if d.size > 1 else 0
+
+
+def swings(series, min_move: float) -> int:
+    """Direction changes of a series that each go back by at least `min_move` from the last turning point (a
+    zig-zag filter): a small release in the middle of a reload ramp is a reversal but not a swing."""
+    if len(series) < 2:
+        return 0
+    hi = lo = float(series[0])
+    direction, count = 0, 0
+    for v in map(float, series[1:]):
+        if direction == 0:  # no move of min_move yet
+            if v - lo >= min_move:
+                direction, hi = 1, v
+            elif hi - v >= min_move:
+                direction, lo = -1, v
+            else:
+                hi, lo = max(hi, v), min(lo, v)
+        elif direction == 1:
+            if v > hi:
+                hi = v
+            elif hi - v >= min_move:
+                direction, lo, count = -1, v, count + 1
+        elif v < lo:
+            lo = v
+        elif v - lo >= min_move:
+            direction, hi, count = 1, v, count + 1
+    return count
 
 
 def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline: float | None = None,
@@ -117,8 +147,11 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,
         "mean_width_reversals": reversals(np.asarray(mean_w)) if mean_w else 0,
+        "mean_width_swings": swings(mean_w, SWING_BITS),  # reversals of at least SWING_BITS bits
         "blocks_with_2plus_reversals": int(sum(r >= 2 for r in block_rev)),
         "max_block_reversals": int(max(block_rev)),
+        # with a trace: the committed mean width after each step (how the widths moved, not only how often)
+        **({"mean_width_series": [round(w, 4) for w in mean_w]} if trace is not None else {}),
     }
 
 

@@ -72,3 +72,14 @@ def test_attention_bench_quick_on_cpu(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert row["method"] == "sdpa" and row["context"] == 64 and row["max_abs_err_vs_twin"] < 1e-5
     assert row["kv_bytes"] == 2 * 64 * 2 * 64 * 4  # K and V of 64 keys, 2 KV heads of 64 dims, float32
+
+
+def test_swings_ignore_small_wiggles_that_reversals_count():
+    from benchmarks.kv_pressure import reversals, swings
+
+    assert reversals([6, 5, 6]) == 1 and swings([6, 5, 6], 0.5) == 1
+    ramp_with_dip = [6.0, 5.0, 5.2, 5.4, 5.35, 5.6, 5.8, 6.0]  # down, back up with a 0.05-bit dip on the way
+    assert reversals(ramp_with_dip) == 3 and swings(ramp_with_dip, 0.1) == 1
+    waves = [6, 5, 6, 5, 6]
+    assert swings(waves, 0.5) == 3 and swings(waves, 1.5) == 0
+    assert swings([], 0.1) == swings([5.0], 0.1) == 0
