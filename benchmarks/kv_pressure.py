@@ -155,6 +155,18 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     }
 
 
+SPREAD_METRICS = ("mean_width_reversals", "mean_width_swings", "blocks_with_2plus_reversals", "offload_triggers",
+                  "reload_triggers", "bytes_offloaded", "bytes_reloaded", "ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
+
+
+def run_spread(rows: list[dict]) -> dict:
+    """Each metric of the PagedWeight rows over its repeated runs (the same arrivals: what differs is timing) and
+    the median: one run's width reversals can differ from the next by more than a setting changes them."""
+    ok = [r for r in rows if "error" not in r]
+    return {k: {"runs": [r.get(k) for r in ok], "median": float(np.median([r.get(k) or 0 for r in ok]))}
+            for k in SPREAD_METRICS} if ok else {}
+
+
 def _profile_boundaries(llm: LLM) -> cProfile.Profile:
     """Profile every step boundary of `llm` (planner, move requests, mover) and nothing else."""
     prof, inner = cProfile.Profile(), llm._paging_boundary
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-room-blocks", type=int, default=None,
                    help="KV blocks the budget leaves with every expert at the parent width (default 128; tiny: 6)")
     p.add_argument("--parent-bits", type=int, default=6)
+    p.add_argument("--paged-runs", type=int, default=1,
+                   help="run PagedWeight this many times on the same arrivals (spread in the result: pagedweight_runs)")
     p.add_argument("--static-bits", default=None,
                    help="static uniform widths to compare (default: parent,4; 'none': PagedWeight alone)")
     p.add_argument("--block-size", type=int, default=16)
@@ -199,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     args = p.parse_args(argv)
+    if args.paged_runs < 1:
+        p.error("--paged-runs must be at least 1")
     t_start = time.perf_counter()
     tiny = args.tiny
     # H200 defaults, computed (not measured) from the 2026-11-29 runs: with whole-step graphs a request of ~640
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(detokenize=False, block_size=args.block_size, max_num_seqs=64, max_num_batched_tokens=chunk,
                    max_model_len=hi + gen + 16)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
-    modes = [("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))]
+    modes = [("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))] * args.paged_runs
     modes += [(f"static-ap{b}", dict(bits=b, paging=False)) for b in static_bits]
     rows: list[dict] = []
     skipped: list[str] = []
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
         return write_result("kv_pressure", rows, out_dir=args.out_dir, label=args.label,
-                            extra={**meta, "complete": complete, "skipped_modes": skipped})
+                            extra={**meta, "complete": complete, "skipped_modes": skipped,
+                                   "pagedweight_runs": run_spread([r for r in rows if r.get("mode") == "pagedweight"])})
 
     save()
     for m, (name, extra) in enumerate(modes):
@@ -268,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others
             row = failed_row(exc, mode=name)
         llm = model = None  # free this mode's pool before the next one allocates its own
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
+        if name == "pagedweight":
+            row["run"] = m
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+               if not isinstance(v, (list, dict))}, file=sys.stderr)
         rows.append(row)
         save()
     print(save(complete=True))

@@ -42,7 +42,7 @@ for s in "${steps[@]}"; do case $s in
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
-  pressure) step 95 python3 -m benchmarks.kv_pressure --time-budget-s 70 ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f
+  pressure) step "${PRESSURE_LIMIT:-95}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-70}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
   # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
   # multi: store, reload, planner and eval sections over EngineActors; serve: Serve replicas under HTTP load;

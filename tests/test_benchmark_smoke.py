@@ -36,17 +36,23 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
 def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
     """--planner-knobs overrides PagedWeight's planner: with a reload hysteresis larger than any KV cache, widths
     released under pressure never come back (reload triggers 0, idle gaps included), and the result records the
-    overrides."""
+    overrides. Two PagedWeight runs on the same arrivals, alone: their spread is in the result."""
     from benchmarks import kv_pressure
 
     knobs = {"hysteresis_blocks": 10**6}
-    assert kv_pressure.main(["--tiny", "--device", "cpu", "--static-bits", "4", "--planner-knobs", json.dumps(knobs),
-                             "--out-dir", str(tmp_path)]) == 0
+    assert kv_pressure.main(["--tiny", "--device", "cpu", "--static-bits", "none", "--paged-runs", "2",
+                             "--planner-knobs", json.dumps(knobs), "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("kv_pressure-*.json")
     res = json.loads(path.read_text())
-    paged = next(r for r in res["rows"] if r["mode"] == "pagedweight")
     assert res["planner_knobs"] == knobs
-    assert paged["offload_triggers"] > 0 and paged["reload_triggers"] == 0 and paged["requests_done"] == paged["requests"]
+    runs = [r for r in res["rows"] if r["mode"] == "pagedweight"]
+    assert [r["run"] for r in runs] == [0, 1] and len(res["rows"]) == 2  # --static-bits none: PagedWeight alone
+    for paged in runs:
+        assert paged["offload_triggers"] > 0 and paged["reload_triggers"] == 0
+        assert paged["requests_done"] == paged["requests"]
+    spread = res["pagedweight_runs"]
+    assert spread["offload_triggers"]["runs"] == [r["offload_triggers"] for r in runs]
+    assert spread["reload_triggers"] == {"runs": [0, 0], "median": 0.0}
 
 
 def test_engine_bench_torch_profile_covers_decode_steps_only(tmp_path):
