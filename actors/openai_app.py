@@ -363,6 +363,33 @@ async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
     yield "data: [DONE]\n\n"
 
 
+class _EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that, however it ends, closes its body and, unless the body ran to its end, cancels the
+    engine call (`cancel`). Starlette leaves the body iterator suspended when the client goes away while a chunk is
+    being sent, so the generators (and with them the replica's request) would be closed only by the garbage
+    collector: once in a CI run the request then ran to the end of its 13 s generation after the hang-up."""
+
+    def __init__(self, content, cancel, **kwargs) -> None:
+        self._cancel, self._done = cancel, False
+        super().__init__(self._track(content), **kwargs)
+
+    async def _track(self, content):
+        try:
+            async for chunk in content:
+                yield chunk
+            self._done = True
+        finally:
+            await content.aclose()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._done:
+                self._cancel()
+            await self.body_iterator.aclose()
+
+
 # ---------------------------------------------------------------- ingress
 app = FastAPI(title="PagedWeight OpenAI-compatible API")
 
@@ -421,20 +448,29 @@ class OpenAIIngress:
                                    info["max_model_len"])
         except APIError as exc:
             return exc.response()
-        chunks = _guarded(self.engine.options(stream=True).generate.remote(req.job, final_only=not req.stream))
-        head = await anext(chunks)
-        if "error" in head:
-            return JSONResponse(head, status_code=_status(head))
-        if req.stream:
-            return StreamingResponse(_sse(req, head["prompt_tokens"], chunks), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        text, usage, finish = [], None, None
-        async for chunk in chunks:
-            if "error" in chunk:
-                return JSONResponse(chunk, status_code=_status(chunk))
-            text.append(chunk["delta"])
-            usage, finish = _usage(head["prompt_tokens"], chunk["completion_tokens"]), chunk["finish_reason"]
-        return _final_body(req, "".join(text), finish, usage)
+        call = self.engine.options(stream=True).generate.remote(req.job, final_only=not req.stream)
+        chunks, settled = _guarded(call), False
+        try:  # a handler cancelled here (the client went away) cancels the engine call at once
+            head = await anext(chunks)
+            if "error" in head:
+                settled = True
+                return JSONResponse(head, status_code=_status(head))
+            if req.stream:
+                settled = True  # the response owns the call from here
+                return _EngineStreamResponse(_sse(req, head["prompt_tokens"], chunks), call.cancel,
+                                             media_type="text/event-stream", headers=SSE_HEADERS)
+            text, usage, finish = [], None, None
+            async for chunk in chunks:
+                if "error" in chunk:
+                    settled = True
+                    return JSONResponse(chunk, status_code=_status(chunk))
+                text.append(chunk["delta"])
+                usage, finish = _usage(head["prompt_tokens"], chunk["completion_tokens"]), chunk["finish_reason"]
+            settled = True
+            return _final_body(req, "".join(text), finish, usage)
+        finally:
+            if not settled:
+                call.cancel()
 
 
 # ---------------------------------------------------------------- application builder
