@@ -27,6 +27,7 @@ import ray
 from pagedweight.actors.metrics import EngineMetrics
 
 STATS_INTERVAL_S = 1.0
+IDLE_PAGING_PAUSE_S = 0.005  # between batches of idle paging boundaries (LLM.step_idle)
 
 
 @dataclass
@@ -226,8 +227,8 @@ class AsyncEngine:
                 self._tokens_since_sync += len(outputs)
                 self._export_stats()
                 self._sync_routing()
-                if not busy and not paging:
-                    self._wake.wait(STATS_INTERVAL_S)
+                if not busy:  # idle reloads still under way: back soon (a short pause bounds a spin)
+                    self._wake.wait(IDLE_PAGING_PAUSE_S if paging else STATS_INTERVAL_S)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
             from loguru import logger

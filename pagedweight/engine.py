@@ -391,10 +391,9 @@ class LLM:
         can come back before the next one, and the planner's reload window is cleared (`Planner.forget_need`). The
         weights then regain their widths at once, not only after `reload_dwell_steps` steps that an idle engine
         never takes. On CUDA each boundary that leaves copies in flight waits for them (nothing else runs)."""
-        if self.mover is None or self.has_unfinished():
+        if self.planner is None or self.has_unfinished():  # no planner (static widths): nothing to reload
             return False
-        if self.planner is not None:
-            self.planner.forget_need()
+        self.planner.forget_need()
         for _ in range(max_boundaries):
             self._boundary()
             if self._settled:

@@ -208,3 +208,45 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir):
     assert "".join(o.delta_text for o in joined) == joined[-1].text == plain[-1].text
     assert joined[-1].token_ids == plain[-1].token_ids
     assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
+
+
+def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
+    """The engine's step loop, once its requests have ended and none arrive, reloads what KV pressure took: the
+    widths return to home with no further request (an idle loop takes no steps, so the reload window alone would
+    keep them low)."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine
+    from pagedweight.engine import LLM, param_bytes
+
+    store = str(tmp_path / "store")
+    probe = LLM(ap_model_dir, device="cpu", block_size=16, page_store_dir=store)
+    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    del probe
+    llm = LLM(ap_model_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store)
+    home = llm.planner.home.copy()
+    engine = AsyncEngine(llm, "idle-reload")
+    params = SamplingParams(max_tokens=24, ignore_eos=True).validate()
+    prompts = ["def main():", "import os\n", "class Node:", "for i in range(10):"]
+
+    async def run_all() -> list:
+        async def one(p):
+            return [o async for o in engine.generate(p, params)][-1]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    try:
+        outs = asyncio.run(run_all())
+        assert all(o.finish_reason == "length" for o in outs)
+        assert llm.stats()["offload_triggers"] > 0, "the scenario no longer lowers widths"
+        deadline = time.monotonic() + 30
+        while True:
+            with engine._lock:
+                back = (llm.committed_widths() == home).all() and llm.mover.idle()
+            if back:
+                break
+            assert time.monotonic() < deadline, "the idle loop never brought the widths back"
+            time.sleep(0.05)
+        assert llm.stats()["reload_triggers"] > 0
+    finally:
+        engine.shutdown()

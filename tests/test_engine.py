@@ -406,6 +406,8 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     assert llm.step_idle() is False and llm.stats()["reload_triggers"] == 0  # nothing lowered: nothing to do
+    # static widths have no planner: nothing to do either (the engine actor would otherwise never sleep)
+    assert LLM(ap_dir, device=DEVICE, bits=4, paging=False, page_store_dir=store).step_idle() is False
     llm.generate(PROMPTS, greedy(24), use_tqdm=False)
     assert _mean_width(llm) < 8.0 and llm.stats()["reload_triggers"] == 0, "the scenario no longer lowers widths"
     llm.add_request(PROMPTS[0], greedy(4))
