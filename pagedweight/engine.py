@@ -499,7 +499,8 @@ class LLM:
             self.mover.boundary()
             self.paging.syncs += 1
         idle = self.mover.idle()
-        self._settled = bool(settled) and plan is None and idle
+        # static widths (no planner): nothing to plan, so settled whenever no copy is under way
+        self._settled = (bool(settled) or self.planner is None) and plan is None and idle
         return not idle
 
     def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> bool:
