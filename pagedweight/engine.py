@@ -809,8 +809,9 @@ def run(args) -> int:
                 min_width = min(min_width, mean_width(llm.stats()["committed_width_hist"]))
     elapsed = time.perf_counter() - t0
     last = llm.stats()
-    while llm.step_idle():  # as a server does once idle: the reloads the ended requests allow
-        pass
+    for _ in range(100):  # as a server does once idle: the reloads the ended requests allow (bounded)
+        if not llm.step_idle():
+            break
     st = llm.stats()
     gen = sum(o.completion_tokens for o in done.values())
     reasons: dict[str, int] = {}
