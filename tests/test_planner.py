@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.planner import (BlockTables, EtaScratch, KVState, Planner, _chain_steps, _first_stage, damage_rows,
@@ -689,3 +691,35 @@ def test_residual_head_fit_recovers_planted_relation():
     assert all(np.array_equal(getattr(again, k), getattr(heads, k)) for k in heads.to_dict())
     with pytest.raises(ValueError, match="weight"):
         ResidualHeads.from_dict({**heads.to_dict(), "weight": np.zeros((2, 9, 9, 3))})
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), frac=st.floats(0.05, 1.0), cover=st.floats(0.01, 2.0))
+def test_releases_take_pending_reloads_back_first(seed, frac, cover):
+    """Any mix of committed widths and pending reloads, any demand: while the pending reloads cover it, a release
+    lowers no committed block and changes only pending ones; when they do not, every one is taken back before a
+    committed block goes down."""
+    rng = np.random.default_rng(seed)
+    t = make_tables(rng, 2, 8, 8)
+    n = t.n_blocks
+    planner = Planner(t, PlannerKnobs(), np.full(n, 8))
+    committed = rng.integers(3, 9, n)
+    pending = (rng.random(n) < frac) & (committed < 8)
+    assume(pending.any())
+    planner.desired = np.where(pending, 8, committed)
+    planner.version += 1  # a new desired state: no queued plan serves it
+    pending_bytes = float((t.bytes_at(planner.desired) - t.bytes_at(committed)).sum())
+    low = (4 + 1 + planner.knobs.trigger_blocks) * PAGE  # target 4
+    free_blocks = int((low - cover * pending_bytes + pending_bytes) // PAGE)
+    assume(free_blocks >= 0)
+    demand = low - (free_blocks * PAGE - pending_bytes)
+    assert demand > 0
+    before = planner.desired.copy()
+    plan = planner.decide(KVState(free_blocks, 4, PAGE), committed)
+    assert plan is not None and plan.kind == "release"
+    changed = planner.desired != before
+    if demand <= pending_bytes:
+        assert (planner.desired >= committed).all() and (changed <= pending).all()
+        assert plan.met and plan.delta_bytes >= demand
+    else:
+        assert (planner.desired[pending] <= committed[pending]).all()
