@@ -424,6 +424,16 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
     llm.table.check()
 
 
+def test_settled_boundaries_overlap_the_forward_paged_or_not(ap_dir, pressure_run):
+    """Decode steps whose boundary has nothing to do run it beside the forward: the paged engine once its widths
+    are settled, and a static-width engine (no planner) on every step after the first."""
+    llm = pressure_run[0]
+    assert 0 < llm.paging.overlapped_boundaries < llm.num_steps  # not while requests waited or moves ran
+    static = LLM(ap_dir, device=DEVICE, bits=4, paging=False, block_size=16, page_store_dir=str(ap_dir / "store"))
+    static.generate(PROMPTS[:2], greedy(8), use_tqdm=False)
+    assert static.paging.overlapped_boundaries == static.num_steps - 1
+
+
 def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     """With requests running, at most `reload_starts_per_step` reloads start per boundary (each start costs host
     time beside the decode step); with nothing running the cap is off and the widths come all the way back."""
