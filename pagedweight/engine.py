@@ -347,9 +347,7 @@ class LLM:
             self.router_stats.token_weights = batch_token_weights(
                 batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
         if self.router_stats is not None:
-            wanted = self.router_stats if observe else None
-            if self.model.layers[0].mlp.observer is not wanted:  # a Module setattr per layer is host time per step
-                self.model.set_router_observer(wanted)
+            self.model.set_router_observer(self.router_stats if observe else None)
         to_sample, tokens, failure = [], [], None
         try:
             to_sample, logits = self.runner.run(batch)
@@ -467,7 +465,7 @@ class LLM:
         if self.mover is None:
             return False
         wanted = self.scheduler.blocks_wanted()
-        settled = plan = None
+        settled, plan = self.planner is None, None  # static widths (no planner): nothing to plan or move
         if self.planner is not None:
             t0 = time.perf_counter()
             committed = self.committed_widths()
@@ -499,8 +497,7 @@ class LLM:
             self.mover.boundary()
             self.paging.syncs += 1
         idle = self.mover.idle()
-        # static widths (no planner): nothing to plan, so settled whenever no copy is under way
-        self._settled = (bool(settled) or self.planner is None) and plan is None and idle
+        self._settled = settled and plan is None and idle
         return not idle
 
     def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> bool:
