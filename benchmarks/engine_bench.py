@@ -243,10 +243,72 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
             now.overlapped_boundaries > before.overlapped_boundaries, *split]
 
 
+def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
+                gen: int, args: argparse.Namespace, **options) -> tuple[nn.Module, LLM]:
+    """A fresh random model and its engine, after a warm-up as long as the timed batch: every decode graph it
+    replays (each padded batch, once all rows decode together) is captured here; a 4-token warm-up left 2 eager
+    steps and 2 captures, 40-90 ms each, inside the timed batch-4 decode (engine_bench-…-s7-final.json)."""
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    model = random_model(cfg, weights is None, dtype, args.device)
+    llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
+                         block_size=args.block_size, max_num_seqs=max(batch, 1),
+                         decode_attention_kernel=args.decode_attention == "kernel",
+                         max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
+    serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1)
+    return model, llm
+
+
+def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int, b: int, home: int,
+                  args: argparse.Namespace) -> dict:
+    """Uniform b bits and PagedWeight (home width `home`) at the same memory, both resident in this process and
+    stepped in alternating chunks of `--paired-chunk` decode steps (U P, P U, U P, ...), so that the device's and
+    the host's drift lands on both alike. The table runs each configuration alone, one after the other, and there
+    the same configuration's median step moved by up to 8 % between rounds (engine_bench-…-20261130-s8.json: FP16
+    batch 1, 5.34 and 5.77 ms), more than the 2 % under test. Each chunk pair gives a ratio of median steps; the
+    result is the ratio of the two engines' median decode steps over all chunks, and the pairs' spread."""
+    engines = {"uniform": warm_engine(f"ap{b}-uniform", cfg, weights, budget, batch, args.seq_len, args.gen, args,
+                                      bits=b, paging=False)[1],
+               "paged": warm_engine(f"pagedweight-home{home}@ap{b}-memory", cfg, weights, budget, batch,
+                                    args.seq_len, args.gen, args, bits=home, paging=True)[1]}
+    params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    for llm in engines.values():  # the same prompts; prefill until every request has its first token
+        rng = np.random.default_rng(2)
+        for _ in range(batch):
+            llm.add_request(rng.integers(0, cfg.vocab_size, args.seq_len - args.gen).tolist(), params)
+        first: set[str] = set()
+        while len(first) < batch:
+            first.update(out.request_id for out in llm.step() if out.token_ids)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    steps: dict[str, list[float]] = {kind: [] for kind in engines}
+    pair_ratios: list[float] = []
+    order = list(engines)
+    while any(llm.has_unfinished() for llm in engines.values()):
+        chunk = {}
+        for kind in order:
+            llm, ms = engines[kind], []
+            sync()
+            for _ in range(args.paired_chunk):
+                if not llm.has_unfinished():
+                    break
+                t = time.perf_counter()
+                llm.step()
+                ms.append((time.perf_counter() - t) * 1e3)
+            chunk[kind] = ms
+            steps[kind] += ms
+        if all(chunk.values()):
+            pair_ratios.append(float(np.median(chunk["uniform"]) / np.median(chunk["paged"])))
+        order.reverse()
+    med = {kind: float(np.median(v)) for kind, v in steps.items()}
+    return {"bits": b, "home": home, "batch": batch, "chunk_steps": args.paired_chunk,
+            "uniform_step_ms_median": med["uniform"], "paged_step_ms_median": med["paged"],
+            "ratio_paged_over_uniform": med["uniform"] / med["paged"],
+            "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),
+            "steps_per_engine": len(steps["paged"])}
+
+
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
                gen: int, args: argparse.Namespace, **options) -> dict:
     t0 = time.perf_counter()
-    dtype = torch.float16 if args.device == "cuda" else torch.float32
     gc.collect()
     reserved_before = None
     if args.device == "cuda":
@@ -254,15 +316,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
         torch.cuda.reset_peak_memory_stats()
         # what an earlier configuration left reserved (nothing, unless one leaked): the peak below includes it
         reserved_before = torch.cuda.memory_reserved() / 2**30
-    model = random_model(cfg, weights is None, dtype, args.device)
-    llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
-                         block_size=args.block_size, max_num_seqs=max(batch, 1),
-                         decode_attention_kernel=args.decode_attention == "kernel",
-                         max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
-    # warm-up as long as the timed batch: every decode graph it replays (each padded batch, once all rows decode
-    # together) is captured here; a 4-token warm-up left 2 eager steps and 2 captures, 40-90 ms each, inside the
-    # timed batch-4 decode (engine_bench-…-s7-final.json)
-    serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1)
+    model, llm = warm_engine(name, cfg, weights, budget, batch, seq_len, gen, args, **options)
     def counters() -> dict:
         graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
         return dict(llm.stats(), sync_waits=llm.paging.syncs, steps=llm.num_steps, decode_graph_replays=graphs and graphs.replayed,
@@ -356,6 +410,11 @@ def decode_ratios(rows: list[dict], metric: str = "decode_tokens_per_s") -> dict
     return out
 
 
+def home_widths(args: argparse.Namespace, b: int) -> list[int]:
+    """PagedWeight's home widths (`--paged-home`) at the memory of uniform b bits."""
+    return [args.parent_bits if h == "parent" else b if h == "match" else int(h) for h in args.paged_home.split(",")]
+
+
 def plan(args: argparse.Namespace, paged_first: bool = False) -> list[tuple[int, str, int | None, int | None]]:
     """(batch, kind, bits, home width) in priority order: a round per width of `--bits` (FP16 joins the first), each
     round over every batch, so a time budget that cuts the run keeps the most important comparisons. `paged_first`
@@ -364,8 +423,7 @@ def plan(args: argparse.Namespace, paged_first: bool = False) -> list[tuple[int,
     batches = [int(b) for b in args.batches.split(",")]
     configs = []
     for n, b in enumerate(int(x) for x in args.bits.split(",")):
-        homes = [args.parent_bits if h == "parent" else b if h == "match" else int(h)
-                 for h in args.paged_home.split(",")]
+        homes = home_widths(args, b)
         for batch in batches:
             if n == 0 and not args.skip_fp16:
                 configs.append((batch, "fp16", None, None))
@@ -407,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(below the parent: never above it)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration this many times, round by round (the ratios get a median)")
+    p.add_argument("--paired-chunk", type=int, default=0, metavar="STEPS",
+                   help="after the table, measure each width and batch again with uniform and PagedWeight resident "
+                        "together, stepped in alternating chunks of STEPS decode steps (0: off; --rounds 0 skips "
+                        "the table)")
     p.add_argument("--trace", action="store_true",
                    help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
     p.add_argument("--decode-attention", choices=("kernel", "sdpa"), default="kernel",
@@ -465,6 +527,26 @@ def main(argv: list[str] | None = None) -> int:
         # the same over each configuration's median decode step: robust to a few slow steps (a capture, a GC)
         extra["steady_decode_ratio_paged_over_uniform"] = decode_ratios(rows, "steady_decode_tokens_per_s")
         save()
+    if args.paired_chunk > 0:
+        extra["paired_decode"] = paired = {}
+        for b in (int(x) for x in args.bits.split(",")):
+            for batch in (int(x) for x in args.batches.split(",")):
+                for home in dict.fromkeys(home_widths(args, b)):
+                    key = f"ap{b}/b{batch}/home{home}"
+                    if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+                        skipped.append(f"paired {key}")
+                        continue
+                    budget = outside + expert_pool_bytes(weights, b, page) + kv_bytes(
+                        cfg, batch, args.seq_len, args.block_size, page, args.chunk)
+                    try:
+                        paired[key] = paired_decode(cfg, weights, budget, batch, b, home, args)
+                    except Exception as exc:  # noqa: BLE001 - one failing pair must not cost the others
+                        paired[key] = failed_row(exc, bits=b, batch=batch, home=home)
+                    print(key, paired[key], file=sys.stderr)
+                    gc.collect()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+                    save()
     print(save(complete=True))
     return 0
 

@@ -18,6 +18,22 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     assert all(r["step_trace"]["rows"] for r in res["rows"]) and res["complete"]
 
 
+def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
+    """--rounds 0 --paired-chunk N: no table, one paired measurement per width, batch and home; each engine decodes
+    every step of its batch (gen - 1 after the first token) and each chunk pair gives a ratio."""
+    from benchmarks import engine_bench
+
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1,2", "--paged-home", "match",
+                              "--gen", "9", "--rounds", "0", "--paired-chunk", "3", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("engine_bench-*.json")
+    res = json.loads(path.read_text())
+    assert res["rows"] == [] and res["complete"] and set(res["paired_decode"]) == {"ap3/b1/home3", "ap3/b2/home3"}
+    for pair in res["paired_decode"].values():
+        assert pair["steps_per_engine"] == 8 and len(pair["pair_ratios"]) == 3  # chunks of 3, 3, 2 steps
+        assert pair["pair_ratio_min"] == min(pair["pair_ratios"]) and pair["pair_ratio_max"] == max(pair["pair_ratios"])
+        assert pair["ratio_paged_over_uniform"] == pair["uniform_step_ms_median"] / pair["paged_step_ms_median"]
+
+
 def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     from benchmarks import kv_pressure
 
