@@ -256,15 +256,20 @@ def test_gathered_decode_has_no_sync_and_ops_independent_of_experts():
 
 
 def test_fused_projections_match_transformers(pair):
-    """The serving layout (q/k/v and shared gate/up fused, `fuse_projections`) computes what transformers does,
-    with the same parameter bytes; fusing twice changes nothing."""
+    """The serving layout (q/k/v fused; with a shared expert, its gate and up with the router and its gate,
+    `fuse_projections`) computes what transformers does, with the same parameter bytes; fusing twice changes
+    nothing. Families without a shared expert keep their router."""
     family, hf, ours, _ = pair
     fused = copy.deepcopy(ours)
     fused.fuse_projections()
     fused.fuse_projections()
     names = {n for n, _ in fused.named_parameters()}
-    assert not any(k in n for n in names for k in (".q_proj.", ".k_proj.", ".v_proj.", "shared_expert.gate_proj"))
+    assert not any(k in n for n in names for k in (".q_proj.", ".k_proj.", ".v_proj.", "shared_expert.gate_proj",
+                                                   "shared_expert.up_proj", "shared_expert_gate"))
     assert any("qkv_proj" in n for n in names)
+    shared = ours.config.shared_expert_intermediate_size
+    assert any(".mlp.in_proj." in n for n in names) == bool(shared)
+    assert any(".mlp.gate." in n for n in names) == (not shared)
     assert param_bytes(fused) == param_bytes(ours)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -150,19 +150,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.gate_up_proj: nn.Linear | None = None  # gate and up in one projection after fuse_gate_up()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def fuse_gate_up(self) -> None:
-        """gate and up from one projection (serving); the separate ones and their checkpoint names are dropped."""
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The output from gate and up already projected side by side ([..., 2f], a fused projection's:
+        `MoEBlock.fuse_inputs`)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DenseExperts(nn.Module):
@@ -229,6 +225,7 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.top_k, self.norm_topk_prob = layer, cfg.top_k, cfg.norm_topk_prob
+        self.num_experts = cfg.num_experts
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts: nn.Module = DenseExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
@@ -236,15 +233,17 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
+        # shared gate/up, router and shared-expert gate in one projection after fuse_inputs()
+        self.in_proj: nn.Linear | None = None
         self.observer: RouterObserver | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> topk_ids [N, k] (long), topk_weights [N, k] (float32).
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [N, E] -> topk_ids [N, k] (long), topk_weights [N, k] (float32).
 
         Weights stay float32 (the kernel contract); transformers rounds them to the model dtype first for
         the Qwen/OLMoE families, a difference below bf16/fp16 rounding of the expert outputs.
         """
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -253,13 +252,31 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, weights = self.route(x)
+        if self.in_proj is not None:
+            shared_gate_up, logits, shared_gate = self.in_proj(x).split(
+                [self.in_proj.out_features - self.num_experts - 1, self.num_experts, 1], dim=-1)
+        else:
+            logits = self.gate(x)
+        ids, weights = self.route(logits)
         if self.observer is not None:
             self.observer(self.layer, x, ids, weights)
         out = self.experts(x, ids, weights)
-        if self.shared_expert is not None:
+        if self.in_proj is not None:
+            out = out + torch.sigmoid(shared_gate) * self.shared_expert.down(shared_gate_up)
+        elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
+
+    def fuse_inputs(self) -> None:
+        """Serving layout for a block with a shared expert: its gate and up, the router and the shared expert's gate
+        all read the same x, so one GEMM replaces three (the router's and the shared gate's [D, 1] GEMV, two launches
+        of cuBLAS's, were ~4 % of an H200 batch-1 decode step: decode_profile-…-s6-attn2.txt). The same weight
+        bytes; the separate projections and their checkpoint names are dropped."""
+        shared = self.shared_expert
+        if self.in_proj is not None or shared is None:
+            return
+        self.in_proj = fuse_linears(shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate)
+        del shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate
 
 
 class DecoderLayer(nn.Module):

@@ -49,16 +49,15 @@ class MoEForCausalLM(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     def fuse_projections(self) -> None:
-        """Serving layout: every attention's q/k/v and every shared expert's gate/up become one GEMM each (three
-        and two fewer launches per layer in a decode step, the same weight bytes). Parameter names change, so fuse
+        """Serving layout: every attention's q/k/v become one GEMM, and so do a shared expert's gate and up with the
+        router and the shared expert's gate (`MoEBlock.fuse_inputs`): five fewer launches per layer in a decode step
+        with a shared expert, two without, the same weight bytes. Parameter names change, so fuse
         after loading, and never before saving a checkpoint. On CUDA each layer's unfused weights go back to the
         device before the next layer is fused, so the allocator's cache never holds more than one layer's worth."""
         for layer in self.layers:
             if layer.self_attn.qkv_proj is None:
                 layer.self_attn.fuse_qkv()
-            shared = layer.mlp.shared_expert
-            if shared is not None and shared.gate_up_proj is None:
-                shared.fuse_gate_up()
+            layer.mlp.fuse_inputs()
             if self.lm_head.weight.is_cuda:
                 torch.cuda.empty_cache()
 
