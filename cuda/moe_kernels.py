@@ -23,9 +23,9 @@ between graph replays changes what is read without recapture.
 Prefill path (T > DECODE_MAX_T): one host read (tokens per expert), then per group of routed experts one
 `_dequant_kernel` launch writes both kinds of every block of the group at its committed width into a bounded scratch
 (W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they are or rounded to bf16),
-and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90, one matmul per expert
-otherwise). Numba views of tensors are cached by (address, shape, strides, dtype): a launch converts nothing that it
-converted before.
+and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90, otherwise one bmm over the
+group's rows zero-padded to its largest expert). Numba views of tensors are cached by (address, shape, strides,
+dtype): a launch converts nothing that it converted before.
 """
 from __future__ import annotations
 
@@ -570,23 +570,25 @@ def _has_grouped_kernel(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
-    """Rows of `a` in consecutive runs of `sizes`, run j times b[j] ([K, N]), in a's dtype: torch's grouped GEMM when
-    given the runs' device end offsets `offs`, else one matmul per run into one output."""
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """Expert j's rows of `a` times b[j] ([n, K, N]), in a's dtype. Given device end offsets `offs`, `a` is [rows, K]
+    in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100). Else `a` is [n, maxc, K], each
+    expert's rows zero-padded to the group's largest: one bmm, exact in fp16, where torch's grouped GEMM would sync
+    and loop mm per expert (fp16 has no grouped kernel; ~120 launches per Qwen1.5 layer were host-bound). The
+    scratch is fp16 under fp32 activations, hence the cast (a no-op otherwise)."""
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty(a.shape[0], b.shape[2])
-    r = 0
-    for j, c in enumerate(sizes):
-        torch.mm(a[r:r + c], b[j].to(a.dtype), out=out[r:r + c])
-        r += c
-    return out
+    return torch.bmm(a, b.to(a.dtype))
 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P):
     """Large T: pairs sorted by expert (one host read: the per-expert counts), then per group of routed experts one
     dequantize launch (both kinds, at most PREFILL_SCRATCH_BYTES of scratch) and two grouped GEMMs over the group's
-    rows; one weighted scatter back to the tokens at the end."""
+    rows; one weighted scatter back to the tokens at the end. Without the CUTLASS grouped GEMM (fp16) the group's
+    rows are scattered once into a zero-padded [n, maxc, D] (maxc, the group's largest count, is known from the host
+    read: no new sync), stay padded through both bmm's (a zero row stays zero through silu(gate) * up) and are
+    gathered once: 7 torch ops per group whatever n. The padding is per group, not for all experts at once: it is a
+    transient activation of n * maxc rows (up to G * T), bounded like the scratch instead of growing with E."""
     T, k = topk_ids.shape
     dev = hidden.device
     flat = topk_ids.reshape(-1).long()
@@ -594,13 +596,18 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     counts = torch.zeros(q.shape[0], dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
     counts_h = counts.tolist()
     slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)  # routed experts first, by id: the slots
-    ends = torch.cumsum(counts[slot_expert], 0).to(torch.int32)  # slot j's pairs end at row ends[j] of `order`
+    slot_count = counts[slot_expert]
+    ends = torch.cumsum(slot_count, 0).to(torch.int32)  # slot j's pairs end at row ends[j] of `order`
     sizes = [c for c in counts_h if c]
     tok = order // k
     x = hidden.index_select(0, tok)
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
     G = min(prefill_group(D, F), len(sizes), GROUPED_MAX)
+    if not grouped:  # each sorted pair's slot within its group (groups are G consecutive slots) and row in its slot
+        slot = torch.repeat_interleave(slot_count, output_size=T * k)  # output_size: no sync
+        pos = torch.arange(T * k, device=dev) - (ends - slot_count)[slot]
+        gslot = slot % G
     w_gu = torch.empty(G, num_words(D) * 32, 2 * F, dtype=wdt, device=dev)
     w_d = torch.empty(G, num_words(F) * 32, D, dtype=wdt, device=dev)
     ys, row = [], 0
@@ -608,9 +615,15 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
         sz = sizes[s0:s0 + G]
         n, rows = len(sz), sum(sz)
         _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert, s0, n, D, F, P, w_gu, w_d)
-        offs = ends[s0:s0 + n] - row if grouped else None
-        h = _grouped_mm(x[row:row + rows], w_gu[:n, :D], offs, sz)
-        ys.append(_grouped_mm(tf.silu(h[:, :F]) * h[:, F:], w_d[:n, :F], offs, sz))
+        if grouped:
+            a, offs = x[row:row + rows], ends[s0:s0 + n] - row
+        else:
+            pad = (gslot[row:row + rows], pos[row:row + rows])
+            a, offs = x.new_zeros(n, max(sz), D), None
+            a[pad] = x[row:row + rows]
+        h = _grouped_mm(a, w_gu[:n, :D], offs)
+        y = _grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs)
+        ys.append(y if grouped else y[pad])
         row += rows
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
     w = topk_weights.reshape(-1)[order].float().unsqueeze(1)

@@ -1,5 +1,6 @@
 """The Numba MoE kernels under the CUDA simulator (tiny sizes) against the float32 torch twin, decode and prefill
-(mixed widths up to 8 bits, fp16 and bf16), and the prefill's fp16 -> bf16 rounding against torch's.
+(mixed widths up to 8 bits, fp16 and bf16, skewed routing over several expert groups), and the prefill's fp16 -> bf16
+rounding against torch's. On the CPU the prefill always takes the padded bmm (no CUTLASS grouped GEMM there).
 
 The simulator must be chosen before numba.cuda is first imported, so the checks run in a child process with
 NUMBA_ENABLE_CUDASIM=1 and the rest of the test session keeps the real CUDA target.
@@ -18,12 +19,31 @@ CHILD = textwrap.dedent(r"""
     import torch
     torch.set_num_threads(1)
     from pagedweight.bitplanes import num_words
-    from pagedweight.cuda.moe_kernels import _bf16_bits, _dequantize, _grouped_mm, moe_forward
+    import pagedweight.cuda.moe_kernels as mk
+    from pagedweight.cuda.moe_kernels import _bf16_bits, _dequantize, _grouped_mm, moe_forward, prefill_group
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
+
+    def check(moe, q, hidden, ids, w):  # moe_forward and its twin against dense float32 loops over (token, slot)
+        T, k = ids.shape
+        qd, po, lo = moe.tables(q)
+        args = (hidden, ids, w, moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P)
+        out = moe_forward(*args)
+        ref = moe_forward_reference(*args)
+        dense = torch.zeros(T, moe.D)
+        for t in range(T):
+            for j in range(k):
+                e = int(ids[t, j])
+                wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * moe.F, moe.D)
+                wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), moe.D, moe.F)
+                hh = wg @ hidden[t].float()
+                dense[t] += w[t, j] * (wd @ (torch.nn.functional.silu(hh[:moe.F]) * hh[moe.F:]))
+        return dict(T=T, k=k, P=moe.P, dtype=str(hidden.dtype), dtype_ok=out.dtype == hidden.dtype,
+                    shape_ok=tuple(out.shape) == (T, moe.D), finite=bool(torch.isfinite(out).all()),
+                    rel_kernel=rel(out, dense), rel_twin=rel(ref, dense))
 
     results = {}
     # E=5 experts, D=80 (3 words, last one padded), F=40 (2 words): partial words and rows past N are covered.
@@ -39,26 +59,30 @@ CHILD = textwrap.dedent(r"""
     for case, (T, k, dtype, P) in enumerate(cases):
         moe = moes[P]
         q = torch.randint(3, P + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
-        qd, po, lo = moe.tables(q)
         hidden = torch.randn(T, moe.D, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=g)
-        w = w / w.sum(1, keepdim=True)
-        args = (hidden, ids, w, moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P)
-        out = moe_forward(*args)
-        ref = moe_forward_reference(*args)
-        # independent float32 check of the twin itself: dense weights, plain loops over (token, slot)
-        dense = torch.zeros(T, moe.D)
-        for t in range(T):
-            for j in range(k):
-                e = int(ids[t, j])
-                wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * moe.F, moe.D)
-                wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), moe.D, moe.F)
-                hh = wg @ hidden[t].float()
-                dense[t] += w[t, j] * (wd @ (torch.nn.functional.silu(hh[:moe.F]) * hh[moe.F:]))
-        results[f"case{case}"] = dict(T=T, k=k, P=P, dtype=str(dtype), dtype_ok=out.dtype == dtype,
-                                      shape_ok=tuple(out.shape) == (T, moe.D), finite=bool(torch.isfinite(out).all()),
-                                      rel_kernel=rel(out, dense), rel_twin=rel(ref, dense))
+        results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
+    # Skewed prefill over several groups: scratch for 4 experts, 6 of 8 routed (2 and 6 never) with 70/3/50/10 | 1/26
+    # pairs, so groups [0, 1, 3, 4] (maxc 70) and a partial [5, 7] (maxc 26, its largest expert last). Tokens and
+    # each token's two choices shuffled, so the sorted order is not the token order. A pair given the wrong slot
+    # uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two pairs given one padded
+    # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
+    # raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
+    moe = build_synthetic_moe(E=8, D=80, F=40, P=6, seed_bits=3, seed=3)
+    mk.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
+    T = 80
+    first = [0] * 70 + [4] * 10
+    second = [3] * 50 + [1] * 3 + [5] + [7] * 26
+    ids = torch.tensor([first, second], dtype=torch.int32).t()
+    swap = torch.rand(T, generator=g) < 0.5
+    ids = torch.where(swap[:, None], ids.flip(1), ids)[torch.randperm(T, generator=g)].contiguous()
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randint(3, 7, (moe.E, 2), generator=g)
+        w = torch.rand(T, 2, generator=g)
+        results[f"skew_{str(dtype).split('.')[-1]}"] = dict(
+            check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
+            G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist())
     # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
     # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
     moe = moes[8]
@@ -78,12 +102,16 @@ CHILD = textwrap.dedent(r"""
             exact &= torch.equal(w_gu[j, :D], wg.t().to(dtype)) and torch.equal(w_d[j, :F], wd.t().to(dtype))
         results[f"dequant_{str(dtype).split('.')[-1]}"] = dict(exact=bool(exact), untouched=untouched)
     # torch._grouped_mm (the GPU's bf16 path; torch runs it on the CPU too) on that scratch layout, a K-padded slice
-    # of [slots, K_pad, N], with end offsets, equals one matmul per run (an empty run included)
+    # of [slots, K_pad, N], with end offsets, equals the padded bmm (runs zero-padded to the largest, here 5, rows
+    # gathered back), an empty run included
     sizes = [3, 0, 5, 1]
     x = torch.randn(sum(sizes), D, generator=g).to(torch.bfloat16)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    results["grouped_mm"] = dict(equal=torch.equal(_grouped_mm(x, w_gu[:4, :D], offs, sizes),
-                                                   _grouped_mm(x, w_gu[:4, :D], None, sizes)))
+    pad = (torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 3]), torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0]))
+    xp = x.new_zeros(len(sizes), max(sizes), D)
+    xp[pad] = x
+    results["grouped_mm"] = dict(equal=torch.equal(_grouped_mm(x, w_gu[:4, :D], offs),
+                                                   _grouped_mm(xp, w_gu[:4, :D], None)[pad]))
     # the prefill's bf16 scratch rounds fp16 LUT entries in the kernel: every finite fp16 value as torch rounds it
     h = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
     want = h.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -104,6 +132,15 @@ def sim_results() -> dict:
 @pytest.mark.parametrize("case", [f"case{i}" for i in range(8)])
 def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> None:
     r = sim_results[case]
+    assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
+    assert r["rel_twin"] <= 1e-2, r
+    assert r["rel_kernel"] <= 1e-2, r
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> None:
+    r = sim_results[f"skew_{dtype}"]
+    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26], r  # two groups, the second partial
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r
