@@ -40,9 +40,13 @@ for s in "${steps[@]}"; do case $s in
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;
+  # PagedWeight against uniform at equal memory, both engines resident and stepped in alternating 4-step chunks
+  # (the table's configurations run minutes apart and drift by more than the 2 % under test)
+  paired) step "${PAIRED_LIMIT:-200}" python3 -m benchmarks.engine_bench --rounds 0 --paired-chunk 4 --bits 4,3,6,5 \
+            --batches 1,4 --gen 64 --paged-home match --time-budget-s 170 ${PAIRED_ARGS:-} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
-  pressure) step "${PRESSURE_LIMIT:-95}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-70}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
+  pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
   # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
   # multi: store, reload, planner and eval sections over EngineActors; serve: Serve replicas under HTTP load;
