@@ -266,10 +266,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     the same configuration's median step moved by up to 8 % between rounds (engine_bench-…-20261130-s8.json: FP16
     batch 1, 5.34 and 5.77 ms), more than the 2 % under test. Each chunk pair gives a ratio of median steps; the
     result is the ratio of the two engines' median decode steps over all chunks, and the pairs' spread."""
-    engines = {"uniform": warm_engine(f"ap{b}-uniform", cfg, weights, budget, batch, args.seq_len, args.gen, args,
-                                      bits=b, paging=False)[1],
-               "paged": warm_engine(f"pagedweight-home{home}@ap{b}-memory", cfg, weights, budget, batch,
-                                    args.seq_len, args.gen, args, bits=home, paging=True)[1]}
+    engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
+                                 args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
+               for kind in ("uniform", "paged")}
     params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
     for llm in engines.values():  # the same prompts; prefill until every request has its first token
         rng = np.random.default_rng(2)
@@ -432,6 +431,16 @@ def plan(args: argparse.Namespace, paged_first: bool = False) -> list[tuple[int,
     return configs
 
 
+def engine_options(kind: str, b: int, home: int | None, args: argparse.Namespace) -> dict:
+    """The LLM options of uniform b bits, or of PagedWeight (paging, home width `home`) in its memory."""
+    if kind == "uniform":
+        return dict(bits=b, paging=False)
+    options = dict(bits=home, paging=True)
+    if args.compact_every is not None:
+        options["compact_every_steps"] = args.compact_every
+    return options
+
+
 def config_name(kind: str, b: int | None, home: int | None, parent: int) -> str:
     if kind == "paged":
         return f"pagedweight@ap{b}-memory" if home == parent else f"pagedweight-home{home}@ap{b}-memory"
@@ -498,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
              "time_budget_s": args.time_budget_s}
 
+    def ap_budget(b: int, batch: int) -> int:
+        """The memory of uniform b bits: weights outside the pool, the experts at b bits, the batch's KV cache."""
+        return outside + expert_pool_bytes(weights, b, page) + kv_bytes(cfg, batch, args.seq_len, args.block_size,
+                                                                         page, args.chunk)
+
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
         return write_result("engine_bench", rows, out_dir=args.out_dir, label=args.label,
@@ -509,16 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
             skipped.append(f"{name}/b{batch}")
             continue
-        kv = kv_bytes(cfg, batch, args.seq_len, args.block_size, page, args.chunk)
         try:
             if kind == "fp16":
+                kv = kv_bytes(cfg, batch, args.seq_len, args.block_size, page, args.chunk)
                 row = run_config(name, cfg, None, outside + expert_dense + kv, batch, args.seq_len, args.gen, args)
             else:
-                budget = outside + expert_pool_bytes(weights, b, page) + kv
-                options = dict(bits=b, paging=False) if kind == "uniform" else dict(bits=home, paging=True)
-                if kind == "paged" and args.compact_every is not None:
-                    options["compact_every_steps"] = args.compact_every
-                row = run_config(name, cfg, weights, budget, batch, args.seq_len, args.gen, args, **options)
+                row = run_config(name, cfg, weights, ap_budget(b, batch), batch, args.seq_len, args.gen, args,
+                                 **engine_options(kind, b, home, args))
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not cost the others
             row = failed_row(exc, config=name, batch=batch)
         row["round"] = rnd
@@ -536,10 +547,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
                         skipped.append(f"paired {key}")
                         continue
-                    budget = outside + expert_pool_bytes(weights, b, page) + kv_bytes(
-                        cfg, batch, args.seq_len, args.block_size, page, args.chunk)
                     try:
-                        paired[key] = paired_decode(cfg, weights, budget, batch, b, home, args)
+                        paired[key] = paired_decode(cfg, weights, ap_budget(b, batch), batch, b, home, args)
                     except Exception as exc:  # noqa: BLE001 - one failing pair must not cost the others
                         paired[key] = failed_row(exc, bits=b, batch=batch, home=home)
                     print(key, paired[key], file=sys.stderr)

@@ -6,7 +6,13 @@ rotate within each repetition in one process, after one untimed replay, so drift
     python3 benchmarks/prefill_ab.py 3          # on the H200, after run_h200.sh's setup (pagedweight/cuda link)
 
 kv_pressure_prefill_ab-nvidia-h200-20261130-s8.json came from this file, run as .ab/prefill_ab.py."""
-import ast, json, os, sys, tempfile, time
+import ast
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
 sys.path.insert(0, os.getcwd())
 import torch
 from benchmarks import engine_bench
@@ -28,7 +34,6 @@ KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s"
         "mean_width_reversals", "elapsed_s", "steps")
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 extra_args = sys.argv[2:]
-import numpy as np
 arms = ["new", "oldprefill", "unfused"]
 rows, tmp = [], tempfile.mkdtemp()
 for rep in range(-1, reps):  # rep -1: warm-up (compiles), not kept
@@ -36,7 +41,8 @@ for rep in range(-1, reps):  # rep -1: warm-up (compiles), not kept
         mk._prefill = old_prefill if arm == "oldprefill" else new_prefill
         MoEBlock.fuse_inputs = (lambda self: None) if arm == "unfused" else fuse
         label = f"{arm}{rep}"
-        kv_pressure.main(["--static-bits", "none", "--paged-runs", "1", "--trace", "--out-dir", tmp, "--label", label,
+        kv_pressure.main(["--static-bits", "none", "--paged-runs", "1", "--warmup-replays", "0", "--trace", "--out-dir", tmp,
+                          "--label", label,
                           *extra_args])
         (f,) = [p for p in os.listdir(tmp) if p.endswith(f"-{label}.json")]
         row = json.load(open(os.path.join(tmp, f)))["rows"][0]
