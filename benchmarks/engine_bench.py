@@ -252,7 +252,7 @@ def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: 
     model = random_model(cfg, weights is None, dtype, args.device)
     llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, detokenize=False,
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
-                         decode_attention_kernel=args.decode_attention == "kernel",
+                         decode_attention_kernel=args.decode_attention == "kernel", layer_kernels=args.layer_kernels,
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
     serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1)
     return model, llm
@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
     p.add_argument("--decode-attention", choices=("kernel", "sdpa"), default="kernel",
                    help="CUDA decode steps: the paged decode attention kernel, or gather + SDPA (the path before it)")
+    p.add_argument("--no-layer-kernels", dest="layer_kernels", action="store_false",
+                   help="CUDA decode steps: torch's ops for norms, RoPE, routing and the shared expert's elementwise "
+                        "work instead of the fused layer kernels (the path before them)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
                    help="append torch.profiler tables of each timed batch's decode steps to FILE (device time per kernel)")
     args = p.parse_args(argv)

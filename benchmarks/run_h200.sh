@@ -35,7 +35,7 @@ for s in "${steps[@]}"; do case $s in
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
   # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
   enginetest) step "${ENGINETEST_LIMIT:-240}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
-                tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py \
+                tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 -k "ap_ or pressure or preempts or cuda_graph or graph or on_gpu" ;;
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \

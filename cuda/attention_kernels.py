@@ -20,7 +20,8 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    Grouped-query heads each read their KV head again: with 8 query heads per KV head (gqa-32x4) this kernel takes
    32 us where gather + SDPA takes 17, and the gap grows with the context (a block per KV head is the next step).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
-Splits past a row's length do nothing and the combine never reads them. K/V may be fp16 or fp32 (q the same dtype);
+Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
+into the pages before them (one launch where torch stacks, gathers and scatters). K/V may be fp16 or fp32 (q the same dtype);
 bf16 stays on the torch path (Numba has no bf16 arrays).
 """
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
 
 @cuda.jit(cache=True)
 def _combine_kernel(lengths, part_m, part_l, part_acc, out):
-    """out [B, H, hd] (float32) = the splits of (b, h) rescaled to their common max and normalised. Thread s loads
+    """out [B, H, hd] (q's dtype) = the splits of (b, h) rescaled to their common max and normalised. Thread s loads
     split s's max and sum (a loop of them beyond THREADS splits); every thread then reads only shared weights."""
     H, hd = out.shape[1], out.shape[2]
     b = cuda.blockIdx.x // H
@@ -169,6 +170,22 @@ def _combine_kernel(lengths, part_m, part_l, part_acc, out):
         out[b, h, d] = v / total
 
 
+@cuda.jit(cache=True)
+def _store_kernel(k, v, rows, pages, slots, src, block_size):
+    """Block (b, h): the new key and value of row src[b] (a padding row rewrites its source row's) for KV head h into
+    slot slots[b] of pool block pages[b]. k, v [B, Hkv, 1, hd] (any strides); rows as in `_split_kernel`."""
+    b = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    hkv, hd = k.shape[1], k.shape[3]
+    s = src[b]
+    p = pages[b]
+    off = (slots[b] * hkv + h) * hd
+    v_off = off + block_size * hkv * hd  # V follows K in a block
+    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        rows[p, off + d] = k[s, h, 0, d]
+        rows[p, v_off + d] = v[s, h, 0, d]
+
+
 def supports(dtype: torch.dtype, head_dim: int, max_keys: int) -> bool:
     """Whether the kernel takes this dtype, head size and rows of up to max_keys keys (their padded tables)."""
     return dtype in DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % SUB == 0 and max_keys <= MAX_KEYS
@@ -181,6 +198,19 @@ def block_rows(kv: torch.Tensor) -> torch.Tensor:
     if kv.stride()[1:] != kv[0].contiguous().stride() or kv.stride(0) < inner:
         raise ValueError(f"KV blocks must each be C-ordered, strides {kv.stride()}")
     return kv.as_strided((kv.shape[0], kv.stride(0)), (kv.stride(0), 1))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
+             src_rows: torch.Tensor) -> None:
+    """A decode step's new keys and values into the pool, one launch (torch: a stack, a gather and a scatter):
+    row b's slot slots[b] of block pages[b] gets k, v [B, Hkv, 1, hd] of row src_rows[b]; kv as in
+    `paged_decode_attention`, of k's dtype."""
+    b, hkv, t, hd = k.shape
+    if t != 1 or kv.dtype != k.dtype or v.dtype != k.dtype or kv.shape[3:] != (hkv, hd):
+        raise ValueError(f"store_kv takes one token per row and kv of its dtype and heads: k {tuple(k.shape)} "
+                         f"{k.dtype}, v {v.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
+    _store_kernel[(b, hkv), min(THREADS, hd), _stream()](_dev(k), _dev(v), _dev(block_rows(kv)), _dev(pages),
+                                                         _dev(slots), _dev(src_rows), kv.shape[2])
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -202,11 +232,11 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     dev = q.device
     ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=dev)  # each split's max and sum
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)
-    out = torch.empty(B, H, hd, dtype=torch.float32, device=dev)
+    out = torch.empty(B, H, hd, dtype=q.dtype, device=dev)  # the combine rounds into q's dtype: no cast launch
     a = [_dev(t) for t in (q.contiguous(), block_rows(kv), tables, lengths, ml[0], ml[1], acc, out)]
     q_, rows_, tables_, lengths_, m_, l_, acc_, out_ = a
     stream = _stream()
     _split_kernel[(B * H, splits), THREADS, stream](q_, rows_, tables_, lengths_, float32(scale), block_size, hkv,
                                                     H // hkv, m_, l_, acc_)
     _combine_kernel[B * H, THREADS, stream](lengths_, m_, l_, acc_, out_)
-    return out.to(q.dtype)
+    return out

@@ -450,8 +450,9 @@ def _dev(t: torch.Tensor):
     cuda.as_cuda_array costs ~20-80 us per call (the array interface dict, a context lookup), a launch takes 7-16
     arrays, and most are the same pool and tables every call. A view holds no reference to the tensor, so a cached
     one can never keep freed memory alive, and a tensor reallocated elsewhere or reshaped gets another key."""
-    if SIMULATOR:
-        return (t.view(torch.int32) if t.dtype == torch.uint32 else t).detach().cpu().numpy()
+    if SIMULATOR:  # it copies each array in and back out whole, so only a contiguous one: a strided input goes as a
+        # contiguous copy (outputs are always allocated contiguous: a strided one would lose its writes here)
+        return (t.view(torch.int32) if t.dtype == torch.uint32 else t).detach().cpu().contiguous().numpy()
     return _device_view(t.data_ptr(), tuple(t.shape), None if t.is_contiguous() else t.stride(), _TYPESTR[t.dtype],
                         t.device.index)
 

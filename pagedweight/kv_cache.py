@@ -86,13 +86,13 @@ class PagedKVCache:
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
         self._ids = itertools.count()
         self.layout: StepLayout | DecodeLayout | None = None
-        self._decode_attention = None
+        self._kernels = None  # cuda/attention_kernels.py when static decode steps use it
         # grouped-query models keep gather + SDPA: the kernel reads a KV head once per query head, 2-9x slower
         # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4)
         if decode_kernel and pool.device.type == "cuda" and cfg.num_key_value_heads == cfg.num_attention_heads:
             from pagedweight.cuda import attention_kernels
             if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
-                self._decode_attention = attention_kernels.paged_decode_attention
+                self._kernels = attention_kernels
         pool.add_kv_listener(self._relocated)
 
     # ---- block accounting (what the scheduler reads) ----
@@ -207,7 +207,7 @@ class PagedKVCache:
         b, layers, m = tables.shape
         block = (positions // self.block_size)[:, None, None].expand(b, layers, 1)
         lengths = mask = None  # only the bound the step's attention reads (each is device work in every step)
-        if self._decode_attention is not None:
+        if self._kernels is not None:
             lengths = positions + 1
         else:
             keys = torch.arange(m * self.block_size, device=positions.device)
@@ -234,11 +234,12 @@ class PagedKVCache:
                        scale: float) -> torch.Tensor:
         """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16) each row's
         M blocks are gathered whole, per K and V (one copy each), for SDPA under the length mask."""
+        pages = lay.tables[:, layer]  # [B, M]
+        if self._kernels is not None:
+            self._kernels.store_kv(k, v, self.view, lay.write_pages[layer], lay.write_slots, lay.src_rows)
+            return self._kernels.paged_decode_attention(q[:, :, 0], self.view, pages, lay.lengths, scale)[:, :, None]
         new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)[lay.src_rows]  # [B, 2, Hkv, hd]
         self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
-        pages = lay.tables[:, layer]  # [B, M]
-        if self._decode_attention is not None:
-            return self._decode_attention(q[:, :, 0], self.view, pages, lay.lengths, scale)[:, :, None]
         return gathered_decode_attention(q, self.view, pages, lay.mask, scale)
 
 

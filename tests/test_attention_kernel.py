@@ -47,6 +47,23 @@ BUILD = textwrap.dedent(r"""
                 view(rows)[tables[b, pos // bs], :, pos % bs] = float("nan")
         q = torch.randn(B, H, hd, generator=g).to(dtype)
         return tuple(t.to(device) for t in (q, view(rows.to(device)), clean, tables, lengths))
+
+    def store_case(device):
+        # store_kv against the torch path it replaces (stack, gather by source row, scatter into the pages): 3 rows,
+        # the last a padding row that rewrites row 0's values into row 0's slot; v a strided view, as in the model
+        from pagedweight.cuda.attention_kernels import store_kv
+        _, kv, _, _, _ = build(3, 2, 2, 16, 4, 2, "float16", seed=7, device=device)
+        want = kv.clone()
+        g = torch.Generator().manual_seed(8)
+        k = torch.randn(3, 2, 1, 16, generator=g).half().to(device)
+        v = torch.randn(3, 1, 2 * 16 + 3, generator=g).half().to(device)[..., 3:].view(3, 1, 2, 16).transpose(1, 2)
+        pages, slots, src = (torch.tensor(a, device=device) for a in ([4, 1, 4], [3, 0, 3], [0, 1, 0]))
+        new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)[src]
+        want[pages, :, slots] = new
+        store_kv(k, v, kv, pages, slots, src)
+        return dict(equal=torch.equal(kv.float().nan_to_num(7.0), want.float().nan_to_num(7.0)),
+                    touched=int((kv.float().nan_to_num(7.0) != build(3, 2, 2, 16, 4, 2, "float16", seed=7,
+                                 device=device)[1].float().nan_to_num(7.0)).sum()))
 """)
 
 SIM_CHILD = BUILD + textwrap.dedent(r"""
@@ -63,6 +80,7 @@ SIM_CHILD = BUILD + textwrap.dedent(r"""
         out[f"case{i}"] = dict(dtype_ok=got.dtype == q.dtype, shape_ok=tuple(got.shape) == tuple(q.shape),
                                finite=bool(torch.isfinite(got).all()),
                                max_err=float((got.float() - want.float()).abs().max()))
+    out["store_kv"] = store_case("cpu")
     from pagedweight.cuda import attention_kernels as ak
     out["supports"] = [ak.supports(torch.float16, 128, ak.MAX_KEYS), ak.supports(torch.float32, 64, 8192),
                        ak.supports(torch.float16, 128, ak.MAX_KEYS + 1), ak.supports(torch.bfloat16, 128, 8192),
@@ -79,7 +97,7 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
     import numba.cuda.dispatcher as dispatcher
     from pagedweight.cuda import attention_kernels as ak
 
-    sigs = {"_split_kernel": [], "_combine_kernel": []}
+    sigs = {"_split_kernel": [], "_combine_kernel": [], "_store_kernel": []}
 
     %(recorder)s
 
@@ -89,6 +107,7 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
         for i, case in enumerate(%(cases)r):
             q, kv, _, tables, lengths = build(*case, seed=i)
             ak.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)
+        store_case("cpu")
     sm90 = types.SimpleNamespace(compute_capability=(9, 0))
     out = {}
     with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
@@ -120,6 +139,11 @@ def test_kernel_matches_twin_under_simulator(sim: dict, i: int) -> None:
     assert r["max_err"] <= tol(CASES[i][-1]), r
 
 
+def test_store_kv_writes_what_the_torch_path_writes(sim: dict) -> None:
+    """Two distinct slots get both K and V (2 rows x 2 (k|v) x 2 heads x 16 dims); the padding row rewrites row 0's."""
+    assert sim["store_kv"] == {"equal": True, "touched": 128}, sim["store_kv"]
+
+
 def test_supports_names_what_the_kernel_takes(sim: dict) -> None:
     """fp16/fp32, head dims that are multiples of SUB up to MAX_HEAD_DIM, rows up to MAX_KEYS keys; else the torch
     path (the engine asks once, with the model's longest context)."""
@@ -149,6 +173,13 @@ def test_twin_matches_sdpa_on_gathered_keys(i: int) -> None:
     got = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=mask, scale=hd ** -0.5,
                                          enable_gqa=H != Hkv)[:, :, 0]
     torch.testing.assert_close(got.to(q.dtype).float(), want, rtol=0, atol=tol(dtype))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+def test_store_kv_on_gpu() -> None:
+    ns: dict = {}
+    exec(BUILD, ns)
+    assert ns["store_case"]("cuda") == {"equal": True, "touched": 128}
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")

@@ -6,6 +6,7 @@ norms and softmaxes run in float32 and cast back, RoPE angles are computed in fl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Protocol
 
 import torch
@@ -15,6 +16,16 @@ from torch import nn
 from pagedweight.models.config import ModelConfig
 
 RouterObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+KERNEL_MAX_TOKENS = 64  # the fused layer kernels take steps of up to this many tokens (see `kernels_for`)
+
+
+def kernels_for(module: nn.Module, x: torch.Tensor) -> ModuleType | None:
+    """The fused layer kernels (cuda/layer_kernels.py) when the model uses them (`MoEForCausalLM.use_layer_kernels`)
+    and x [..., D] is a decode-sized step. Larger steps keep torch's ops: their shapes vary chunk to chunk, and each new
+    shape costs the kernels' launcher a Numba view per tensor (20-80 us each) where a captured decode step pays it
+    once."""
+    k = module.kernels
+    return k if k is not None and x.numel() <= KERNEL_MAX_TOKENS * x.shape[-1] else None
 
 
 class KVCache(Protocol):
@@ -40,12 +51,25 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 class RMSNorm(nn.Module):
+    kernels: ModuleType | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (residual + x, its norm), one launch on the kernel path (vLLM's convention)."""
+        kernels = kernels_for(self, x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = residual + x
+        return x, self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalised in float32 by one fused op (a decode step is bound by host time per op), cast back, then
         # scaled in the input dtype: the published models' order of rounding
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
@@ -77,6 +101,8 @@ def causal_mask(t_new: int, t_all: int, device: torch.device) -> torch.Tensor:
 class Attention(nn.Module):
     """Grouped-query attention with RoPE and optional q/k RMSNorm (per head, or over the full projection)."""
 
+    kernels: ModuleType | None = None  # RoPE's kernel: set only where q, k, v are fused and neither normed nor clipped
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -99,6 +125,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> torch.Tensor:
         b, t, _ = x.shape
+        kernels = kernels_for(self, x)
+        if kernels is not None:
+            qkv = self.qkv_proj(x)
+            q, k = kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv)
+            v = qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            return self._attend(q, k, v, cache)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
         else:
@@ -114,6 +146,11 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return self._attend(q, k, v, cache)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """q [B, H, T, hd], k, v [B, Hkv, T, hd] after RoPE -> the output projection's [B, T, D]."""
+        b, _, t, _ = q.shape
         scale = self.head_dim ** -0.5
         out = sdpa(q, k, v, None, scale) if cache is None else cache.attend(self.layer, q, k, v, scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -145,6 +182,8 @@ def fuse_linears(*parts: nn.Linear) -> nn.Linear:
 class MLP(nn.Module):
     """SwiGLU MLP (the shared expert)."""
 
+    kernels: ModuleType | None = None
+
     def __init__(self, d: int, f: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(d, f, bias=False)
@@ -157,6 +196,9 @@ class MLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The output from gate and up already projected side by side ([..., 2f], a fused projection's:
         `MoEBlock.fuse_inputs`)."""
+        kernels = kernels_for(self, gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.swiglu(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -222,6 +264,8 @@ class MoEBlock(nn.Module):
     """Router (softmax over all experts, then top-k, optional renormalisation) + routed experts
     (+ a sigmoid-gated shared expert when the family has one)."""
 
+    kernels: ModuleType | None = None
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.top_k, self.norm_topk_prob = layer, cfg.top_k, cfg.norm_topk_prob
@@ -243,13 +287,17 @@ class MoEBlock(nn.Module):
         Weights stay float32 (the kernel contract); transformers rounds them to the model dtype first for
         the Qwen/OLMoE families, a difference below bf16/fp16 rounding of the expert outputs.
         """
+        kernels = kernels_for(self, logits)
+        if kernels is not None:
+            return kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for x [..., D]; with `residual` (x's shape), residual + that output."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.in_proj is not None:
@@ -262,10 +310,15 @@ class MoEBlock(nn.Module):
             self.observer(self.layer, x, ids, weights)
         out = self.experts(x, ids, weights)
         if self.in_proj is not None:
-            out = out + torch.sigmoid(shared_gate) * self.shared_expert.down(shared_gate_up)
+            shared = self.shared_expert.down(shared_gate_up)
+            kernels = kernels_for(self, x)
+            if kernels is not None and residual is not None:
+                return kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared).reshape(shape)
+            out = out + torch.sigmoid(shared_gate) * shared
         elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        return out if residual is None else residual + out
 
     def fuse_inputs(self) -> None:
         """Serving layout for a block with a shared expert: its gate and up, the router and the shared expert's gate
@@ -289,8 +342,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache), residual=x)
+        return self.mlp(h, residual=x)
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pagedweight.models.config import ModelConfig
-from pagedweight.models.layers import DecoderLayer, DenseExperts, KVCache, RMSNorm, RouterObserver, rope_cos_sin
+from pagedweight.models.layers import (MLP, Attention, DecoderLayer, DenseExperts, KVCache, MoEBlock, RMSNorm,
+                                       RouterObserver, rope_cos_sin)
 
 BlockKey = tuple[int, int, str]  # (layer, expert, "gate_up" | "down")
 BLOCK_KINDS = ("gate_up", "down")
@@ -60,6 +61,22 @@ class MoEForCausalLM(nn.Module):
             layer.mlp.fuse_inputs()
             if self.lm_head.weight.is_cuda:
                 torch.cuda.empty_cache()
+
+    def use_layer_kernels(self) -> bool:
+        """Serving on CUDA (fp16/fp32): decode-sized steps run each layer's norms (the residual add fused in), RoPE,
+        routing and the shared expert's elementwise work as fused Numba kernels (cuda/layer_kernels.py), ~35 fewer
+        launches per layer. RoPE's kernel needs q/k/v fused (`fuse_projections`) and neither normed nor clipped.
+        Returns whether the kernels are on (not for other devices or bf16)."""
+        from pagedweight.cuda import layer_kernels
+        if not layer_kernels.takes(self.lm_head.weight):
+            return False
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP)) or (isinstance(m, MoEBlock)
+                                                 and m.num_experts <= layer_kernels.MAX_EXPERTS):
+                m.kernels = layer_kernels
+            elif isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm == "none" and m.clip_qkv is None:
+                m.kernels = layer_kernels
+        return True
 
     def set_experts(self, layer: int, module: nn.Module) -> None:
         """Replace layer `layer`'s routed experts by anything with DenseExperts' forward signature."""

@@ -1,0 +1,244 @@
+"""A decoder layer's small fused kernels (Numba CUDA): RMSNorm (with the residual add), RoPE on q and k, the router's
+softmax + top-k, and the shared expert's SwiGLU and output; one launch each where torch takes 2 to 10.
+
+Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 per layer, and ~1,000 of them were
+1-5 us elementwise, copy, cat, norm and top-k kernels: ~1.9 ms of the step's 5.3 ms of kernel time, before the gaps
+between launches (benchmarks/results/decode_profile-nvidia-h200-20261129-s6-attn2.txt). Per layer torch runs RMSNorm
+as 4 kernels (cast, norm, cast, scale) twice, the residual adds as 2, RoPE as 5 per tensor (q and k: two products,
+a negation, a cat and a sum, on transposed views), the router as 3 (softmax, top-k's gather and sort) and the shared
+expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 5 launches.
+
+Rounding: every kernel rounds where the torch ops it replaces round (an fp16 op's result is rounded to fp16 before
+the next op reads it; `_rnd`), so the results equal torch's bit for bit except where a float32 reduction runs in
+another order (the norm's sum of squares, the softmax's sum): a float32 ulp there, rarely an fp16 ulp in the output.
+Reductions go through shared memory, not warp shuffles, so the CUDA simulator runs these kernels in the CPU tests
+(tests/test_layer_kernels.py, against the model's own torch ops). fp16 and fp32 only: Numba has no bf16 arrays.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ._compat import SIMULATOR, cuda
+from .attention_kernels import THREADS, _block_reduce
+from .moe_kernels import _dev, _stream
+
+MAX_EXPERTS = 1024  # router logits per token held in shared memory
+DTYPES = (torch.float16, torch.float32)
+
+float32, float16, int64 = np.float32, np.float16, np.int64
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether the kernels run on tensors like t: fp16/fp32 on a GPU (or on the CPU under the CUDA simulator)."""
+    return t.dtype in DTYPES and (t.is_cuda or SIMULATOR)
+
+
+@cuda.jit(device=True, inline=True)
+def _rnd(v, half):
+    """v rounded as a result of the model's dtype (fp16: to nearest even), back in float32."""
+    return float32(float16(v)) if half else v
+
+
+@cuda.jit(cache=True)
+def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
+    """Row n: v = x[n] (+ res[n], stored to h[n], when add); y[n] = w * (v * rsqrt(mean(v^2) + eps)), the product
+    rounded first as torch's .to(dtype) does. x, res, h, y [N, D] (any strides), w [D]."""
+    n = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    D = x.shape[1]
+    red = cuda.shared.array(THREADS, np.float32)
+    ss = float32(0.0)
+    for i in range(t, D, THREADS):
+        v = float32(x[n, i])
+        if add:
+            v = _rnd(v + float32(res[n, i]), half)
+            h[n, i] = v
+        ss += v * v
+    total = _block_reduce(red, ss, t, False)
+    r = float32(1.0) / math.sqrt(total / float32(D) + eps)
+    for i in range(t, D, THREADS):
+        v = float32(h[n, i]) if add else float32(x[n, i])  # h[n, i] was written by this very thread
+        y[n, i] = float32(w[i]) * _rnd(v * r, half)
+
+
+@cuda.jit(cache=True)
+def _rope_kernel(qkv, cos, sin, q, k, n_heads, half):
+    """Block (b * T + t, j): head j of token (b, t) in qkv [B, T, (H + 2 Hkv) * hd] (q heads, then k heads), rotated
+    with cos/sin [B, T, hd] (rotate-half: dim i < hd/2 pairs with i + hd/2) into q [B, H, T, hd] (j < H) or k [B, Hkv,
+    T, hd]. Thread i takes dims i and i + hd/2."""
+    T = qkv.shape[1]
+    hd = cos.shape[2]
+    half_dim = hd // 2
+    b = cuda.blockIdx.x // T
+    tok = cuda.blockIdx.x - b * T
+    j = cuda.blockIdx.y
+    base = j * hd
+    for i in range(cuda.threadIdx.x, half_dim, cuda.blockDim.x):
+        x1 = float32(qkv[b, tok, base + i])
+        x2 = float32(qkv[b, tok, base + i + half_dim])
+        lo = _rnd(_rnd(x1 * float32(cos[b, tok, i]), half) - _rnd(x2 * float32(sin[b, tok, i]), half), half)
+        hi = _rnd(x2 * float32(cos[b, tok, i + half_dim]), half) + _rnd(x1 * float32(sin[b, tok, i + half_dim]), half)
+        if j < n_heads:
+            q[b, j, tok, i] = lo
+            q[b, j, tok, i + half_dim] = hi
+        else:
+            k[b, j - n_heads, tok, i] = lo
+            k[b, j - n_heads, tok, i + half_dim] = hi
+
+
+@cuda.jit(cache=True)
+def _topk_kernel(logits, top_k, renorm, ids, weights):
+    """Token n: softmax (float32) over logits[n, :E], then the top_k largest (descending; of equal ones the lower
+    expert first) to ids/weights [N, k], renormalised to sum 1 when renorm."""
+    n = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    E = logits.shape[1]
+    probs = cuda.shared.array(MAX_EXPERTS, np.float32)
+    red = cuda.shared.array(THREADS, np.float32)
+    best = cuda.shared.array(THREADS, np.int32)
+    m = float32(-math.inf)
+    for e in range(t, E, THREADS):
+        m = max(m, float32(logits[n, e]))
+    m = _block_reduce(red, m, t, True)
+    s = float32(0.0)
+    for e in range(t, E, THREADS):
+        p = float32(math.exp(float32(logits[n, e]) - m))
+        probs[e] = p
+        s += p
+    s = _block_reduce(red, s, t, False)  # its barriers also publish probs
+    picked = float32(0.0)
+    for r in range(top_k):
+        v = float32(-1.0)
+        arg = np.int32(E)
+        for e in range(t, E, THREADS):  # this thread's best, lowest index first
+            if probs[e] > v:
+                v = probs[e]
+                arg = e
+        red[t] = v
+        best[t] = arg
+        cuda.syncthreads()
+        stride = THREADS // 2
+        while stride > 0:  # arg-max over the block; equal values keep the lower index
+            if t < stride:
+                ov = red[t + stride]
+                oa = best[t + stride]
+                if ov > red[t] or (ov == red[t] and oa < best[t]):
+                    red[t] = ov
+                    best[t] = oa
+            cuda.syncthreads()
+            stride >>= 1
+        if t == 0 and best[0] < E:  # NaN logits pick nothing
+            e = best[0]
+            p = probs[e] / s
+            ids[n, r] = e
+            weights[n, r] = p
+            picked += p
+            probs[e] = float32(-2.0)  # below every probability and below the -1 start: never picked again
+        cuda.syncthreads()
+    if renorm and t == 0:
+        for r in range(top_k):
+            weights[n, r] = weights[n, r] / picked
+
+
+@cuda.jit(cache=True)
+def _swiglu_kernel(gate_up, out, half):
+    """out [N, F] = silu(gate) * up, gate_up [N, 2F] (gate first; any strides); SiLU's result rounded first."""
+    n = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    F = out.shape[1]
+    if i < F:
+        g = float32(gate_up[n, i])
+        out[n, i] = _rnd(g / (float32(1.0) + float32(math.exp(-g))), half) * float32(gate_up[n, F + i])
+
+
+@cuda.jit(cache=True)
+def _shared_out_kernel(x, routed, gate, shared, out, half):
+    """out [N, D] = x + (routed + sigmoid(gate) * shared), each op's result rounded as torch rounds it; gate [N, 1]."""
+    n = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.shape[1]:
+        g = float32(gate[n, 0])
+        s = _rnd(_rnd(float32(1.0) / (float32(1.0) + float32(math.exp(-g))), half) * float32(shared[n, i]), half)
+        out[n, i] = float32(x[n, i]) + _rnd(float32(routed[n, i]) + s, half)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, D] view of [..., D] (a copy only when the leading dims cannot be merged)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check(*ts: torch.Tensor) -> None:
+    dtype = ts[0].dtype
+    if dtype not in DTYPES or any(t.dtype != dtype for t in ts):
+        raise ValueError(f"layer kernels take fp16 or fp32 tensors of one dtype, got {[t.dtype for t in ts]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [..., D] as models.layers.RMSNorm computes it; with `residual`, of h = x + residual, returning
+    (h, norm(h)) from one launch."""
+    _check(x, weight, *(() if residual is None else (residual,)))
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = y if residual is None else torch.empty_like(y)
+    res = x2 if residual is None else _rows(residual)
+    _rms_norm_kernel[x2.shape[0], THREADS, _stream()](_dev(x2), _dev(res), _dev(_rows(h)), _dev(_rows(y)),
+                                                      _dev(weight), float32(eps), residual is not None,
+                                                      x.dtype == torch.float16)
+    return y if residual is None else (h, y)
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, hd] and k [B, Hkv, T, hd] (contiguous) with RoPE applied, from a fused projection's qkv [B, T,
+    (H + 2 Hkv) * hd] and cos/sin [B, 1, T, hd] (models.layers.rope_cos_sin); models.layers.apply_rope's result."""
+    _check(qkv, cos, sin)
+    b, t, _ = qkv.shape
+    hd = cos.shape[-1]
+    q = torch.empty(b, n_heads, t, hd, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(b, n_kv, t, hd, dtype=qkv.dtype, device=qkv.device)
+    threads = min(THREADS, max(32, hd // 2))
+    _rope_kernel[(b * t, n_heads + n_kv), threads, _stream()](_dev(qkv), _dev(cos[:, 0]), _dev(sin[:, 0]), _dev(q),
+                                                              _dev(k), n_heads, qkv.dtype == torch.float16)
+    return q, k
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> ids [N, k] (int64), weights [N, k] (float32): models.layers.MoEBlock.route's result."""
+    _check(logits)
+    n, e = logits.shape
+    if e > MAX_EXPERTS or not 1 <= top_k <= e:
+        raise ValueError(f"route_topk takes up to {MAX_EXPERTS} experts and 1 <= top_k <= E, got E={e}, k={top_k}")
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    _topk_kernel[n, THREADS, _stream()](_dev(logits), top_k, renorm, _dev(ids), _dev(weights))
+    return ids, weights
+
+
+def _grid(n: int, d: int) -> tuple[int, int]:
+    return -(-d // THREADS), n
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2F] (gate first), [..., F]: models.layers.MLP.down's input."""
+    _check(gate_up)
+    rows = _rows(gate_up)
+    f = rows.shape[1] // 2
+    out = torch.empty(*gate_up.shape[:-1], f, dtype=gate_up.dtype, device=gate_up.device)
+    _swiglu_kernel[_grid(rows.shape[0], f), THREADS, _stream()](_dev(rows), _dev(_rows(out)),
+                                                                gate_up.dtype == torch.float16)
+    return out
+
+
+def shared_expert_out(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor
+                      ) -> torch.Tensor:
+    """x + (routed + sigmoid(gate) * shared): an MoE block's output with a gated shared expert, added to the residual
+    stream x [N, D]; gate [N, 1]."""
+    _check(x, routed, gate, shared)
+    out = torch.empty_like(x)
+    _shared_out_kernel[_grid(*x.shape), THREADS, _stream()](_dev(x), _dev(routed), _dev(gate), _dev(shared), _dev(out),
+                                                            x.dtype == torch.float16)
+    return out

@@ -1,0 +1,216 @@
+"""The fused layer kernels (cuda/layer_kernels.py) against the model's own torch ops, and a whole model with them on
+against the same model without them.
+
+The kernels run under the CUDA simulator in a child process (NUMBA_ENABLE_CUDASIM must be set before numba.cuda is
+imported); a second child compiles them to sm_90 PTX with the argument types the launchers build. With
+PAGEDWEIGHT_TEST_DEVICE=cuda the same comparisons run on the GPU.
+
+What "equal" means here: ops that only multiply and add (RoPE, the residual add) round where torch rounds, so their
+results are bit-identical; SiLU, sigmoid and softmax call exp, and the norm and softmax sum in another order, so those
+may differ by an fp16 ulp on a few elements, or a few float32 ulps (the fp32 norm's sum of squares: ~2).
+"""
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+
+import pytest
+
+from helpers import KERNEL_RECORDER, run_child_json
+
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
+
+# Builds every kernel's inputs and compares the kernel with the torch ops it replaces; `compare(device)` returns a
+# dict of metrics per case. Inputs are views like the model's: qkv and the router logits are slices of one
+# projection's output (strided rows).
+COMPARE = textwrap.dedent(r"""
+    import torch
+    import torch.nn.functional as F
+    from pagedweight.cuda import layer_kernels as lk
+    from pagedweight.models.layers import MoEBlock, RMSNorm, apply_rope, rope_cos_sin
+
+    def ulps(got, want):
+        # largest difference in units of the dtype's last place at want's magnitude (0 = bit-identical)
+        got, want = got.float(), want.float()
+        eps = torch.finfo(torch.float16).eps if want.dtype == torch.float16 else torch.finfo(torch.float32).eps
+        scale = want.abs().clamp_min(torch.finfo(torch.float16).tiny) * eps
+        return float(((got - want).abs() / scale).max())
+
+    def stats(got, want):
+        return dict(dtype=str(got.dtype) == str(want.dtype), shape=tuple(got.shape) == tuple(want.shape),
+                    exact=float((got == want).float().mean()), ulps=ulps(got, want))
+
+    def compare(device, dtype_name, seed):
+        g = torch.Generator().manual_seed(seed)
+        dt = getattr(torch, dtype_name)
+        r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dt)
+        out = {}
+        B, T, D, H, Hkv, hd, E, k = 2, 3, 160, 4, 2, 16, 60, 4
+        norm = RMSNorm(D, 1e-6).to(device=device, dtype=dt)
+        with torch.no_grad():
+            norm.weight.copy_(r(D))
+        x, res = r(B, T, D), r(B, T, D)
+        out["rms_norm"] = stats(lk.rms_norm(x, norm.weight, norm.eps), norm(x))
+        h, y = lk.rms_norm(x, norm.weight, norm.eps, res)
+        h_want, y_want = norm(x, residual=res)
+        out["add_rms_norm_sum"] = stats(h, h_want)
+        out["add_rms_norm"] = stats(y, y_want)
+        wide = r(B, T, (H + 2 * Hkv) * hd + 5)  # a projection's output with more columns after qkv
+        qkv = wide[..., :(H + 2 * Hkv) * hd]
+        pos = torch.randint(0, 500, (B, T), generator=g).to(device)
+        cos, sin = rope_cos_sin(pos, hd, 10000.0, dt)
+        q, kk = lk.rope(qkv, cos, sin, H, Hkv)
+        q_in, k_in, _ = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        out["rope_q"] = stats(q, apply_rope(q_in.view(B, T, H, hd).transpose(1, 2), cos, sin))
+        out["rope_k"] = stats(kk, apply_rope(k_in.view(B, T, Hkv, hd).transpose(1, 2), cos, sin))
+        out["rope_contiguous"] = q.is_contiguous() and kk.is_contiguous()
+        # router logits as a slice of the fused input projection; distinct values, so the top-k is unambiguous
+        proj = r(3, 2 * 24 + E + 1)
+        vals = (torch.randperm(E * 3, generator=g).float() / 40 - 3).view(3, E).to(device=device, dtype=dt)
+        proj[:, 48:48 + E] = vals
+        logits = proj[:, 48:48 + E]
+        for renorm in (False, True):
+            block = MoEBlock.__new__(MoEBlock)
+            block.top_k, block.norm_topk_prob, block.kernels = k, renorm, None
+            ids_want, w_want = block.route(logits)
+            ids, w = lk.route_topk(logits, k, renorm)
+            out[f"route_ids_{renorm}"] = ids.dtype == torch.int64 and torch.equal(ids, ids_want)
+            out[f"route_weights_{renorm}"] = float((w - w_want).abs().max() / w_want.abs().max())
+        tie = torch.zeros(1, E, device=device, dtype=dt)
+        tie[0, [7, 3, 50]] = 1.0  # three equal largest: the lower experts first, then the rest in order
+        out["route_ties"] = lk.route_topk(tie, 5, False)[0].tolist()
+        gate_up = proj[:, :48]  # the shared expert's gate and up, F = 24
+        out["swiglu"] = stats(lk.swiglu(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+        xs, routed, shared = r(3, D), r(3, D), r(3, D)
+        gate = proj[:, -1:]
+        out["shared_expert_out"] = stats(lk.shared_expert_out(xs, routed, gate, shared),
+                                         xs + (routed + torch.sigmoid(gate) * shared))
+        return out
+
+    def model_pair(device, dtype_name):
+        # a whole (tiny, Qwen1.5-like: shared expert, qkv bias) model with the kernels on, against the same model off
+        from pagedweight.models import ModelConfig, build_model
+        cfg = ModelConfig(family="qwen2_moe", vocab_size=64, hidden_size=32, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_experts=8, top_k=2, norm_topk_prob=False, num_attention_heads=4,
+                          num_key_value_heads=4, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                          max_position_embeddings=128, shared_expert_intermediate_size=24, qkv_bias=True,
+                          bos_token_id=1, eos_token_ids=(2,))
+        model = build_model(cfg, seed=0, std=0.2).to(device=device, dtype=getattr(torch, dtype_name)).eval()
+        model.fuse_projections()
+        ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(1)).to(device)
+        with torch.no_grad():
+            want = model(ids)
+            on = model.use_layer_kernels()
+            used = sorted({type(m).__name__ for m in model.modules() if m.__dict__.get("kernels") is not None})
+            got = model(ids)
+        return dict(on=on, used=used, max_err=float((got - want).abs().max()), scale=float(want.abs().max()),
+                    argmax=torch.equal(got.argmax(-1), want.argmax(-1)))
+""")
+
+SIM_CHILD = COMPARE + textwrap.dedent(r"""
+    import json, sys
+    torch.set_num_threads(1)
+    out = {f"{dt}/{seed}": compare("cpu", dt, seed) for dt in ("float16", "float32") for seed in (0, 1)}
+    out.update({f"model/{dt}": model_pair("cpu", dt) for dt in ("float16", "float32")})
+    json.dump(out, sys.stdout)
+""")
+
+COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
+    import json, re, sys, types
+    from unittest import mock
+    import numba
+    torch.set_num_threads(1)
+    from pagedweight.cuda._compat import cuda
+    import numba.cuda.dispatcher as dispatcher
+
+    names = ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_swiglu_kernel", "_shared_out_kernel"]
+    sigs = {name: [] for name in names}
+
+    %(recorder)s
+
+    # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees); the kernels
+    # are stand-ins, so compare() only records (its comparisons are meaningless here)
+    with mock.patch.multiple(lk, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
+                             **{name: Recorder(name) for name in names}):
+        for dt in ("float16", "float32"):
+            compare("cpu", dt, 0)
+    sm90 = types.SimpleNamespace(compute_capability=(9, 0))
+    out = {}
+    with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
+        for name, found in sigs.items():
+            runs = []
+            for sig in found:
+                ptx, resty = cuda.compile_ptx(getattr(lk, name).py_func, sig, cc=(9, 0))
+                runs.append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
+                                 entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
+            out[name] = runs
+    json.dump(out, sys.stdout)
+""") % {"recorder": KERNEL_RECORDER}
+
+ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out")
+BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k")
+
+
+@pytest.fixture(scope="module")
+def sim() -> dict:
+    return run_child_json(SIM_CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
+
+
+def check_case(r: dict, dtype: str) -> None:
+    for name in BIT_EXACT:  # multiply and add only: rounded where torch rounds
+        assert r[name]["dtype"] and r[name]["shape"] and r[name]["exact"] == 1.0, (name, r[name])
+    for name in ELEMENTWISE:  # exp, or a sum in another order: fp16 an ulp at most, on few elements; fp32 a few
+        assert r[name]["dtype"] and r[name]["shape"], (name, r[name])
+        if dtype == "float16":
+            assert r[name]["ulps"] <= 1.0 and r[name]["exact"] >= 0.95, (name, r[name])
+        else:
+            assert r[name]["ulps"] <= 4.0, (name, r[name])
+    assert r["rope_contiguous"]
+    for renorm in (False, True):
+        assert r[f"route_ids_{renorm}"], r
+        assert r[f"route_weights_{renorm}"] <= 1e-6, r  # float32 weights: a float32 ulp or two
+    assert r["route_ties"][0] == [3, 7, 50, 0, 1], r["route_ties"]
+
+
+@pytest.mark.parametrize("case", ["float16/0", "float16/1", "float32/0", "float32/1"])
+def test_kernels_match_torch_under_simulator(sim: dict, case: str) -> None:
+    check_case(sim[case], case.split("/")[0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_model_with_kernels_matches_without_under_simulator(sim: dict, dtype: str) -> None:
+    r = sim[f"model/{dtype}"]
+    assert r["on"] and r["used"] == ["Attention", "MLP", "MoEBlock", "RMSNorm"], r
+    assert r["argmax"], r
+    assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
+
+
+def test_kernels_compile_to_sm90_ptx() -> None:
+    out = run_child_json(COMPILE_CHILD, timeout=900, NUMBA_ENABLE_CUDASIM="0")
+    for name, runs in out.items():
+        assert len(runs) >= 2, f"{name}: launched with {len(runs)} signatures, want fp16 and fp32"
+        for r in runs:
+            assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
+            assert re.search(rf"13layer_kernels{len(name)}{name}B", r["entries"][0]), r
+
+
+def test_model_without_cuda_keeps_torch_ops() -> None:
+    """On the CPU (no simulator) use_layer_kernels declines and nothing changes."""
+    from pagedweight.models import build_model
+    from test_checkpoint import tiny_config
+
+    model = build_model(tiny_config(), seed=0)
+    assert model.use_layer_kernels() is False
+    assert all(m.__dict__.get("kernels") is None for m in model.modules())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernels on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_kernels_match_torch_on_gpu(dtype: str) -> None:
+    ns: dict = {}
+    exec(COMPARE, ns)
+    check_case(ns["compare"]("cuda", dtype, 0), dtype)
+    r = ns["model_pair"]("cuda", dtype)
+    assert r["on"] and r["argmax"], r
+    assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
