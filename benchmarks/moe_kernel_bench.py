@@ -12,6 +12,9 @@ cut-short run still leaves a valid partial result):
                T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
                than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
                device-to-device copy ceiling measured in the same run.
+  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS, TARGET_BLOCKS: launch arguments, no recompile)
+               swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the copy
+               ceiling with few warps per SM, and more K splits mean more warps but more LUT and x staging per weight.
 Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 """
 from __future__ import annotations
@@ -290,6 +293,48 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
     del moe, wgu, wd
 
 
+SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 8192))  # (MIN_SPLIT_WORDS, TARGET_BLOCKS)
+
+
+def splits(shapes: list[str]) -> None:
+    """Decode time per layer under CUDA graphs for each split-K sizing; outputs checked against the default's."""
+    default = (mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS)
+    try:
+        for name in shapes:
+            E, D, F, k = SHAPES[name]
+            moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
+            q_dev, po_dev, lo_dev = moe.tables(torch.full((E, 2), 4))
+            gen = torch.Generator(device=DEV).manual_seed(5)
+            for T in (1, 4):
+                sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
+                hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
+                for width in (4, 8):
+                    moe.write_tables(torch.full((E, 2), width), q_dev, lo_dev)
+                    call = [lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
+                                                         po_dev, lo_dev, D, F, P, width) for h, s in zip(hiddens, sets)]
+                    mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = default
+                    want = call[0]()
+                    for min_words, target in SPLIT_SIZINGS:
+                        mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = min_words, target
+                        err = rel(call[0](), want)
+                        graphs = [capture(c) for c in call]
+                        us = time_cycle([g.replay for g in graphs])
+                        del graphs
+                        slots = min(E, T * k)
+                        blocks = [-(-n // mk.ROWS) * -(-num_words(kk) // mk._words_per_split(
+                            num_words(kk), -(-n // mk.ROWS), slots)) * slots for n, kk in ((2 * F, D), (D, F))]
+                        add(dict(section="splits", shape=name, T=T, bits=width, min_split_words=min_words,
+                                 target_blocks=target, blocks_gate_up_down=blocks, us=us, rel_err_vs_default=err,
+                                 passed=err < 1e-3))
+                        log(f"{name} T={T} w{width} min_words={min_words} target={target}: {us:.1f} us, blocks "
+                            f"{blocks}, rel {err:.1e}")
+                        _KEEP.clear()
+            del moe
+            torch.cuda.empty_cache()
+    finally:
+        mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = default
+
+
 # ---------------------------------------------------------------------------------------------- prefill
 
 BEFORE = Path(__file__).resolve().parent / "results" / "moe_kernel_bench-nvidia-h200-20261129-full.json"
@@ -397,7 +442,7 @@ def main() -> int:
     CEIL["device"] = torch.cuda.get_device_name(0)
     log(f"copy ceiling {CEIL['copy_tb_per_s']:.2f} TB/s")
     sections = a.sections.split(",")
-    if {"correctness", "graph", "speed"} & set(sections):  # the decode kernel's compile, timed on its own
+    if {"correctness", "graph", "speed", "splits"} & set(sections):  # the decode kernel's compile, timed on its own
         t = time.time()
         moe = build_synthetic_moe(2, 256, 128, P, SEED_BITS, device=DEV)
         qd, po, lo = moe.tables(torch.full((2, 2), 4))
@@ -415,6 +460,8 @@ def main() -> int:
                 log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
     if "speed" in sections:
         speed(a.quick, a.shapes.split(","))
+    if "splits" in sections:
+        splits(a.shapes.split(","))
     if "prefill" in sections:
         try:
             prefill(a.shapes.split(","))
