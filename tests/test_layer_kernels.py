@@ -6,8 +6,9 @@ imported); a second child compiles them to sm_90 PTX with the argument types the
 PAGEDWEIGHT_TEST_DEVICE=cuda the same comparisons run on the GPU.
 
 What "equal" means here: ops that only multiply and add (RoPE, the residual add) round where torch rounds, so their
-results are bit-identical; SiLU, sigmoid and softmax call exp, and the norm and softmax sum in another order, so those
-may differ by an fp16 ulp on a few elements, or a few float32 ulps (the fp32 norm's sum of squares: ~2).
+fp16 results are bit-identical; SiLU, sigmoid and softmax call exp, and the norm and softmax sum in another order, so
+those may differ by an fp16 ulp on a few elements. In fp32 the GPU also contracts a * b + c into one FMA, so results
+are compared to within 1e-6 of the largest value.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ COMPARE = textwrap.dedent(r"""
 
     def stats(got, want):
         return dict(dtype=str(got.dtype) == str(want.dtype), shape=tuple(got.shape) == tuple(want.shape),
-                    exact=float((got == want).float().mean()), ulps=ulps(got, want))
+                    exact=float((got == want).float().mean()), ulps=ulps(got, want),
+                    rel=float((got.float() - want.float()).abs().max() / want.float().abs().max()))
 
     def compare(device, dtype_name, seed):
         g = torch.Generator().manual_seed(seed)
@@ -158,14 +160,14 @@ def sim() -> dict:
 
 
 def check_case(r: dict, dtype: str) -> None:
-    for name in BIT_EXACT:  # multiply and add only: rounded where torch rounds
-        assert r[name]["dtype"] and r[name]["shape"] and r[name]["exact"] == 1.0, (name, r[name])
-    for name in ELEMENTWISE:  # exp, or a sum in another order: fp16 an ulp at most, on few elements; fp32 a few
+    for name in BIT_EXACT + ELEMENTWISE:
         assert r[name]["dtype"] and r[name]["shape"], (name, r[name])
-        if dtype == "float16":
+        if dtype == "float32":  # the GPU contracts a * b + c into one FMA (one rounding where torch has two)
+            assert r[name]["rel"] <= 1e-6, (name, r[name])
+        elif name in BIT_EXACT:  # multiply and add only: rounded where torch rounds
+            assert r[name]["exact"] == 1.0, (name, r[name])
+        else:  # exp, or a sum in another order: an fp16 ulp at most, on few elements
             assert r[name]["ulps"] <= 1.0 and r[name]["exact"] >= 0.95, (name, r[name])
-        else:
-            assert r[name]["ulps"] <= 4.0, (name, r[name])
     assert r["rope_contiguous"]
     for renorm in (False, True):
         assert r[f"route_ids_{renorm}"], r

@@ -71,8 +71,8 @@ class MoEForCausalLM(nn.Module):
         if not layer_kernels.takes(self.lm_head.weight):
             return False
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)) or (isinstance(m, MoEBlock)
-                                                 and m.num_experts <= layer_kernels.MAX_EXPERTS):
+            if (isinstance(m, MLP) or (isinstance(m, RMSNorm) and m.weight.numel() <= layer_kernels.MAX_NORM_DIM)
+                    or (isinstance(m, MoEBlock) and m.num_experts <= layer_kernels.MAX_EXPERTS)):
                 m.kernels = layer_kernels
             elif isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm == "none" and m.clip_qkv is None:
                 m.kernels = layer_kernels
