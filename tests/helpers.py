@@ -35,3 +35,25 @@ KERNEL_RECORDER = textwrap.dedent("""
                     sigs[self.name].append(sig)
             return launch
 """)
+
+
+# Pasted at the end of a child's code (`%(compile)s`) once `sigs` holds what KERNEL_RECORDER recorded for the kernels of
+# module `kernels`: compiles each signature to sm_90 PTX (no GPU needed) and prints, per kernel, each compile's return
+# type, target and entry names.
+COMPILE_RECORDED = textwrap.dedent(r"""
+    import json, re, sys, types
+    from unittest import mock
+    import numba.cuda.dispatcher as dispatcher
+    from pagedweight.cuda._compat import cuda
+
+    sm90 = types.SimpleNamespace(compute_capability=(9, 0))
+    out = {}
+    with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
+        for name, found in sigs.items():
+            out[name] = []
+            for sig in found:
+                ptx, resty = cuda.compile_ptx(getattr(kernels, name).py_func, sig, cc=(9, 0))
+                out[name].append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
+                                      entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
+    json.dump(out, sys.stdout)
+""")

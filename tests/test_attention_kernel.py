@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import KERNEL_RECORDER, run_child_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json
 from pagedweight.cuda.reference import paged_decode_attention_reference
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
@@ -89,37 +89,23 @@ SIM_CHILD = BUILD + textwrap.dedent(r"""
 """) % {"cases": CASES}
 
 COMPILE_CHILD = BUILD + textwrap.dedent(r"""
-    import json, re, sys, types
-    from unittest import mock
     import numba
     torch.set_num_threads(1)
-    from pagedweight.cuda._compat import cuda
-    import numba.cuda.dispatcher as dispatcher
-    from pagedweight.cuda import attention_kernels as ak
+    from unittest import mock
+    from pagedweight.cuda import attention_kernels as kernels
 
     sigs = {"_split_kernel": [], "_combine_kernel": [], "_store_kernel": []}
 
     %(recorder)s
 
-    # the launcher's own argument types (numpy views stand in for device arrays: numba.typeof agrees)
-    with mock.patch.multiple(ak, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
+    # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees)
+    with mock.patch.multiple(kernels, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
                              **{name: Recorder(name) for name in sigs}):
         for i, case in enumerate(%(cases)r):
             q, kv, _, tables, lengths = build(*case, seed=i)
-            ak.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)
+            kernels.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)
         store_case("cpu")
-    sm90 = types.SimpleNamespace(compute_capability=(9, 0))
-    out = {}
-    with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
-        for name, found in sigs.items():
-            runs = []
-            for sig in found:
-                ptx, resty = cuda.compile_ptx(getattr(ak, name).py_func, sig, cc=(9, 0))
-                runs.append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
-                                 entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
-            out[name] = runs
-    json.dump(out, sys.stdout)
-""") % {"cases": CASES, "recorder": KERNEL_RECORDER}
+""") % {"cases": CASES, "recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
 
 def tol(dtype: str) -> float:

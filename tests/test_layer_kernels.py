@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from helpers import KERNEL_RECORDER, run_child_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
@@ -119,36 +119,23 @@ SIM_CHILD = COMPARE + textwrap.dedent(r"""
 """)
 
 COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
-    import json, re, sys, types
-    from unittest import mock
     import numba
     torch.set_num_threads(1)
-    from pagedweight.cuda._compat import cuda
-    import numba.cuda.dispatcher as dispatcher
+    from unittest import mock
+    kernels = lk
 
-    names = ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_swiglu_kernel", "_shared_out_kernel"]
-    sigs = {name: [] for name in names}
+    sigs = {name: [] for name in ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_swiglu_kernel",
+                                  "_shared_out_kernel"]}
 
     %(recorder)s
 
     # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees); the kernels
     # are stand-ins, so compare() only records (its comparisons are meaningless here)
     with mock.patch.multiple(lk, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
-                             **{name: Recorder(name) for name in names}):
+                             **{name: Recorder(name) for name in sigs}):
         for dt in ("float16", "float32"):
             compare("cpu", dt, 0)
-    sm90 = types.SimpleNamespace(compute_capability=(9, 0))
-    out = {}
-    with mock.patch.object(dispatcher, "get_current_device", lambda: sm90):
-        for name, found in sigs.items():
-            runs = []
-            for sig in found:
-                ptx, resty = cuda.compile_ptx(getattr(lk, name).py_func, sig, cc=(9, 0))
-                runs.append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
-                                 entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
-            out[name] = runs
-    json.dump(out, sys.stdout)
-""") % {"recorder": KERNEL_RECORDER}
+""") % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
 ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out")
 BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k")
