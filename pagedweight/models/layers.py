@@ -162,13 +162,15 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
 
-def fuse_linears(*parts: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the parts' outputs concatenated, in order (same dtype, device and bias use).
-    Each part is copied into its rows of the new weight: no concatenated temporary."""
+def fuse_linears(*parts: nn.Linear, align: int = 1) -> nn.Linear:
+    """One Linear whose output is the parts' outputs concatenated, in order (same dtype, device and bias use), then
+    zero rows up to a multiple of `align` outputs. Each part is copied into its rows of the new weight: no
+    concatenated temporary."""
     w = parts[0].weight
     bias = parts[0].bias is not None
-    fused = nn.utils.skip_init(nn.Linear, w.shape[1], sum(p.out_features for p in parts), bias=bias,
-                               device=w.device, dtype=w.dtype)
+    rows = sum(p.out_features for p in parts)
+    fused = nn.utils.skip_init(nn.Linear, w.shape[1], -(-rows // align) * align, bias=bias, device=w.device,
+                               dtype=w.dtype)
     with torch.no_grad():
         row = 0
         for p in parts:
@@ -176,6 +178,9 @@ def fuse_linears(*parts: nn.Linear) -> nn.Linear:
             if bias:
                 fused.bias[row:row + p.out_features].copy_(p.bias)
             row += p.out_features
+        fused.weight[row:].zero_()
+        if bias:
+            fused.bias[row:].zero_()
     return fused
 
 
@@ -277,8 +282,9 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
-        # shared gate/up, router and shared-expert gate in one projection after fuse_inputs()
+        # shared gate/up, router and shared-expert gate in one projection after fuse_inputs(), and its output's split
         self.in_proj: nn.Linear | None = None
+        self._in_split: tuple[int, ...] = ()
         self.observer: RouterObserver | None = None
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,8 +307,7 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.in_proj is not None:
-            shared_gate_up, logits, shared_gate = self.in_proj(x).split(
-                [self.in_proj.out_features - self.num_experts - 1, self.num_experts, 1], dim=-1)
+            shared_gate_up, logits, shared_gate, _ = self.in_proj(x).split(self._in_split, dim=-1)
         else:
             logits = self.gate(x)
         ids, weights = self.route(logits)
@@ -324,11 +329,17 @@ class MoEBlock(nn.Module):
         """Serving layout for a block with a shared expert: its gate and up, the router and the shared expert's gate
         all read the same x, so one GEMM replaces three (the router's and the shared gate's [D, 1] GEMV, two launches
         of cuBLAS's, were ~4 % of an H200 batch-1 decode step: decode_profile-…-s6-attn2.txt). The same weight
-        bytes; the separate projections and their checkpoint names are dropped."""
+        bytes; the separate projections and their checkpoint names are dropped.
+
+        The outputs are padded with zero rows to a multiple of 8: 2F + E + 1 is odd, and an output row of an odd
+        number of fp16 values is not 16-byte aligned, which keeps cuBLAS off its TMA kernels (the H200 ran this
+        GEMM as a GEMV at 20 us for 46 MB, 2.3 TB/s: decode_profile-nvidia-h200-20261130-s9-kernels.txt)."""
         shared = self.shared_expert
         if self.in_proj is not None or shared is None:
             return
-        self.in_proj = fuse_linears(shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate)
+        f2 = 2 * shared.gate_proj.out_features
+        self.in_proj = fuse_linears(shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate, align=8)
+        self._in_split = (f2, self.num_experts, 1, self.in_proj.out_features - f2 - self.num_experts - 1)
         del shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate
 
 
