@@ -49,18 +49,21 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
     """Row n: v = x[n] (+ res[n], stored to h[n], when add); y[n] = w * (v * rsqrt(mean(v^2) + eps)), the product
     rounded first as torch's .to(dtype) does. x, res, h, y [N, D] (any strides), w [D], D <= MAX_NORM_DIM.
 
-    A thread holds its NORM_ELEMS elements in registers: the constant trip count unrolls the loop, and every load
-    is issued before any is used (indices past D load element D - 1 and count 0, so no load sits under a branch).
-    A loop over range(t, D, THREADS) waited for each load in turn: 11 us per row of 2048 on the H200, where torch's
-    norm takes 2 (decode_profile-nvidia-h200-20261130-s9-kernels.txt)."""
+    A thread holds its NORM_ELEMS elements and their weights in registers: the constant trip count unrolls the
+    loop, and every load is issued before any is used (indices past D load element D - 1 and count 0, so no load
+    sits under a branch). A load under `if i < D` waits for the one before it: with x's loads hoisted but w's left
+    in the store loop, 16 w loads from DRAM one after another made 13 us per row of 2048 on the H200, where torch's
+    norm takes 2 (decode_profile-nvidia-h200-20261130-s9-kernels.txt, -s9-norm.txt)."""
     n = cuda.blockIdx.x
     t = cuda.threadIdx.x
     D = x.shape[1]
     red = cuda.shared.array(THREADS, np.float32)
     vals = cuda.local.array(NORM_ELEMS, np.float32)
+    ws = cuda.local.array(NORM_ELEMS, np.float32)
     for u in range(NORM_ELEMS):
         i = min(t + u * THREADS, D - 1)
         vals[u] = float32(x[n, i]) + float32(res[n, i]) if add else float32(x[n, i])
+        ws[u] = float32(w[i])
     ss = float32(0.0)
     for u in range(NORM_ELEMS):
         v = _rnd(vals[u], half) if add else vals[u]
@@ -73,7 +76,7 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
         if i < D:
             if add:
                 h[n, i] = vals[u]
-            y[n, i] = float32(w[i]) * _rnd(vals[u] * r, half)
+            y[n, i] = ws[u] * _rnd(vals[u] * r, half)
 
 
 @cuda.jit(cache=True)

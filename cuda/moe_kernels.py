@@ -55,7 +55,10 @@ DECODE_MAX_T = 64
 ROUTE_THREADS = 256
 MAX_EXPERTS = 1024
 TARGET_BLOCKS = 2048  # enough 2-warp blocks for ~8 per SM on 132 SMs, two waves
-MIN_SPLIT_WORDS = 16
+# fewest plane words per K split: 8 where a layer's widest block has at most 4 bits (small LUTs: more splits, more warps
+# per SM), 16 above (staging a 7-8-bit LUT costs more than the warps gain); Qwen1.5 T=1: 56 -> 51 us at 4 bits,
+# 124 -> 146 us at 8 bits with 8 (moe_kernel_bench-nvidia-h200-20261130-s9-splits.json)
+MIN_SPLIT_WORDS_NARROW, MIN_SPLIT_WORDS = 8, 16
 
 float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
 # array dtypes (the simulator's too)
@@ -472,9 +475,9 @@ def lut_shared_bytes(P: int) -> int:
     return max((1 << min(P, LUT32_MAX_WIDTH)) * ROWS * 4, (1 << P) * ROWS * 2 if P > LUT32_MAX_WIDTH else 0)
 
 
-def _words_per_split(W: int, row_tiles: int, slots: int) -> int:
+def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int) -> int:
     want = max(1, -(-TARGET_BLOCKS // (row_tiles * slots)))
-    splits = max(1, min(want, -(-W // MIN_SPLIT_WORDS)))
+    splits = max(1, min(want, -(-W // (MIN_SPLIT_WORDS_NARROW if lut_width <= 4 else MIN_SPLIT_WORDS))))
     wps = -(-W // splits)
     return -(-wps // WS) * WS
 
@@ -522,7 +525,8 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words, pool_halves=pool_halves,
         q=q, plane_off=plane_off, lut_off=lut_off).items()}
     stream = _stream()
-    shmem = lut_shared_bytes(P if lut_width is None else lut_width)
+    lut_width = P if lut_width is None else lut_width
+    shmem = lut_shared_bytes(lut_width)
     _route_kernel[1, ROUTE_THREADS, stream](a["ids"], a["tw"], E, a["slot_expert"], a["slot_start"],
                                             a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
     tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],
@@ -530,7 +534,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     for kind, src, dst, N, K in ((0, "xf", "h", 2 * F, D), (1, "h", "out", D, F)):
         W = (K + 31) // 32
         tiles = -(-N // ROWS)
-        wps = _words_per_split(W, tiles, slots)
+        wps = _words_per_split(W, tiles, slots, lut_width)
         grid = (tiles, -(-W // wps), slots)
         _gemv_kernel[grid, ROWS, stream, shmem](kind, a[src], *tables, a[dst], N, K, F, wps)
     return out.to(hidden.dtype)
