@@ -1,10 +1,12 @@
 """Import `numba.cuda` safely; every kernel module imports it from here.
 
-Two traps (GPU.md): numba-cuda 0.30.4 calls `np.row_stack`, gone in numpy 2.5, so alias it first; and this
+Three traps (GPU.md): numba-cuda 0.30.4 calls `np.row_stack`, gone in numpy 2.5, so alias it first; this
 repository's `cuda/` folder (imported as `pagedweight.cuda`) shadows NVIDIA's `cuda` namespace package whenever
 the repository root is on sys.path (`python -m pytest` from the root puts it there), and numba-cuda then refuses
 to import. The root entry is hidden only while NVIDIA's package is imported; afterwards `sys.modules["cuda"]` is
-NVIDIA's and later lookups never see the folder again.
+NVIDIA's and later lookups never see the folder again. And that namespace package's `__file__` is None (Python
+3.11), which breaks `inspect.getmodule` for the whole process (torch calls it: a CPU SDPA failed with TypeError after
+this import), so the name is removed.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ def _import_nvidia_cuda() -> None:
         importlib.import_module("cuda.bindings")
     finally:
         sys.path[:] = saved
+    nvidia = sys.modules["cuda"]
+    if getattr(nvidia, "__file__", 0) is None:  # a namespace package (Python 3.11): inspect.getmodule, which torch
+        del nvidia.__file__  # calls, raises on such a module while it walks sys.modules; without the name it skips it
 
 
 _import_nvidia_cuda()

@@ -50,10 +50,11 @@ float32 = np.float32
 
 @cuda.jit(device=True, inline=True)
 def _block_reduce(red, v, t, take_max):
-    """Max or sum of v over the block's THREADS threads, through shared memory (every thread gets it)."""
+    """Max or sum of v over the block's threads, as many as `red` (shared memory) has entries, a power of 2; every
+    thread gets it."""
     red[t] = v
     cuda.syncthreads()
-    stride = THREADS // 2
+    stride = red.shape[0] // 2
     while stride > 0:
         if t < stride:
             red[t] = max(red[t], red[t + stride]) if take_max else red[t] + red[t + stride]

@@ -26,8 +26,9 @@ from .attention_kernels import THREADS, _block_reduce
 from .moe_kernels import _dev, _stream
 
 MAX_EXPERTS = 1024  # router logits per token held in shared memory
-NORM_ELEMS = 32  # a norm row's elements per thread (in registers)
-MAX_NORM_DIM = NORM_ELEMS * THREADS  # 4096
+NORM_THREADS = 512  # a norm row's threads: 16 warps of one SM hide its loads' latency (one row per block)
+NORM_ELEMS = 8  # a norm row's elements per thread (in registers)
+MAX_NORM_DIM = NORM_ELEMS * NORM_THREADS  # 4096
 DTYPES = (torch.float16, torch.float32)
 
 float32, float16, int64 = np.float32, np.float16, np.int64
@@ -49,30 +50,32 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
     """Row n: v = x[n] (+ res[n], stored to h[n], when add); y[n] = w * (v * rsqrt(mean(v^2) + eps)), the product
     rounded first as torch's .to(dtype) does. x, res, h, y [N, D] (any strides), w [D], D <= MAX_NORM_DIM.
 
-    A thread holds its NORM_ELEMS elements and their weights in registers: the constant trip count unrolls the
-    loop, and every load is issued before any is used (indices past D load element D - 1 and count 0, so no load
-    sits under a branch). A load under `if i < D` waits for the one before it: with x's loads hoisted but w's left
-    in the store loop, 16 w loads from DRAM one after another made 13 us per row of 2048 on the H200, where torch's
-    norm takes 2 (decode_profile-nvidia-h200-20261130-s9-kernels.txt, -s9-norm.txt)."""
+    A block of NORM_THREADS threads per row, each holding its NORM_ELEMS elements and their weights in registers:
+    the constant trip count unrolls the loop, and every load is issued before any is used (indices past D load
+    element D - 1 and count 0, so no load sits under a branch). On the H200 (decode_profile-nvidia-h200-20261130-
+    s9-kernels.txt, -s9-norm.txt, -s9-final.txt; torch's norm alone takes 2 us): 128 threads walking a row of 2048
+    one load at a time took 11 us; 32 elements per thread with x's loads hoisted but w's left under `if i < D` in
+    the store loop, each waiting for the one before, 13 us; everything hoisted, 9 us (118 registers: the loads go
+    out in batches)."""
     n = cuda.blockIdx.x
     t = cuda.threadIdx.x
     D = x.shape[1]
-    red = cuda.shared.array(THREADS, np.float32)
+    red = cuda.shared.array(NORM_THREADS, np.float32)
     vals = cuda.local.array(NORM_ELEMS, np.float32)
     ws = cuda.local.array(NORM_ELEMS, np.float32)
     for u in range(NORM_ELEMS):
-        i = min(t + u * THREADS, D - 1)
+        i = min(t + u * NORM_THREADS, D - 1)
         vals[u] = float32(x[n, i]) + float32(res[n, i]) if add else float32(x[n, i])
         ws[u] = float32(w[i])
     ss = float32(0.0)
     for u in range(NORM_ELEMS):
         v = _rnd(vals[u], half) if add else vals[u]
-        vals[u] = v if t + u * THREADS < D else float32(0.0)
+        vals[u] = v if t + u * NORM_THREADS < D else float32(0.0)
         ss += vals[u] * vals[u]
     total = _block_reduce(red, ss, t, False)
     r = float32(1.0) / math.sqrt(total / float32(D) + eps)
     for u in range(NORM_ELEMS):
-        i = t + u * THREADS
+        i = t + u * NORM_THREADS
         if i < D:
             if add:
                 h[n, i] = vals[u]
@@ -202,7 +205,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = y if residual is None else torch.empty_like(y)
     res = x2 if residual is None else _rows(residual)
-    _rms_norm_kernel[x2.shape[0], THREADS, _stream()](_dev(x2), _dev(res), _dev(_rows(h)), _dev(_rows(y)),
+    _rms_norm_kernel[x2.shape[0], NORM_THREADS, _stream()](_dev(x2), _dev(res), _dev(_rows(h)), _dev(_rows(y)),
                                                       _dev(weight), float32(eps), residual is not None,
                                                       x.dtype == torch.float16)
     return y if residual is None else (h, y)

@@ -203,3 +203,14 @@ def test_kernels_match_torch_on_gpu(dtype: str) -> None:
     r = ns["model_pair"]("cuda", dtype)
     assert r["on"] and r["argmax"], r
     assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
+
+
+def test_importing_the_kernels_keeps_inspect_working() -> None:
+    """cuda/_compat.py imports NVIDIA's `cuda` namespace package, whose __file__ is None under Python 3.11: a module
+    like that makes inspect.getmodule raise while it walks sys.modules, and torch calls it (a CPU SDPA after this
+    import failed with TypeError). The import must leave inspect working."""
+    import inspect
+
+    import pagedweight.cuda.layer_kernels  # noqa: F401
+
+    assert inspect.getmodule(None, "/nonexistent/file.py") is None
