@@ -87,8 +87,8 @@ class EngineOptions:
     # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32, one query head per KV
     # head; False or otherwise: gather + SDPA)
     decode_attention_kernel: bool = True
-    # on CUDA (fp16/fp32): decode-sized steps run each layer's norms, RoPE, routing and shared-expert elementwise work
-    # as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
+    # on CUDA (fp16/fp32): the whole-step decode graphs run each layer's norms, RoPE, routing and shared-expert
+    # elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
     layer_kernels: bool = True
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
@@ -192,8 +192,6 @@ class LLM:
         """Pool, weights, KV cache, scheduler and runner around a loaded model."""
         opts, cfg = self.options, model.config
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
-        if opts.layer_kernels and self.device.type == "cuda":
-            model.use_layer_kernels()
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
@@ -219,7 +217,7 @@ class LLM:
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels)
         self.sampler = Sampler()
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids = set(tok_eos or cfg.eos_token_ids)

@@ -233,8 +233,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, batch_sizes: list[int], max_blocks: int,
-                 capture: bool) -> None:
+                 capture: bool, layer_kernels: bool = False) -> None:
+        """`layer_kernels`: the steps run the model with its fused layer kernels (`use_layer_kernels`) where the
+        device takes them; only these steps do: packed steps vary in shape, and each new shape would cost the
+        kernels' launcher new Numba views."""
         self.model, self.kv, self.max_blocks, self.capture = model, kv, max_blocks, capture
+        self.layer_kernels = layer_kernels
         self.num_layers = model.config.num_hidden_layers
         self._mlps = [layer.mlp for layer in model.layers]  # where each step looks up the observers (no Module lookups)
         experts = [layer.mlp.experts for layer in model.layers]
@@ -331,9 +335,13 @@ class DecodeGraphs:
         self.kv.layout = self.kv.decode_layout(positions[:, 0], inputs[:, 2], tables)
         for experts in self._ap:
             experts.in_step_graph = True
+        if self.layer_kernels:
+            self.model.use_layer_kernels()
         try:
             logits = self.model(tokens, positions, cache=self.kv)[:, 0]
         finally:
+            if self.layer_kernels:
+                self.model.use_layer_kernels(False)
             self.kv.layout = None
             for layer, fn in zip(self.model.layers, observers):
                 layer.mlp.observer = fn
@@ -344,10 +352,10 @@ class DecodeGraphs:
 
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device, max_num_seqs: int = 0,
-                 max_model_len: int | None = None, capture: bool | None = None) -> None:
+                 max_model_len: int | None = None, capture: bool | None = None, layer_kernels: bool = False) -> None:
         """`max_num_seqs` > 0 runs decode-only steps of up to that many sequences at static shapes (`DecodeGraphs`),
         captured in CUDA graphs when `capture` (default: on CUDA), eagerly otherwise (slower than the packed step:
-        for tests of the code a graph captures)."""
+        for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`."""
         self.model, self.kv, self.device = model, kv, device
         self._rows: torch.Tensor | None = None
         if device.type == "cuda":
@@ -360,7 +368,7 @@ class ModelRunner:
         if max_num_seqs > 0:
             max_len = max_model_len or model.config.max_position_embeddings
             self.decode = DecodeGraphs(model, kv, decode_batch_sizes(max_num_seqs), -(-max_len // kv.block_size),
-                                       device.type == "cuda" if capture is None else capture)
+                                       device.type == "cuda" if capture is None else capture, layer_kernels)
 
     def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         """Final-norm hook: the LM head then sees only the rows that get sampled."""

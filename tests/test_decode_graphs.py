@@ -30,7 +30,7 @@ TOL = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=3e-2, atol=3e
 def static_decode(llm: LLM, max_num_seqs: int = 4) -> DecodeGraphs:
     """Give llm a runner whose decode steps take the static path (graphs on CUDA, eager on the CPU)."""
     llm.runner = ModelRunner(llm.model, llm.kv, llm.device, max_num_seqs=max_num_seqs,
-                             max_model_len=llm.max_model_len)
+                             max_model_len=llm.max_model_len, layer_kernels=llm.options.layer_kernels)
     return llm.runner.decode
 
 
@@ -137,6 +137,24 @@ def test_padded_decode_equals_packed_steps():
     if DEVICE == "cpu":  # fp16 on CUDA: a near tie may route a token elsewhere; the rows must still match
         np.testing.assert_allclose(mass, mass_ref, rtol=1e-4, atol=1e-5)
     assert llm.kv.num_free_blocks == ref.kv.num_free_blocks == llm.stats()["kv_total_blocks"]
+
+
+def test_layer_kernels_on_only_in_static_decode_steps(monkeypatch):
+    """Each static decode forward (what a CUDA graph captures) turns the model's fused layer kernels on (they stay
+    off where the device does not take them: the CPU) and off again after it; packed steps (prefill, mixed) never
+    turn them on."""
+    llm = LLM(BUNDLED, device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    decode = static_decode(llm)
+    calls, use = [], llm.model.use_layer_kernels
+
+    def recorded(on=True):
+        calls.append(on)
+        return use(on)
+    monkeypatch.setattr(llm.model, "use_layer_kernels", recorded)
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True))
+    forwards = decode.stats.eager + decode.stats.captured
+    assert forwards > 0 and calls == [True, False] * forwards
+    assert not any("kernels" in vars(m) for m in llm.model.modules())
 
 
 def _set_widths(llm: LLM, blocks: list[int], bits: int) -> None:

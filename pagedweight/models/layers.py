@@ -16,16 +16,6 @@ from torch import nn
 from pagedweight.models.config import ModelConfig
 
 RouterObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-KERNEL_MAX_TOKENS = 64  # the fused layer kernels take steps of up to this many tokens (see `kernels_for`)
-
-
-def kernels_for(module: nn.Module, x: torch.Tensor) -> ModuleType | None:
-    """The fused layer kernels (cuda/layer_kernels.py) when the model uses them (`MoEForCausalLM.use_layer_kernels`)
-    and x [..., D] is a decode-sized step. Larger steps keep torch's ops: their shapes vary chunk to chunk, and each new
-    shape costs the kernels' launcher a Numba view per tensor (20-80 us each) where a captured decode step pays it
-    once."""
-    k = module.kernels
-    return k if k is not None and x.numel() <= KERNEL_MAX_TOKENS * x.shape[-1] else None
 
 
 class KVCache(Protocol):
@@ -51,6 +41,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 class RMSNorm(nn.Module):
+    # here and in Attention, MLP and MoEBlock: cuda/layer_kernels.py while the model's layer kernels are on
+    # (MoEForCausalLM.use_layer_kernels), else None (torch's ops)
     kernels: ModuleType | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -61,9 +53,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`: (residual + x, its norm), one launch on the kernel path (vLLM's convention)."""
-        kernels = kernels_for(self, x)
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = residual + x
@@ -125,10 +116,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> torch.Tensor:
         b, t, _ = x.shape
-        kernels = kernels_for(self, x)
-        if kernels is not None:
+        if self.kernels is not None:
             qkv = self.qkv_proj(x)
-            q, k = kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv)
+            q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv)
             v = qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             return self._attend(q, k, v, cache)
         if self.qkv_proj is not None:
@@ -201,9 +191,8 @@ class MLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The output from gate and up already projected side by side ([..., 2f], a fused projection's:
         `MoEBlock.fuse_inputs`)."""
-        kernels = kernels_for(self, gate_up)
-        if kernels is not None:
-            return self.down_proj(kernels.swiglu(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.swiglu(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -293,9 +282,8 @@ class MoEBlock(nn.Module):
         Weights stay float32 (the kernel contract); transformers rounds them to the model dtype first for
         the Qwen/OLMoE families, a difference below bf16/fp16 rounding of the expert outputs.
         """
-        kernels = kernels_for(self, logits)
-        if kernels is not None:
-            return kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
+        if self.kernels is not None:
+            return self.kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -316,9 +304,8 @@ class MoEBlock(nn.Module):
         out = self.experts(x, ids, weights)
         if self.in_proj is not None:
             shared = self.shared_expert.down(shared_gate_up)
-            kernels = kernels_for(self, x)
-            if kernels is not None and residual is not None:
-                return kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared).reshape(shape)
+            if self.kernels is not None and residual is not None:
+                return self.kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared).reshape(shape)
             out = out + torch.sigmoid(shared_gate) * shared
         elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

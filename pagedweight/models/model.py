@@ -62,21 +62,26 @@ class MoEForCausalLM(nn.Module):
             if self.lm_head.weight.is_cuda:
                 torch.cuda.empty_cache()
 
-    def use_layer_kernels(self) -> bool:
-        """Serving on CUDA (fp16/fp32): decode-sized steps run each layer's norms (the residual add fused in), RoPE,
-        routing and the shared expert's elementwise work as fused Numba kernels (cuda/layer_kernels.py), ~35 fewer
-        launches per layer. RoPE's kernel needs q/k/v fused (`fuse_projections`) and neither normed nor clipped.
-        Returns whether the kernels are on (not for other devices or bf16)."""
-        from pagedweight.cuda import layer_kernels
-        if not layer_kernels.takes(self.lm_head.weight):
-            return False
+    def use_layer_kernels(self, on: bool = True) -> bool:
+        """Turn the fused layer kernels (cuda/layer_kernels.py) on or off: each layer's norms (the residual add fused
+        in), RoPE, routing and the shared expert's elementwise work, one launch each. Only where the device takes
+        them (CUDA, fp16/fp32): returns whether they are on. RoPE's kernel needs q/k/v fused (`fuse_projections`) and
+        neither normed nor clipped. The serving engine has them on only for its static decode steps (what its CUDA
+        graphs capture: runner.DecodeGraphs)."""
+        kernels = None
+        if on:
+            from pagedweight.cuda import layer_kernels
+            kernels = layer_kernels if layer_kernels.takes(self.lm_head.weight) else None
         for m in self.modules():
-            if (isinstance(m, MLP) or (isinstance(m, RMSNorm) and m.weight.numel() <= layer_kernels.MAX_NORM_DIM)
-                    or (isinstance(m, MoEBlock) and m.num_experts <= layer_kernels.MAX_EXPERTS)):
-                m.kernels = layer_kernels
-            elif isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm == "none" and m.clip_qkv is None:
-                m.kernels = layer_kernels
-        return True
+            if kernels is None:
+                if "kernels" in vars(m):
+                    del m.kernels
+            elif (isinstance(m, MLP) or (isinstance(m, RMSNorm) and m.weight.numel() <= kernels.MAX_NORM_DIM)
+                  or (isinstance(m, MoEBlock) and m.num_experts <= kernels.MAX_EXPERTS)
+                  or (isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm == "none"
+                      and m.clip_qkv is None)):
+                m.kernels = kernels
+        return kernels is not None
 
     def set_experts(self, layer: int, module: nn.Module) -> None:
         """Replace layer `layer`'s routed experts by anything with DenseExperts' forward signature."""
