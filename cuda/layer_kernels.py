@@ -6,11 +6,12 @@ Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 p
 between launches (benchmarks/results/decode_profile-nvidia-h200-20261129-s6-attn2.txt). Per layer torch runs RMSNorm
 as 4 kernels (cast, norm, cast, scale) twice, the residual adds as 2, RoPE as 5 per tensor (q and k: two products,
 a negation, a cat and a sum, on transposed views), the router as 3 (softmax, top-k's gather and sort) and the shared
-expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 5 launches.
+expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 6 launches (two norms).
 
 Rounding: every kernel rounds where the torch ops it replaces round (an fp16 op's result is rounded to fp16 before
 the next op reads it; `_rnd`), so the results equal torch's bit for bit except where a float32 reduction runs in
 another order (the norm's sum of squares, the softmax's sum): a float32 ulp there, rarely an fp16 ulp in the output.
+In fp32 the GPU also contracts a * b + c into one FMA (one rounding where torch has two).
 Reductions go through shared memory, not warp shuffles, so the CUDA simulator runs these kernels in the CPU tests
 (tests/test_layer_kernels.py, against the model's own torch ops). fp16 and fp32 only: Numba has no bf16 arrays.
 """
@@ -31,7 +32,7 @@ NORM_ELEMS = 8  # a norm row's elements per thread (in registers)
 MAX_NORM_DIM = NORM_ELEMS * NORM_THREADS  # 4096
 DTYPES = (torch.float16, torch.float32)
 
-float32, float16, int64 = np.float32, np.float16, np.int64
+float32, float16 = np.float32, np.float16
 
 
 def takes(t: torch.Tensor) -> bool:
