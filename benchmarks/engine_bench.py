@@ -81,6 +81,14 @@ def model_config(tiny: bool, scaled: bool = False) -> ModelConfig:
     return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else QWEN15_MOE))
 
 
+def outside_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the weights outside the pool as the engine holds them: the serving layout (`fuse_projections`, whose
+    fused input projection has alignment rows) of the model without its routed experts."""
+    model = random_model(cfg, False, dtype, "meta")
+    model.fuse_projections()
+    return param_bytes(model)
+
+
 def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, device: str, seed: int = 0
                  ) -> MoEForCausalLM:
     """Random weights allocated directly in `dtype` on `device` (no float32 detour: the FP16 experts are 25 GB)."""
@@ -494,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits)
-    outside = param_bytes(random_model(cfg, False, dtype, "meta"))
+    outside = outside_bytes(cfg, dtype)
     element = torch.empty((), dtype=dtype).element_size()
     expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
     rows: list[dict] = []

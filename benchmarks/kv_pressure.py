@@ -24,8 +24,8 @@ import torch
 
 from benchmarks.common import failed_row, write_result
 from benchmarks.engine_bench import (TRACE_COLUMNS, StepPhases, ap_weights, append_profile, expert_pool_bytes,
-                                     model_config, page_bytes, random_model, trace_row)
-from pagedweight.engine import LLM, param_bytes
+                                     model_config, outside_bytes, page_bytes, random_model, trace_row)
+from pagedweight.engine import LLM
 from pagedweight.sampling import SamplingParams
 
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits, seed=args.seed)
-    outside = param_bytes(random_model(cfg, False, dtype, "meta"))
+    outside = outside_bytes(cfg, dtype)
     kv_block = page * cfg.num_hidden_layers
     budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + room * kv_block
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)

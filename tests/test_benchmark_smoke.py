@@ -106,3 +106,20 @@ def test_swings_ignore_small_wiggles_that_reversals_count():
     waves = [6, 5, 6, 5, 6]
     assert swings(waves, 0.5) == 3 and swings(waves, 1.5) == 0
     assert swings([], 0.1) == swings([5.0], 0.1) == 0
+
+
+def test_budgets_count_the_weights_outside_the_pool_as_the_engine_holds_them():
+    """engine_bench and kv_pressure size their budgets with outside_bytes: the serving layout (fused projections and
+    the fused input projection's alignment rows), exactly what the engine's model holds outside the pool. Counted
+    from the unfused model, the budget came up short by the alignment rows, and a budget meant to hold every expert at
+    the parent width started them a width lower."""
+    import torch
+
+    from benchmarks.engine_bench import ap_weights, model_config, outside_bytes, random_model
+    from pagedweight.engine import LLM, param_bytes
+
+    cfg = model_config(True, False)
+    llm = LLM.from_parts(random_model(cfg, False, torch.float32, "cpu"), ap_weights(cfg, 6), None, None, "cpu",
+                         detokenize=False)
+    assert outside_bytes(cfg, torch.float32) == param_bytes(llm.model)
+    assert outside_bytes(cfg, torch.float32) > param_bytes(random_model(cfg, False, torch.float32, "meta"))
