@@ -12,9 +12,10 @@ cut-short run still leaves a valid partial result):
                T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
                than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
                device-to-device copy ceiling measured in the same run.
-  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS: launch arguments, no recompile)
-               swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the copy
-               ceiling with few warps per SM, and more K splits mean more warps but more LUT and x staging per weight.
+  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS: launch arguments, no
+               recompile) swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the
+               copy ceiling with few warps per SM, and more K splits mean more warps but more LUT and x staging per
+               weight.
 Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 """
 from __future__ import annotations

@@ -15,8 +15,6 @@ import tempfile
 import numpy as np
 sys.path.insert(0, os.getcwd())
 import torch
-from benchmarks import engine_bench
-engine_bench.random_model(engine_bench.model_config(True), False, torch.float32, "meta")  # torch's lazy registration walks sys.modules: before numba's "cuda" import
 import pagedweight.cuda.moe_kernels as mk
 from pagedweight.models.layers import MoEBlock
 from benchmarks import kv_pressure

@@ -21,8 +21,8 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    32 us where gather + SDPA takes 17, and the gap grows with the context (a block per KV head is the next step).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
-into the pages before them (one launch where torch stacks, gathers and scatters). K/V may be fp16 or fp32 (q the same dtype);
-bf16 stays on the torch path (Numba has no bf16 arrays).
+into the pages before them (one launch where torch stacks, gathers and scatters). K/V may be fp16 or fp32 (q the
+same dtype); bf16 stays on the torch path (Numba has no bf16 arrays).
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ COMPILE_RECORDED = textwrap.dedent(r"""
             out[name] = []
             for sig in found:
                 ptx, resty = cuda.compile_ptx(getattr(kernels, name).py_func, sig, cc=(9, 0))
-                out[name].append(dict(sig=str(sig), resty=str(resty), target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
+                out[name].append(dict(sig=str(sig), resty=str(resty),
+                                      target=re.findall(r"^\.target\s+(\S+)", ptx, re.M),
                                       entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
     json.dump(out, sys.stdout)
 """)

@@ -305,7 +305,8 @@ class MoEBlock(nn.Module):
         if self.in_proj is not None:
             shared = self.shared_expert.down(shared_gate_up)
             if self.kernels is not None and residual is not None:
-                return self.kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared).reshape(shape)
+                out = self.kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared)
+                return out.reshape(shape)
             out = out + torch.sigmoid(shared_gate) * shared
         elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -316,7 +317,7 @@ class MoEBlock(nn.Module):
         """Serving layout for a block with a shared expert: its gate and up, the router and the shared expert's gate
         all read the same x, so one GEMM replaces three (the router's and the shared gate's [D, 1] GEMV, two launches
         of cuBLAS's, were ~4 % of an H200 batch-1 decode step: decode_profile-…-s6-attn2.txt). The same weight
-        bytes; the separate projections and their checkpoint names are dropped.
+        bytes but for the alignment rows below; the separate projections and their checkpoint names are dropped.
 
         The outputs are padded with zero rows to a multiple of 8: 2F + E + 1 is odd, and an output row of an odd
         number of fp16 values is not 16-byte aligned, which keeps cuBLAS off its TMA kernels (the H200 ran this

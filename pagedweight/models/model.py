@@ -52,7 +52,8 @@ class MoEForCausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """Serving layout: every attention's q/k/v become one GEMM, and so do a shared expert's gate and up with the
         router and the shared expert's gate (`MoEBlock.fuse_inputs`): five fewer launches per layer in a decode step
-        with a shared expert, two without, the same weight bytes. Parameter names change, so fuse
+        with a shared expert, two without, the same weight bytes (plus up to 7 zero rows that align the fused input
+        projection's outputs). Parameter names change, so fuse
         after loading, and never before saving a checkpoint. On CUDA each layer's unfused weights go back to the
         device before the next layer is fused, so the allocator's cache never holds more than one layer's worth."""
         for layer in self.layers:
