@@ -1,8 +1,9 @@
 """Fused mixed-precision MoE kernels (Numba CUDA) reading expert blocks straight from bit-planes in the pool.
 
 Decode path (T <= DECODE_MAX_T), four stream-ordered steps, all capturable in a torch.cuda.CUDAGraph:
-1. `_route_kernel` (one block): groups the T*k routed (token, expert) pairs by expert into "slots"
-   (slot j = the j-th distinct expert, its pairs contiguous at slot_start[j]); n_active on the device.
+1. `_route_kernel`: its first block groups the T*k routed (token, expert) pairs by expert into "slots"
+   (slot j = the j-th distinct expert, its pairs contiguous at slot_start[j]); n_active on the device. All its
+   blocks copy x to fp32 and zero the accumulators of steps 2 and 3.
 2. `_gemv_kernel` kind 0 (gate_up, W [2F, D]): h[pair, :] += W_q @ x[token] for every pair of the slot.
 3. `_gemv_kernel` kind 1 (down, W [D, F]): out[token] += w_pair * W_q @ (silu(h_gate) * h_up).
 4. torch casts the fp32 accumulator to the activation dtype.
@@ -53,6 +54,7 @@ LUT32_MAX_WIDTH = 6  # LUTs up to this width sit in shared memory as fp32 (no pe
 WIDTHS = tuple(range(MIN_WIDTH, MAX_WIDTH + 1))  # one specialised body per width and token tile
 DECODE_MAX_T = 64
 ROUTE_THREADS = 256
+ROUTE_MAX_BLOCKS = 264  # two per SM on an H200: the set-up of the largest decode step (T = 64) in one wave
 MAX_EXPERTS = 1024
 TARGET_BLOCKS = 2048  # enough 2-warp blocks for ~8 per SM on 132 SMs, two waves
 # fewest plane words per K split: 8 where a layer's widest block has at most 4 bits (small LUTs: more splits, more warps
@@ -340,14 +342,28 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
         t0 += tt
 
 
-@cuda.jit(cache=True)  # 67 s of compile on the H200: reuse it across processes
-def _route_kernel(topk_ids, topk_w, n_experts, slot_expert, slot_start, slot_count, n_active, pair_tok, pair_w):
-    """One block: group pairs by expert. Slots follow ascending expert id; pairs of a slot are contiguous."""
+@cuda.jit(cache=True)  # reuse the compile across processes
+def _route_kernel(topk_ids, topk_w, hidden, n_experts, xf, h, out, slot_expert, slot_start, slot_count, n_active,
+                  pair_tok, pair_w):
+    """Block 0 groups pairs by expert: slots follow ascending expert id, the pairs of a slot are contiguous. Every
+    block also does its grid-stride share of the GEMVs' set-up: xf <- hidden as fp32, and the split-K accumulators
+    h and out zeroed. Four torch ops (two casts, two fills) did that before: ~5 us of kernels and their launch gaps
+    per layer at batch 1 (decode_profile-nvidia-h200-20261130-s9-final.txt)."""
+    tid = cuda.threadIdx.x
+    nthr = cuda.blockDim.x
+    stride = nthr * cuda.gridDim.x
+    D = hidden.shape[1]
+    for i in range(cuda.blockIdx.x * nthr + tid, max(xf.size, h.size), stride):
+        if i < xf.size:
+            xf[i // D, i % D] = float32(hidden[i // D, i % D])
+            out[i // D, i % D] = float32(0.0)
+        if i < h.size:
+            h[i // h.shape[1], i % h.shape[1]] = float32(0.0)
+    if cuda.blockIdx.x != 0:
+        return
     counts = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
     fill = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
     slot_of = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
-    tid = cuda.threadIdx.x
-    nthr = cuda.blockDim.x
     k = topk_ids.shape[1]
     npairs = topk_ids.shape[0] * k
     for e in range(tid, n_experts, nthr):
@@ -511,24 +527,29 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts and widths {MIN_WIDTH}..{MAX_WIDTH}")
     dev = hidden.device
     slots = min(E, T * k)
-    xf = hidden.float().contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
+    # ids (int64 from torch.topk and route_topk) and fp16 hidden go in as they are: the route kernel makes the fp32
+    # copy of x and zeroes h and out; bf16, which Numba has no type for, is cast here
+    src = (hidden if hidden.dtype == torch.float16 else hidden.float()).contiguous()
+    ids = topk_ids.long().contiguous()
     tw = topk_weights.float().contiguous()
-    h = torch.zeros(T * k, 2 * F, dtype=torch.float32, device=dev)
-    out = torch.zeros(T, D, dtype=torch.float32, device=dev)
+    xf = torch.empty(T, D, dtype=torch.float32, device=dev)
+    h = torch.empty(T * k, 2 * F, dtype=torch.float32, device=dev)
+    out = torch.empty(T, D, dtype=torch.float32, device=dev)
     route = torch.empty(3 * slots + 1 + T * k, dtype=torch.int32, device=dev)
     slot_expert, slot_start, slot_count = route[:slots], route[slots:2 * slots], route[2 * slots:3 * slots]
     n_active, pair_tok = route[3 * slots:3 * slots + 1], route[3 * slots + 1:]
     pair_w = torch.empty(T * k, dtype=torch.float32, device=dev)
     a = {name: _dev(t) for name, t in dict(
-        xf=xf, ids=ids, tw=tw, h=h, out=out, slot_expert=slot_expert, slot_start=slot_start, slot_count=slot_count,
+        src=src, xf=xf, ids=ids, tw=tw, h=h, out=out, slot_expert=slot_expert, slot_start=slot_start, slot_count=slot_count,
         n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words, pool_halves=pool_halves,
         q=q, plane_off=plane_off, lut_off=lut_off).items()}
     stream = _stream()
     lut_width = P if lut_width is None else lut_width
     shmem = lut_shared_bytes(lut_width)
-    _route_kernel[1, ROUTE_THREADS, stream](a["ids"], a["tw"], E, a["slot_expert"], a["slot_start"],
-                                            a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
+    blocks = min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # ~4 zeros of h per thread
+    _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["src"], E, a["xf"], a["h"], a["out"],
+                                                 a["slot_expert"], a["slot_start"], a["slot_count"], a["n_active"],
+                                                 a["pair_tok"], a["pair_w"])
     tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],
               a["slot_start"], a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
     for kind, src, dst, N, K in ((0, "xf", "h", 2 * F, D), (1, "h", "out", D, F)):
