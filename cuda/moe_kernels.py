@@ -50,12 +50,12 @@ TT_MAX = TILES[-1]
 X_SH = 1024  # floats of staged x (4 KiB: at 8 bits 6 blocks per SM either way, as with 2 KiB)
 X_ALIGN = None if SIMULATOR else 16  # lets 4 consecutive x loads merge into one 128-bit LDS (cudasim rejects it)
 MIN_WIDTH, MAX_WIDTH = 3, 8  # [seed..P]; the seed width is 3 in SPEC.md
-LUT_BATCH = 8  # LUT entries a thread loads before storing any to shared memory; divides 2^b for every b >= 3
+LUT_BATCH = 16  # LUT entries a thread loads before storing any to shared memory (2^b of them at 3 bits: 8)
 LUT32_MAX_WIDTH = 6  # LUTs up to this width sit in shared memory as fp32 (no per-weight conversion)
 WIDTHS = tuple(range(MIN_WIDTH, MAX_WIDTH + 1))  # one specialised body per width and token tile
 DECODE_MAX_T = 64
 ROUTE_THREADS = 256
-ROUTE_MAX_BLOCKS = 264  # two per SM on an H200: the set-up of the largest decode step (T = 64) in one wave
+ROUTE_MAX_BLOCKS = 264  # set-up blocks, two per SM on an H200: the largest decode step's (T = 64) in one wave
 MAX_EXPERTS = 1024
 TARGET_BLOCKS = 2048  # enough 2-warp blocks for ~8 per SM on 132 SMs, two waves
 # fewest plane words per K split: 8 where a layer's widest block has at most 4 bits (small LUTs: more splits, more warps
@@ -74,13 +74,14 @@ def _silu_mul(g, u):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_lut_batch(src, base, N, vals):
-    """vals[u] <- src[base + u * N], u < LUT_BATCH: LUT entries c0.. of one row (a LUT is [2^b][N]), every load
-    issued before any is used. The staging loops used to load an entry and store it before loading the next, so a
+def _load_lut_batch(src, base, N, last, vals):
+    """vals[u] <- src[base + (u & last) * N], u < LUT_BATCH: LUT entries c0.. of one row (a LUT is [2^b][N], last =
+    2^b - 1: a 3-bit LUT's 8 entries are loaded twice, from L1 the second time), every load issued before any is
+    used. The staging loops used to load an entry and store it before loading the next, so a
     block waited out 2^b load latencies in turn before its first weight: 256 at 8 bits, where a Qwen1.5 layer at T=1
     took 124 us for 35 MB (moe_kernel_bench-nvidia-h200-20261130-s9-splits.json)."""
     for u in range(LUT_BATCH):
-        vals[u] = src[base + u * N]
+        vals[u] = src[base + (u & last) * N]
 
 
 @cuda.jit(device=True, inline=True)
@@ -336,13 +337,15 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
     # this row's LUT (rows past N stage row 0's: their sums are never stored), LUT_BATCH entries in flight at once
     lo = lut_off[e, kind] + (n if n < N else 0)
     vals = cuda.local.array(LUT_BATCH, dtype=DT_F16)
-    for c0 in range(0, 1 << b, LUT_BATCH):
-        _load_lut_batch(pool_halves, lo + c0 * N, N, vals)
+    nl = 1 << b
+    for c0 in range(0, nl, LUT_BATCH):
+        _load_lut_batch(pool_halves, lo + c0 * N, N, nl - 1, vals)
         for u in range(LUT_BATCH):
-            if b <= LUT32_MAX_WIDTH:
-                lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
-            else:
-                lut16[(c0 + u) * ROWS + tid] = vals[u]
+            if c0 + u < nl:
+                if b <= LUT32_MAX_WIDTH:
+                    lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
+                else:
+                    lut16[(c0 + u) * ROWS + tid] = vals[u]
     # the first __syncthreads inside the body orders these stores before any LUT read
     poff = plane_off[e, kind]
     pair0 = slot_start[slot]
@@ -359,21 +362,22 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
 @cuda.jit(cache=True)  # reuse the compile across processes
 def _route_kernel(topk_ids, topk_w, hidden, n_experts, xf, h, out, slot_expert, slot_start, slot_count, n_active,
                   pair_tok, pair_w):
-    """Block 0 groups pairs by expert: slots follow ascending expert id, the pairs of a slot are contiguous. Every
-    block also does its grid-stride share of the GEMVs' set-up: xf <- hidden as fp32, and the split-K accumulators
-    h and out zeroed. Four torch ops (two casts, two fills) did that before: ~5 us of kernels and their launch gaps
-    per layer at batch 1 (decode_profile-nvidia-h200-20261130-s9-final.txt)."""
+    """Block 0 groups pairs by expert: slots follow ascending expert id, the pairs of a slot are contiguous. The
+    other blocks (at least one) do the GEMVs' set-up, grid-stride: xf <- hidden as fp32, and the split-K
+    accumulators h and out zeroed. Four torch ops (two casts, two fills) did that before: ~5 us of kernels and their
+    launch gaps per layer at batch 1 (decode_profile-nvidia-h200-20261130-s9-final.txt). Block 0 takes no share: it
+    is the kernel's critical path."""
     tid = cuda.threadIdx.x
     nthr = cuda.blockDim.x
-    stride = nthr * cuda.gridDim.x
-    D = hidden.shape[1]
-    for i in range(cuda.blockIdx.x * nthr + tid, max(xf.size, h.size), stride):
-        if i < xf.size:
-            xf[i // D, i % D] = float32(hidden[i // D, i % D])
-            out[i // D, i % D] = float32(0.0)
-        if i < h.size:
-            h[i // h.shape[1], i % h.shape[1]] = float32(0.0)
     if cuda.blockIdx.x != 0:
+        D = hidden.shape[1]
+        F2 = h.shape[1]
+        for i in range((cuda.blockIdx.x - 1) * nthr + tid, max(xf.size, h.size), nthr * (cuda.gridDim.x - 1)):
+            if i < xf.size:
+                xf[i // D, i % D] = float32(hidden[i // D, i % D])
+                out[i // D, i % D] = float32(0.0)
+            if i < h.size:
+                h[i // F2, i % F2] = float32(0.0)
         return
     counts = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
     fill = cuda.shared.array(MAX_EXPERTS, dtype=DT_I32)
@@ -460,10 +464,12 @@ def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert
     lut = cuda.shared.array(0, dtype=DT_U16)
     lo = lut_off[e, kind] + (n if n < N else 0)  # rows past N stage row 0's LUT and store nothing
     vals = cuda.local.array(LUT_BATCH, dtype=DT_U16)
-    for c0 in range(0, 1 << b, LUT_BATCH):
-        _load_lut_batch(pool_h16, lo + c0 * N, N, vals)
+    nl = 1 << b
+    for c0 in range(0, nl, LUT_BATCH):
+        _load_lut_batch(pool_h16, lo + c0 * N, N, nl - 1, vals)
         for u in range(LUT_BATCH):  # u, not j: j is the block's slot
-            lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
+            if c0 + u < nl:
+                lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
     cuda.syncthreads()
     dst = out_gu if kind == 0 else out_d
     o = np.uint64((j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
@@ -562,7 +568,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     stream = _stream()
     lut_width = P if lut_width is None else lut_width
     shmem = lut_shared_bytes(lut_width)
-    blocks = min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # ~4 zeros of h per thread
+    blocks = 1 + min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # routing + ~4 zeros of h a thread
     _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["src"], E, a["xf"], a["h"], a["out"],
                                                  a["slot_expert"], a["slot_start"], a["slot_count"], a["n_active"],
                                                  a["pair_tok"], a["pair_w"])
