@@ -50,7 +50,10 @@ TT_MAX = TILES[-1]
 X_SH = 1024  # floats of staged x (4 KiB: at 8 bits 6 blocks per SM either way, as with 2 KiB)
 X_ALIGN = None if SIMULATOR else 16  # lets 4 consecutive x loads merge into one 128-bit LDS (cudasim rejects it)
 MIN_WIDTH, MAX_WIDTH = 3, 8  # [seed..P]; the seed width is 3 in SPEC.md
-LUT_BATCH = 16  # LUT entries a thread loads before storing any to shared memory (2^b of them at 3 bits: 8)
+# LUT entries a thread loads before storing any to shared memory; divides 2^b for every b >= 3. 16 (a 3-bit LUT's 8
+# loaded twice) was no faster at 4 bits and 5 % slower at 8 (moe_kernel_bench-nvidia-h200-20261130-s10-lut16.json
+# against -s10-lut.json)
+LUT_BATCH = 8
 LUT32_MAX_WIDTH = 6  # LUTs up to this width sit in shared memory as fp32 (no per-weight conversion)
 WIDTHS = tuple(range(MIN_WIDTH, MAX_WIDTH + 1))  # one specialised body per width and token tile
 DECODE_MAX_T = 64
@@ -74,14 +77,13 @@ def _silu_mul(g, u):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_lut_batch(src, base, N, last, vals):
-    """vals[u] <- src[base + (u & last) * N], u < LUT_BATCH: LUT entries c0.. of one row (a LUT is [2^b][N], last =
-    2^b - 1: a 3-bit LUT's 8 entries are loaded twice, from L1 the second time), every load issued before any is
-    used. The staging loops used to load an entry and store it before loading the next, so a
+def _load_lut_batch(src, base, N, vals):
+    """vals[u] <- src[base + u * N], u < LUT_BATCH: LUT entries c0.. of one row (a LUT is [2^b][N]), every load
+    issued before any is used. The staging loops used to load an entry and store it before loading the next, so a
     block waited out 2^b load latencies in turn before its first weight: 256 at 8 bits, where a Qwen1.5 layer at T=1
     took 124 us for 35 MB (moe_kernel_bench-nvidia-h200-20261130-s9-splits.json)."""
     for u in range(LUT_BATCH):
-        vals[u] = src[base + (u & last) * N]
+        vals[u] = src[base + u * N]
 
 
 @cuda.jit(device=True, inline=True)
@@ -337,15 +339,13 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
     # this row's LUT (rows past N stage row 0's: their sums are never stored), LUT_BATCH entries in flight at once
     lo = lut_off[e, kind] + (n if n < N else 0)
     vals = cuda.local.array(LUT_BATCH, dtype=DT_F16)
-    nl = 1 << b
-    for c0 in range(0, nl, LUT_BATCH):
-        _load_lut_batch(pool_halves, lo + c0 * N, N, nl - 1, vals)
+    for c0 in range(0, 1 << b, LUT_BATCH):
+        _load_lut_batch(pool_halves, lo + c0 * N, N, vals)
         for u in range(LUT_BATCH):
-            if c0 + u < nl:
-                if b <= LUT32_MAX_WIDTH:
-                    lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
-                else:
-                    lut16[(c0 + u) * ROWS + tid] = vals[u]
+            if b <= LUT32_MAX_WIDTH:
+                lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
+            else:
+                lut16[(c0 + u) * ROWS + tid] = vals[u]
     # the first __syncthreads inside the body orders these stores before any LUT read
     poff = plane_off[e, kind]
     pair0 = slot_start[slot]
@@ -464,12 +464,10 @@ def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert
     lut = cuda.shared.array(0, dtype=DT_U16)
     lo = lut_off[e, kind] + (n if n < N else 0)  # rows past N stage row 0's LUT and store nothing
     vals = cuda.local.array(LUT_BATCH, dtype=DT_U16)
-    nl = 1 << b
-    for c0 in range(0, nl, LUT_BATCH):
-        _load_lut_batch(pool_h16, lo + c0 * N, N, nl - 1, vals)
+    for c0 in range(0, 1 << b, LUT_BATCH):
+        _load_lut_batch(pool_h16, lo + c0 * N, N, vals)
         for u in range(LUT_BATCH):  # u, not j: j is the block's slot
-            if c0 + u < nl:
-                lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
+            lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
     cuda.syncthreads()
     dst = out_gu if kind == 0 else out_d
     o = np.uint64((j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
