@@ -114,11 +114,14 @@ GRAPH_MAX_TOKENS = 64  # decode steps (the fused kernel's range); larger steps r
 
 
 def lut_width(max_width: int) -> int:
-    """LUT shared-memory class of a layer whose widest committed block has `max_width` bits. Widths up to 7 all fit
-    the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per block, which still
-    lets the register-bound 8 blocks per SM in), so only 8 bits needs more: two classes, and a graph is recaptured
-    only when a layer crosses 7 <-> 8, not at every change of its widest block."""
-    return 7 if max_width <= 7 else 8
+    """LUT class of a layer whose widest committed block has `max_width` bits: the kernel's `lut_width`, which sizes
+    its LUT shared memory and, at 4 or less, halves its K splits (`MIN_SPLIT_WORDS_NARROW`: a Qwen1.5 layer at T=1
+    and 4 bits takes 42 us with them, 49 us without, moe_kernel_bench-nvidia-h200-20261130-s10-last.json). Widths 5
+    to 7 all fit the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per block,
+    which still lets the register-bound 8 blocks per SM in): three classes, and a graph is recaptured only when a
+    layer crosses 4 <-> 5 or 7 <-> 8, not at every change of its widest block. (Until this class existed, layers at
+    4 bits ran as class 7, without the narrow splits.)"""
+    return 4 if max_width <= 4 else 7 if max_width <= 7 else 8
 
 
 class APExperts(nn.Module):
