@@ -446,6 +446,8 @@ def engine_options(kind: str, b: int, home: int | None, args: argparse.Namespace
     options = dict(bits=home, paging=True)
     if args.compact_every is not None:
         options["compact_every_steps"] = args.compact_every
+    if args.observe_every is not None:
+        options["observe_every"] = args.observe_every
     return options
 
 
@@ -458,6 +460,9 @@ def config_name(kind: str, b: int | None, home: int | None, parent: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    p.add_argument("--observe-every", type=int, default=None, metavar="N",
+                   help="PagedWeight reads routing statistics every N-th step (default: the engine's); a large N "
+                        "separates the observed steps' cost from the rest of PagedWeight's per-step cost")
     p.add_argument("--scaled", action="store_true", help="Qwen1.5 block count at CPU-sized dims, multi-page planes")
     p.add_argument("--compact-every", type=int, default=None,
                    help="PagedWeight's compact_every_steps (default: the engine's)")

@@ -123,3 +123,16 @@ def test_budgets_count_the_weights_outside_the_pool_as_the_engine_holds_them():
                          detokenize=False)
     assert outside_bytes(cfg, torch.float32) == param_bytes(llm.model)
     assert outside_bytes(cfg, torch.float32) > param_bytes(random_model(cfg, False, torch.float32, "meta"))
+
+
+def test_engine_bench_observe_every_reaches_pagedweight_only():
+    """--observe-every sets PagedWeight's routing-statistics interval; uniform engines have no planner to feed."""
+    from types import SimpleNamespace
+
+    from benchmarks import engine_bench
+
+    args = SimpleNamespace(compact_every=None, observe_every=16)
+    assert engine_bench.engine_options("paged", 4, 4, args)["observe_every"] == 16
+    assert "observe_every" not in engine_bench.engine_options("uniform", 4, None, args)
+    assert "observe_every" not in engine_bench.engine_options("paged", 4, 4, SimpleNamespace(compact_every=None,
+                                                                                           observe_every=None))
