@@ -2,7 +2,7 @@
 
 Decode path (T <= DECODE_MAX_T), four stream-ordered steps, all capturable in a torch.cuda.CUDAGraph:
 1. `_route_kernel`: its first block groups the T*k routed (token, expert) pairs by expert into "slots"
-   (slot j = the j-th distinct expert, its pairs contiguous at slot_start[j]); n_active on the device. All its
+   (slot j = the j-th distinct expert, its pairs contiguous at slot_start[j]); n_active on the device. Its other
    blocks copy x to fp32 and zero the accumulators of steps 2 and 3.
 2. `_gemv_kernel` kind 0 (gate_up, W [2F, D]): h[pair, :] += W_q @ x[token] for every pair of the slot.
 3. `_gemv_kernel` kind 1 (down, W [D, F]): out[token] += w_pair * W_q @ (silu(h_gate) * h_up).
@@ -549,7 +549,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     slots = min(E, T * k)
     # ids (int64 from torch.topk and route_topk) and fp16 hidden go in as they are: the route kernel makes the fp32
     # copy of x and zeroes h and out; bf16, which Numba has no type for, is cast here
-    src = (hidden if hidden.dtype == torch.float16 else hidden.float()).contiguous()
+    x_in = (hidden if hidden.dtype == torch.float16 else hidden.float()).contiguous()
     ids = topk_ids.long().contiguous()
     tw = topk_weights.float().contiguous()
     xf = torch.empty(T, D, dtype=torch.float32, device=dev)
@@ -560,14 +560,14 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     n_active, pair_tok = route[3 * slots:3 * slots + 1], route[3 * slots + 1:]
     pair_w = torch.empty(T * k, dtype=torch.float32, device=dev)
     a = {name: _dev(t) for name, t in dict(
-        src=src, xf=xf, ids=ids, tw=tw, h=h, out=out, slot_expert=slot_expert, slot_start=slot_start, slot_count=slot_count,
-        n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words, pool_halves=pool_halves,
-        q=q, plane_off=plane_off, lut_off=lut_off).items()}
+        x_in=x_in, xf=xf, ids=ids, tw=tw, h=h, out=out, slot_expert=slot_expert, slot_start=slot_start,
+        slot_count=slot_count, n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words,
+        pool_halves=pool_halves, q=q, plane_off=plane_off, lut_off=lut_off).items()}
     stream = _stream()
     lut_width = P if lut_width is None else lut_width
     shmem = lut_shared_bytes(lut_width)
     blocks = 1 + min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # routing + ~4 zeros of h a thread
-    _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["src"], E, a["xf"], a["h"], a["out"],
+    _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["x_in"], E, a["xf"], a["h"], a["out"],
                                                  a["slot_expert"], a["slot_start"], a["slot_count"], a["n_active"],
                                                  a["pair_tok"], a["pair_w"])
     tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],
