@@ -3,7 +3,10 @@
     ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
         --set full python -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
 
-No timing here: the profiler's own report (stall reasons, DRAM throughput, occupancy) is the output.
+No timing here: the profiler's own report (stall reasons, DRAM throughput, occupancy) is the output. The launch is
+the engine's: the kernel's `lut_width` is the LUT class the engine gives a layer of that width (`runner.lut_width`),
+which sets its shared memory and K splits (until session 10 the probe passed the parent width, 8: the 8-bit LUT's
+shared memory and 16-word splits at every width).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 from benchmarks.moe_kernel_bench import P, SEED_BITS, SHAPES, routing
 from pagedweight.cuda.moe_kernels import moe_forward
 from pagedweight.cuda.synthetic import build_synthetic_moe
+from pagedweight.runner import lut_width
 
 
 def main() -> int:
@@ -30,7 +34,8 @@ def main() -> int:
     ids, w = routing(args.T, E, k, gen)
     x = torch.randn(args.T, D, device="cuda", dtype=torch.float16)
     for _ in range(args.launches):
-        moe_forward(x, ids.cuda(), w.cuda(), moe.pool_words, moe.pool_halves, q, poff, loff, D, F, P)
+        moe_forward(x, ids.cuda(), w.cuda(), moe.pool_words, moe.pool_halves, q, poff, loff, D, F, P,
+                    lut_width(args.bits))
     torch.cuda.synchronize()
     print("done", args)
     return 0
