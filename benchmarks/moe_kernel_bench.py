@@ -37,6 +37,7 @@ from pagedweight.cuda import moe_kernels as mk  # noqa: E402
 from pagedweight.cuda.moe_kernels import moe_forward  # noqa: E402
 from pagedweight.cuda.reference import moe_forward_reference  # noqa: E402
 from pagedweight.cuda.synthetic import build_synthetic_moe  # noqa: E402
+from pagedweight.runner import lut_width as lut_class  # noqa: E402
 
 SHAPES = {  # name: (E, D, F, top_k)
     "mixtral-8x7b": (8, 4096, 14336, 2),
@@ -270,7 +271,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
         for plan, width in plans.items():
             q = mixed_q if width is None else torch.full((E, 2), width)
             moe.write_tables(q, q_dev, lo_dev)
-            lut_width = int(q.max())  # shared memory sized for the plan's widest block (as the engine does)
+            lut_width = lut_class(int(q.max()))  # the engine's LUT class of the plan's widest block
             graphs = [capture(lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
                                                             po_dev, lo_dev, D, F, P, lut_width))
                       for h, s in zip(hiddens, sets)]

@@ -57,7 +57,7 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
     s9-kernels.txt, -s9-norm.txt, -s9-final.txt; torch's norm alone takes 2 us): 128 threads walking a row of 2048
     one load at a time took 11 us; 32 elements per thread with x's loads hoisted but w's left under `if i < D` in
     the store loop, each waiting for the one before, 13 us; everything hoisted, 9 us (118 registers: the loads go
-    out in batches)."""
+    out in batches); then 512 threads of 8 elements, 3.5 us (decode_profile-nvidia-h200-20261130-s10.txt)."""
     n = cuda.blockIdx.x
     t = cuda.threadIdx.x
     D = x.shape[1]
