@@ -38,6 +38,7 @@ from pagedweight.page_table import BlockSpec, expert_block_specs
 from pagedweight.pool import PAGE_ALIGN
 from pagedweight.runner import APWeights
 from pagedweight.sampling import SamplingParams
+from pagedweight.signals import N_FEATURES, ResidualHeads
 
 QWEN15_MOE = dict(family="qwen2_moe", vocab_size=151936, hidden_size=2048, moe_intermediate_size=1408,
                   num_hidden_layers=24, num_experts=60, top_k=4, norm_topk_prob=False, num_attention_heads=16,
@@ -112,7 +113,11 @@ def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, devi
     return model.eval()
 
 
-def ap_weights(cfg: ModelConfig, parent_bits: int, seed_bits: int = 3, seed: int = 0) -> APWeights:
+def ap_weights(cfg: ModelConfig, parent_bits: int, seed_bits: int = 3, seed: int = 0, heads: bool = True
+               ) -> APWeights:
+    """Random planes and tables. `heads`: random prompt residual heads, because `pagedweight convert` fits heads by
+    default and a checkpoint with heads pays more per observed step (block features, eta rows, damage rows) than
+    one without; their values change which blocks a plan picks, not what a plan costs."""
     specs = expert_block_specs(cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                parent_bits, seed_bits)
     rng = np.random.default_rng(seed)
@@ -122,7 +127,12 @@ def ap_weights(cfg: ModelConfig, parent_bits: int, seed_bits: int = 3, seed: int
     for b in range(seed_bits, parent_bits + 1):
         sens[:, b] = scale * 4.0 ** (parent_bits - b)  # quantization error falls ~4x per bit
     mass = rng.dirichlet(np.ones(cfg.num_experts), cfg.num_hidden_layers)
-    return APWeights(specs, seed_bits, parent_bits, RandomPlaneStore(specs, seed), sens, mass, PlannerKnobs())
+    w = parent_bits + 1
+    residual = ResidualHeads(rng.normal(0.0, 0.3, (2, w, w, N_FEATURES)), rng.normal(0.0, 0.1, (2, w, w)),
+                             np.ones((2, w, w)), rng.normal(0.0, 1.0, (n, N_FEATURES)),
+                             np.ones(N_FEATURES)) if heads else None
+    return APWeights(specs, seed_bits, parent_bits, RandomPlaneStore(specs, seed), sens, mass, PlannerKnobs(),
+                     residual)
 
 
 def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -463,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--observe-every", type=int, default=None, metavar="N",
                    help="PagedWeight reads routing statistics every N-th step (default: the engine's); a large N "
                         "separates the observed steps' cost from the rest of PagedWeight's per-step cost")
+    p.add_argument("--no-heads", dest="heads", action="store_false",
+                   help="no prompt residual heads in the random checkpoint (default: random heads, as convert fits)")
     p.add_argument("--scaled", action="store_true", help="Qwen1.5 block count at CPU-sized dims, multi-page planes")
     p.add_argument("--compact-every", type=int, default=None,
                    help="PagedWeight's compact_every_steps (default: the engine's)")
@@ -506,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.tiny, args.scaled)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
-    weights = ap_weights(cfg, args.parent_bits)
+    weights = ap_weights(cfg, args.parent_bits, heads=args.heads)
     outside = outside_bytes(cfg, dtype)
     element = torch.empty((), dtype=dtype).element_size()
     expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
@@ -521,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
              "weight_bytes_per_token_computed": per_token,
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
-             "time_budget_s": args.time_budget_s}
+             "residual_heads": "random" if args.heads else None, "time_budget_s": args.time_budget_s}
 
     def ap_budget(b: int, batch: int) -> int:
         """The memory of uniform b bits: weights outside the pool, the experts at b bits, the batch's KV cache."""

@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-room-blocks", type=int, default=None,
                    help="KV blocks the budget leaves with every expert at the parent width (default 128; tiny: 6)")
     p.add_argument("--parent-bits", type=int, default=6)
+    p.add_argument("--no-heads", dest="heads", action="store_false",
+                   help="no prompt residual heads in the random checkpoint (default: random heads, as convert fits)")
     p.add_argument("--paged-runs", type=int, default=1,
                    help="run PagedWeight this many times on the same arrivals (spread in the result: pagedweight_runs)")
     p.add_argument("--warmup-replays", type=int, default=1,
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(tiny)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
-    weights = ap_weights(cfg, args.parent_bits, seed=args.seed)
+    weights = ap_weights(cfg, args.parent_bits, seed=args.seed, heads=args.heads)
     outside = outside_bytes(cfg, dtype)
     kv_block = page * cfg.num_hidden_layers
     budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + room * kv_block
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     skipped: list[str] = []
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
-            "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs}
+            "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
+            "residual_heads": "random" if args.heads else None}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+
 
 def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     from benchmarks import engine_bench
@@ -136,3 +138,22 @@ def test_engine_bench_observe_every_reaches_pagedweight_only():
     assert "observe_every" not in engine_bench.engine_options("uniform", 4, None, args)
     assert "observe_every" not in engine_bench.engine_options("paged", 4, 4, SimpleNamespace(compact_every=None,
                                                                                            observe_every=None))
+
+
+def test_benchmark_checkpoints_carry_residual_heads_unless_told_not_to():
+    """`convert` fits residual heads by default, so the benchmarks' random checkpoint has heads too: PagedWeight then
+    pays what a converted checkpoint pays per observed step (block features, eta rows). --no-heads drops them."""
+    import torch
+
+    from benchmarks.engine_bench import ap_weights, model_config, random_model
+    from pagedweight.engine import LLM
+    from pagedweight.sampling import SamplingParams
+
+    cfg = model_config(True, False)
+    assert ap_weights(cfg, 6, heads=False).heads is None
+    llm = LLM.from_parts(random_model(cfg, False, torch.float32, "cpu"), ap_weights(cfg, 6), None, None, "cpu",
+                         detokenize=False, observe_every=1)
+    assert llm.planner.heads is not None and llm.planner.features is None
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.planner.features.shape == (llm.planner.tables.n_blocks, 4)  # the observed steps' block features
+    assert np.isfinite(llm.planner.signals()[0]).all()
