@@ -12,8 +12,8 @@ cut-short run still leaves a valid partial result):
                T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
                than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
                device-to-device copy ceiling measured in the same run.
-  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS: launch arguments, no
-               recompile) swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the
+  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS[_NARROW]: launch arguments,
+               no recompile) swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the
                copy ceiling with few warps per SM, and more K splits mean more warps but more LUT and x staging per
                weight.
 Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
@@ -300,7 +300,7 @@ SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 819
 
 def splits(shapes: list[str]) -> None:
     """Decode time per layer under CUDA graphs for each split-K sizing; outputs checked against the default's."""
-    default = (mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS)
+    default = (mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS)
     try:
         for name in shapes:
             E, D, F, k = SHAPES[name]
@@ -314,11 +314,11 @@ def splits(shapes: list[str]) -> None:
                     moe.write_tables(torch.full((E, 2), width), q_dev, lo_dev)
                     call = [lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
                                                          po_dev, lo_dev, D, F, P, width) for h, s in zip(hiddens, sets)]
-                    mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = default
+                    mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
                     want = call[0]()
                     for min_words, target in SPLIT_SIZINGS:
                         mk.MIN_SPLIT_WORDS_NARROW = mk.MIN_SPLIT_WORDS = min_words
-                        mk.TARGET_BLOCKS = target
+                        mk.TARGET_BLOCKS_NARROW = mk.TARGET_BLOCKS = target
                         err = rel(call[0](), want)
                         graphs = [capture(c) for c in call]
                         us = time_cycle([g.replay for g in graphs])
@@ -335,7 +335,7 @@ def splits(shapes: list[str]) -> None:
             del moe
             torch.cuda.empty_cache()
     finally:
-        mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = default
+        mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
 
 
 # ---------------------------------------------------------------------------------------------- prefill

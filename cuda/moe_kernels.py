@@ -60,11 +60,14 @@ DECODE_MAX_T = 64
 ROUTE_THREADS = 256
 ROUTE_MAX_BLOCKS = 264  # set-up blocks, two per SM on an H200: the largest decode step's (T = 64) in one wave
 MAX_EXPERTS = 1024
-TARGET_BLOCKS = 2048  # enough 2-warp blocks for ~8 per SM on 132 SMs, two waves
-# fewest plane words per K split: 8 where a layer's widest block has at most 4 bits (small LUTs: more splits, more warps
-# per SM), 16 above (staging a 7-8-bit LUT costs more than the warps gain); Qwen1.5 T=1: 56 -> 51 us at 4 bits,
-# 124 -> 146 us at 8 bits with 8 (moe_kernel_bench-nvidia-h200-20261130-s9-splits.json)
-MIN_SPLIT_WORDS_NARROW, MIN_SPLIT_WORDS = 8, 16
+# Split-K sizing: blocks a launch aims for, and the fewest plane words per K split. Wide LUT classes (5-8 bits): 2048
+# blocks (~8 2-warp blocks per SM on 132 SMs, two waves) of at least 16 words (staging a 7-8-bit LUT costs more than
+# more warps gain: Qwen1.5 T=1 at 8 bits took 124 -> 146 us with 8, moe_kernel_bench-nvidia-h200-20261130-s9-splits.
+# json). The narrow class (widest block <= 4 bits, a 16-entry LUT): 8192 blocks of at least 2 words (rounded up to
+# WS), which in three H200 runs (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8
+# words at 4 bits by 1.3-2.3 % on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
+TARGET_BLOCKS_NARROW, TARGET_BLOCKS = 8192, 2048
+MIN_SPLIT_WORDS_NARROW, MIN_SPLIT_WORDS = 2, 16
 
 float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
 # array dtypes (the simulator's too)
@@ -512,8 +515,9 @@ def lut_shared_bytes(P: int) -> int:
 
 
 def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int) -> int:
-    want = max(1, -(-TARGET_BLOCKS // (row_tiles * slots)))
-    splits = max(1, min(want, -(-W // (MIN_SPLIT_WORDS_NARROW if lut_width <= 4 else MIN_SPLIT_WORDS))))
+    narrow = lut_width <= 4
+    want = max(1, -(-(TARGET_BLOCKS_NARROW if narrow else TARGET_BLOCKS) // (row_tiles * slots)))
+    splits = max(1, min(want, -(-W // (MIN_SPLIT_WORDS_NARROW if narrow else MIN_SPLIT_WORDS))))
     wps = -(-W // splits)
     return -(-wps // WS) * WS
 
