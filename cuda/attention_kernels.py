@@ -39,8 +39,6 @@ THREADS = 128
 SUB = 16  # threads per key row: thread (g, sub) reads dims sub, sub + SUB, ... of keys g, g + GROUPS, ...
 GROUPS = THREADS // SUB
 KEYS = CHUNK // GROUPS  # keys per thread
-DCH = 8  # dims of its KEYS keys a thread loads before using any: DCH * KEYS loads in flight (one round trip at hd 128)
-VALS = DCH * KEYS  # (a local array's size must be one constant)
 MAX_HEAD_DIM = 256  # q of one head in shared memory; head_dim a multiple of SUB
 PART = GROUPS * MAX_HEAD_DIM  # shared floats of a block's partials (a shared array's size must be one constant)
 COMBINE_SPLITS = 2048  # splits the combine can weigh
@@ -65,16 +63,6 @@ def _block_reduce(red, v, t, take_max):
     out = red[0]
     cuda.syncthreads()  # every thread has read red[0] before red is reused
     return out
-
-
-@cuda.jit(device=True, inline=True)
-def _load_dims(rows, pg, off, i0, vals):
-    """vals[j * KEYS + u] <- dim sub + SUB * (i0 + j) of the thread's key u (off[u] already holds + sub), j < DCH:
-    every load issued before any is used. With one dim at a time a thread waited out hd / SUB load latencies in turn
-    for K and as many again for V (8 + 8 at hd 128)."""
-    for j in range(DCH):
-        for u in range(KEYS):
-            vals[j * KEYS + u] = float32(rows[pg[u], off[u] + SUB * (i0 + j)])
 
 
 @cuda.jit(cache=True)
@@ -118,16 +106,7 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
         pg[u] = pages[g + GROUPS * u]
         off[u] = offs[g + GROUPS * u] + sub
         dot[u] = float32(0.0)
-    vals = cuda.local.array(VALS, np.float32)  # constant indices once unrolled: registers
-    i0 = 0
-    while i0 + DCH <= dims:
-        _load_dims(rows, pg, off, i0, vals)
-        for j in range(DCH):
-            qv = qs[sub + SUB * (i0 + j)]
-            for u in range(KEYS):
-                dot[u] += qv * vals[j * KEYS + u]
-        i0 += DCH
-    for i in range(i0, dims):  # head dims past the last whole DCH
+    for i in range(dims):
         qv = qs[sub + SUB * i]
         for u in range(KEYS):
             dot[u] += qv * float32(rows[pg[u], off[u] + SUB * i])
@@ -148,16 +127,7 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     for u in range(KEYS):
         dot[u] = probs[g + GROUPS * u]
         off[u] += v_off
-    i0 = 0
-    while i0 + DCH <= dims:
-        _load_dims(rows, pg, off, i0, vals)
-        for j in range(DCH):
-            acc = float32(0.0)
-            for u in range(KEYS):
-                acc += dot[u] * vals[j * KEYS + u]
-            part[g * hd + sub + SUB * (i0 + j)] = acc
-        i0 += DCH
-    for i in range(i0, dims):
+    for i in range(dims):
         acc = float32(0.0)
         for u in range(KEYS):
             acc += dot[u] * float32(rows[pg[u], off[u] + SUB * i])
