@@ -283,7 +283,10 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     the host's drift lands on both alike. The table runs each configuration alone, one after the other, and there
     the same configuration's median step moved by up to 8 % between rounds (engine_bench-…-20261130-s8.json: FP16
     batch 1, 5.34 and 5.77 ms), more than the 2 % under test. Each chunk pair gives a ratio of median steps; the
-    result is the ratio of the two engines' median decode steps over all chunks, and the pairs' spread."""
+    result is the ratio of the two engines' median decode steps over all chunks, and the pairs' spread. With
+    `--trace`, each engine's median of every step-trace column (TRACE_COLUMNS) and its median step by the step's
+    place in the routing-observation cycle (`phase_step_ms`: entry j = steps with num_steps % observe_every == j,
+    j = 0 the observed ones), to say where PagedWeight's extra time per step goes."""
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
@@ -297,6 +300,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
             first.update(out.request_id for out in llm.step() if out.token_ids)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     steps: dict[str, list[float]] = {kind: [] for kind in engines}
+    phases = {kind: StepPhases(llm) for kind, llm in engines.items()} if args.trace else None
+    every = engines["paged"].options.observe_every
+    traces: dict[str, list[tuple[int, list]]] = {kind: [] for kind in engines}  # (num_steps % every, trace row)
     pair_ratios: list[float] = []
     order = list(engines)
     while any(llm.has_unfinished() for llm in engines.values()):
@@ -307,20 +313,30 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
             for _ in range(args.paired_chunk):
                 if not llm.has_unfinished():
                     break
+                cycle, paging, compactions = llm.num_steps % every, dataclasses.replace(llm.paging), llm.pool.relocations
                 t = time.perf_counter()
                 llm.step()
                 ms.append((time.perf_counter() - t) * 1e3)
+                if phases is not None:
+                    traces[kind].append((cycle, trace_row(llm, paging, t, compactions, phases[kind])))
             chunk[kind] = ms
             steps[kind] += ms
         if all(chunk.values()):
             pair_ratios.append(float(np.median(chunk["uniform"]) / np.median(chunk["paged"])))
         order.reverse()
     med = {kind: float(np.median(v)) for kind, v in steps.items()}
-    return {"bits": b, "home": home, "batch": batch, "chunk_steps": args.paired_chunk,
-            "uniform_step_ms_median": med["uniform"], "paged_step_ms_median": med["paged"],
-            "ratio_paged_over_uniform": med["uniform"] / med["paged"],
-            "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),
-            "steps_per_engine": len(steps["paged"])}
+    out = {"bits": b, "home": home, "batch": batch, "chunk_steps": args.paired_chunk,
+           "uniform_step_ms_median": med["uniform"], "paged_step_ms_median": med["paged"],
+           "ratio_paged_over_uniform": med["uniform"] / med["paged"],
+           "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),
+           "steps_per_engine": len(steps["paged"])}
+    if phases is not None:
+        out["observe_every"] = every
+        out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows]) for i, col in enumerate(TRACE_COLUMNS)}
+                                for kind, rows in traces.items()}
+        out["phase_step_ms"] = {kind: [_median([row[0] for c, row in rows if c == j]) for j in range(every)]
+                                for kind, rows in traces.items()}
+    return out
 
 
 def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
@@ -401,6 +417,12 @@ def _append_torch_profile(path: str, title: str, prof, steps: int) -> None:
                 f.write(avg.table(sort_by=key, row_limit=40, max_name_column_width=60) + "\n")
             except (KeyError, AttributeError, RuntimeError) as exc:
                 f.write(f"(no table sorted by {key}: {exc})\n")
+
+
+def _median(values: list) -> float | None:
+    """Median of the numbers among `values` (None where a step had none: the phases of a step without a forward)."""
+    v = [float(x) for x in values if x is not None]
+    return float(np.median(v)) if v else None
 
 
 def _mean(hist: list) -> float | None:
@@ -504,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                         "together, stepped in alternating chunks of STEPS decode steps (0: off; --rounds 0 skips "
                         "the table)")
     p.add_argument("--trace", action="store_true",
-                   help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from)")
+                   help="add each timed step's wall and paging-loop host ms to the row (where a gap comes from); "
+                        "paired measurements get each engine's median per trace column and per observation-cycle step")
     p.add_argument("--decode-attention", choices=("kernel", "sdpa"), default="kernel",
                    help="CUDA decode steps: the paged decode attention kernel, or gather + SDPA (the path before it)")
     p.add_argument("--no-layer-kernels", dest="layer_kernels", action="store_false",

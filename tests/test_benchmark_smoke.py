@@ -34,6 +34,24 @@ def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
         assert pair["steps_per_engine"] == 8 and len(pair["pair_ratios"]) == 3  # chunks of 3, 3, 2 steps
         assert pair["pair_ratio_min"] == min(pair["pair_ratios"]) and pair["pair_ratio_max"] == max(pair["pair_ratios"])
         assert pair["ratio_paged_over_uniform"] == pair["uniform_step_ms_median"] / pair["paged_step_ms_median"]
+        assert "trace_medians" not in pair
+
+
+def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
+    """--trace in a paired run: each engine's median per trace column, and its median step per place in the
+    routing-observation cycle; only PagedWeight's observed steps (place 0) read routing statistics."""
+    from benchmarks import engine_bench
+
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--paged-home", "match",
+                              "--gen", "13", "--rounds", "0", "--paired-chunk", "4", "--trace",
+                              "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("engine_bench-*.json")
+    pair = json.loads(path.read_text())["paired_decode"]["ap3/b1/home3"]
+    assert pair["observe_every"] == 4 and set(pair["trace_medians"]) == set(pair["phase_step_ms"]) == {"uniform", "paged"}
+    cols = pair["trace_medians"]["paged"]
+    assert list(cols) == engine_bench.TRACE_COLUMNS and cols["forward_ms"] > 0 and cols["sample_ms"] > 0
+    assert pair["trace_medians"]["uniform"]["observe_ms"] == 0
+    assert all(len(v) == 4 and all(x > 0 for x in v) for v in pair["phase_step_ms"].values())
 
 
 def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
