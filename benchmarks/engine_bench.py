@@ -117,7 +117,7 @@ def ap_weights(cfg: ModelConfig, parent_bits: int, seed_bits: int = 3, seed: int
                ) -> APWeights:
     """Random planes and tables. `heads`: random prompt residual heads, because `pagedweight convert` fits heads by
     default and a checkpoint with heads pays more per observed step (block features, eta rows, damage rows) than
-    one without; their values change which blocks a plan picks, not what a plan costs."""
+    one without; being random, the blocks they make a plan pick mean nothing here, only the work does."""
     specs = expert_block_specs(cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                parent_bits, seed_bits)
     rng = np.random.default_rng(seed)
@@ -313,7 +313,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
             for _ in range(args.paired_chunk):
                 if not llm.has_unfinished():
                     break
-                cycle, paging, compactions = llm.num_steps % every, dataclasses.replace(llm.paging), llm.pool.relocations
+                cycle, compactions = llm.num_steps % every, llm.pool.relocations
+                paging = dataclasses.replace(llm.paging)
                 t = time.perf_counter()
                 llm.step()
                 ms.append((time.perf_counter() - t) * 1e3)
@@ -332,8 +333,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
            "steps_per_engine": len(steps["paged"])}
     if phases is not None:
         out["observe_every"] = every
-        out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows]) for i, col in enumerate(TRACE_COLUMNS)}
-                                for kind, rows in traces.items()}
+        out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows])
+                                       for i, col in enumerate(TRACE_COLUMNS)} for kind, rows in traces.items()}
         out["phase_step_ms"] = {kind: [_median([row[0] for c, row in rows if c == j]) for j in range(every)]
                                 for kind, rows in traces.items()}
     return out
