@@ -313,8 +313,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
             for _ in range(args.paired_chunk):
                 if not llm.has_unfinished():
                     break
-                cycle, compactions = llm.num_steps % every, llm.pool.relocations
-                paging = dataclasses.replace(llm.paging)
+                if phases is not None:  # the trace's "before" marks, taken only when tracing
+                    cycle, compactions, paging = llm.num_steps % every, llm.pool.relocations, dataclasses.replace(
+                        llm.paging)
                 t = time.perf_counter()
                 llm.step()
                 ms.append((time.perf_counter() - t) * 1e3)

@@ -115,13 +115,11 @@ GRAPH_MAX_TOKENS = 64  # decode steps (the fused kernel's range); larger steps r
 
 def lut_width(max_width: int) -> int:
     """LUT class of a layer whose widest committed block has `max_width` bits: the kernel's `lut_width`, which sizes
-    its LUT shared memory and, at 4 or less, gives it the narrow split-K sizing (`MIN_SPLIT_WORDS_NARROW`,
-    `TARGET_BLOCKS_NARROW`: a Qwen1.5 layer at T=1 and 4 bits took 42 us with 8-word splits, 49 us with the wide
-    class's 16, moe_kernel_bench-nvidia-h200-20261130-s10-last.json; 41.4 us with the current sizing). Widths 5
-    to 7 all fit the shared memory of width 7 (an fp32 LUT of 64 entries or an fp16 one of 128: 16 KiB per block,
-    which still lets the register-bound 8 blocks per SM in): three classes, and a graph is recaptured only when a
-    layer crosses 4 <-> 5 or 7 <-> 8, not at every change of its widest block. (Until this class existed, layers at
-    4 bits ran as class 7, without the narrow splits.)"""
+    its LUT shared memory and, at 4 or less, gives it the narrow split-K sizing (`moe_kernels.TARGET_BLOCKS_NARROW`:
+    a Qwen1.5 layer at T=1 and 4 bits takes 41.4 us with it, 48.1 us with the wide class's, moe_kernel_bench-nvidia-
+    h200-20261130-s11-main.json). Widths 5 to 7 all fit the shared memory of width 7 (16 KiB per block, which still
+    lets the register-bound 8 blocks per SM in): three classes, and a graph is recaptured only when a layer crosses
+    4 <-> 5 or 7 <-> 8, not at every change of its widest block."""
     return 4 if max_width <= 4 else 7 if max_width <= 7 else 8
 
 
