@@ -286,7 +286,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     result is the ratio of the two engines' median decode steps over all chunks, and the pairs' spread. With
     `--trace`, each engine's median of every step-trace column (TRACE_COLUMNS) and its median step by the step's
     place in the routing-observation cycle (`phase_step_ms`: entry j = steps with num_steps % observe_every == j,
-    j = 0 the observed ones), to say where PagedWeight's extra time per step goes."""
+    j = 0 the observed ones), and every step's row (`step_traces`), to say where PagedWeight's extra time per step
+    goes."""
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
@@ -338,6 +339,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
                                        for i, col in enumerate(TRACE_COLUMNS)} for kind, rows in traces.items()}
         out["phase_step_ms"] = {kind: [_median([row[0] for c, row in rows if c == j]) for j in range(every)]
                                 for kind, rows in traces.items()}
+        out["step_traces"] = {kind: {"columns": ["cycle", *TRACE_COLUMNS], "rows": [[c, *row] for c, row in rows]}
+                              for kind, rows in traces.items()}
     return out
 
 

@@ -1,5 +1,6 @@
 """A decoder layer's small fused kernels (Numba CUDA): RMSNorm (with the residual add), RoPE on q and k, the router's
-softmax + top-k, and the shared expert's SwiGLU and output; one launch each where torch takes 2 to 10.
+softmax + top-k, and the shared expert's SwiGLU and output; one launch each where torch takes 2 to 10. Also the
+routing statistics' fold of an observed step (signals.RouterStats), one launch where torch takes ~15.
 
 Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 per layer, and ~1,000 of them were
 1-5 us elementwise, copy, cat, norm and top-k kernels: ~1.9 ms of the step's 5.3 ms of kernel time, before the gaps
@@ -184,6 +185,33 @@ def _shared_out_kernel(x, routed, gate, shared, out, half):
         out[n, i] = float32(x[n, i]) + _rnd(float32(routed[n, i]) + s, half)
 
 
+@cuda.jit(cache=True)
+def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc):
+    """Block (l, t): |x[l, t]| (float32, a block reduction over D), then for each routing slot j the weight
+    r = weights[l, t, j] (times token_weights[t] when `weighted`) adds r, r|x| and r|x|^2 to acc[0:3, row] and raises
+    acc[3, row] to |x|, row = offsets[l] + ids[l, t, j]. x [L', n, D], ids and weights [L', n, k], offsets [L'] (a
+    layer's first row, layer * E), acc [4, L * E] float32. Atomics: the sums' order is free, as index_add_'s is."""
+    l = cuda.blockIdx.x
+    n = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    red = cuda.shared.array(THREADS, np.float32)
+    ss = float32(0.0)
+    for i in range(t, x.shape[2], THREADS):
+        v = float32(x[l, n, i])
+        ss += v * v
+    norm = float32(math.sqrt(_block_reduce(red, ss, t, False)))
+    if t < ids.shape[2]:
+        row = offsets[l] + ids[l, n, t]
+        r = float32(weights[l, n, t])
+        if weighted:
+            r = r * float32(token_weights[n])
+        rn = r * norm
+        cuda.atomic.add(acc, (0, row), r)
+        cuda.atomic.add(acc, (1, row), rn)
+        cuda.atomic.add(acc, (2, row), rn * norm)
+        cuda.atomic.max(acc, (3, row), norm)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[N, D] view of [..., D] (a copy only when the leading dims cannot be merged)."""
     return t.reshape(-1, t.shape[-1])
@@ -237,6 +265,22 @@ def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Te
     weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     _topk_kernel[n, THREADS, _stream()](_dev(logits), top_k, renorm, _dev(ids), _dev(weights))
     return ids, weights
+
+
+def route_stats(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                token_weights: torch.Tensor | None, acc: torch.Tensor) -> None:
+    """Add one step's routing statistics to acc [4, L * E] (float32) in one launch: signals.RouterStats' fold of
+    x [L', n, D] (fp16/fp32), ids [L', n, k] (int64), weights [L', n, k] (fp16/fp32, times token_weights [n] if
+    given) and offsets [L'] (int64, layer * E), where torch takes ~15 small kernels."""
+    if x.dtype not in DTYPES or weights.dtype not in DTYPES or ids.dtype != torch.int64:
+        raise ValueError(f"route_stats takes fp16/fp32 x and weights and int64 ids, got {x.dtype}, {weights.dtype}, "
+                         f"{ids.dtype}")
+    if acc.dtype != torch.float32 or acc.shape[0] != 4 or ids.shape[2] > THREADS:
+        raise ValueError(f"route_stats adds into a float32 [4, rows] accumulator with top-k <= {THREADS}")
+    weighted = token_weights is not None
+    tw = token_weights.float() if weighted else acc[0, :1]  # unread stand-in when unweighted
+    _route_stats_kernel[(x.shape[0], x.shape[1]), THREADS, _stream()](
+        _dev(x), _dev(ids), _dev(weights), _dev(offsets), _dev(tw), weighted, _dev(acc))
 
 
 def _grid(n: int, d: int) -> tuple[int, int]:

@@ -120,7 +120,7 @@ class RouterStats:
         self.num_layers, self.num_experts = num_layers, num_experts
         self._token_weights: torch.Tensor | None = None
         self._device_weights: torch.Tensor | None = None  # token_weights on the device of the last call
-        self._offsets: tuple | None = None  # ((layers, device), layer * E as [L', 1, 1]) of the last stacked call
+        self._offsets: tuple | None = None  # ((layers, device), layer * E as [L']) of the last stacked call
         self.reset()
 
     @property
@@ -154,27 +154,40 @@ class RouterStats:
     def observe_layers(self, layers: list[int], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                        ) -> None:
         """All layers of one forward at once: x [L', n, D], ids and weights [L', n, k] of `layers`. A whole-step
-        graph hands over its layers' router inputs together, so an observed step costs ~10 device ops, not ~8 per
-        layer (on the H200 the per-layer calls took 8.5 ms per observed step under cProfile). Folded at once: the
-        inputs may be views of a graph's outputs, overwritten by its next replay."""
+        graph hands over its layers' router inputs together, so an observed step costs ~15 device ops, not ~8 per
+        layer (on the H200 the per-layer calls took 8.5 ms per observed step under cProfile); on CUDA one fused
+        kernel. Folded at once: the inputs may be views of a graph's outputs, overwritten by its next replay."""
         key = (tuple(layers), x.device)
         if self._offsets is None or self._offsets[0] != key:
-            self._offsets = key, torch.tensor(layers, device=x.device)[:, None, None] * self.num_experts
+            self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
+        offsets = self._offsets[1]
+        if x.is_cuda:  # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
+            from pagedweight.cuda import layer_kernels
+            if self._acc is None:
+                self._acc = torch.zeros(4, self.num_layers * self.num_experts, device=x.device)
+            layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, self._device_token_weights(x.device),
+                                      self._acc)
+            return
         r = self._weighted(topk_weights.float(), x.device)  # [n, 1] token weights broadcast over L' and k
         norm = torch.linalg.vector_norm(x.float(), dim=-1)
-        self._fold((topk_ids + self._offsets[1]).reshape(-1), r.reshape(-1),
+        self._fold((topk_ids + offsets[:, None, None]).reshape(-1), r.reshape(-1),
                    norm[:, :, None].expand(topk_ids.shape).reshape(-1))
 
-    def _weighted(self, r: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """r [..., n, k] times the token weights [n] (moved to the device once per batch), if set."""
+    def _device_token_weights(self, device: torch.device) -> torch.Tensor | None:
+        """The token weights [n] (float32) on `device`, moved there once per batch; None if unset."""
         if self._token_weights is None:
-            return r
+            return None
         if self._device_weights is None or self._device_weights.device != device:
             w = self._token_weights.float()
             if device.type == "cuda":  # a pageable copy would wait for the step's graph: the host would stall here
                 w = w.pin_memory()
-            self._device_weights = w.to(device, non_blocking=True)[:, None]
-        return r * self._device_weights
+            self._device_weights = w.to(device, non_blocking=True)
+        return self._device_weights
+
+    def _weighted(self, r: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """r [..., n, k] times the token weights [n], if set."""
+        w = self._device_token_weights(device)
+        return r if w is None else r * w[:, None]
 
     @torch.no_grad()
     def _reduce(self) -> None:

@@ -52,6 +52,10 @@ def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
     assert list(cols) == engine_bench.TRACE_COLUMNS and cols["forward_ms"] > 0 and cols["sample_ms"] > 0
     assert pair["trace_medians"]["uniform"]["observe_ms"] == 0
     assert all(len(v) == 4 and all(x > 0 for x in v) for v in pair["phase_step_ms"].values())
+    for kind, trace in pair["step_traces"].items():  # every step's row behind those medians, its cycle place first
+        assert trace["columns"] == ["cycle", *engine_bench.TRACE_COLUMNS]
+        assert len(trace["rows"]) == pair["steps_per_engine"]
+        assert sorted({row[0] for row in trace["rows"]}) == [0, 1, 2, 3], kind
 
 
 def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):

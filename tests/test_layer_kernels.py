@@ -88,6 +88,22 @@ COMPARE = textwrap.dedent(r"""
         gate = proj[:, -1:]
         out["shared_expert_out"] = stats(lk.shared_expert_out(xs, routed, gate, shared),
                                          xs + (routed + torch.sigmoid(gate) * shared))
+        # routing statistics of 3 of 4 layers in one launch, against RouterStats' torch fold of the same step
+        import numpy as np
+        from pagedweight.signals import RouterStats
+        L, n, layers = 4, 5, [0, 2, 3]
+        xr, ids = r(3, n, D), torch.randint(0, E, (3, n, k), generator=g).to(device)
+        wr = torch.rand(3, n, k, generator=g).to(device=device, dtype=dt)
+        tw = torch.rand(n, generator=g) + 0.5
+        for weighted in (False, True):
+            ref = RouterStats(L, E)
+            ref.token_weights = tw if weighted else None
+            ref.observe_layers(layers, xr.cpu(), ids.cpu(), wr.cpu())
+            want = torch.from_numpy(np.stack([ref.mass, ref.norm_sum, ref.norm2_sum, ref.norm_max])).reshape(4, -1)
+            acc = torch.zeros(4, L * E, device=device)
+            lk.route_stats(xr, ids, wr, torch.tensor(layers, device=device) * E, tw.to(device) if weighted else None,
+                           acc)
+            out[f"route_stats_{weighted}"] = float((acc.cpu().double() - want).abs().max() / want.abs().max())
         return out
 
     def model_pair(device, dtype_name):
@@ -125,7 +141,7 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
     kernels = lk
 
     sigs = {name: [] for name in ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_swiglu_kernel",
-                                  "_shared_out_kernel"]}
+                                  "_shared_out_kernel", "_route_stats_kernel"]}
 
     %(recorder)s
 
@@ -160,6 +176,8 @@ def check_case(r: dict, dtype: str) -> None:
         assert r[f"route_ids_{renorm}"], r
         assert r[f"route_weights_{renorm}"] <= 1e-6, r  # float32 weights: a float32 ulp or two
     assert r["route_ties"][0] == [3, 7, 50, 0, 1], r["route_ties"]
+    for weighted in (False, True):  # float32 sums in another order: an ulp or two of the largest
+        assert r[f"route_stats_{weighted}"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("case", ["float16/0", "float16/1", "float32/0", "float32/1"])
