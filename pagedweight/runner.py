@@ -294,12 +294,14 @@ class DecodeGraphs:
 
     def _observe(self, records: list[tuple], n: int) -> None:
         """Router observers get the step's real rows: a RouterStats observing every layer gets all layers in one
-        call (stacked here, on observed steps only), any other observer each layer, as tensors of its own."""
+        call (stacked here, on its active steps only), any other observer each layer, as tensors of its own."""
         observers = [self._mlps[layer].observer for layer, *_ in records]
         if all(o is None for o in observers):
             return
         first = observers[0]
         if isinstance(first, RouterStats) and all(o is first for o in observers):
+            if not first.active:
+                return
             layers, x, ids, weights = zip(*records)
             first.observe_layers(list(layers), torch.stack(x)[:, :n], torch.stack(ids)[:, :n],
                                  torch.stack(weights)[:, :n])

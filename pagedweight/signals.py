@@ -121,7 +121,24 @@ class RouterStats:
         self._token_weights: torch.Tensor | None = None
         self._device_weights: torch.Tensor | None = None  # token_weights on the device of the last call
         self._offsets: tuple | None = None  # ((layers, device), layer * E as [L']) of the last stacked call
+        self.active = True  # calls fold only while active (an engine turns it on for its observed steps: `arm`)
+        self._window: tuple[list[int], list[int]] | None = None  # `arm`'s batch: a new window at the next call
         self.reset()
+
+    def arm(self, tokens_per_request: list[int], kv_blocks_per_request: list[int]) -> None:
+        """Observe the next forward, a batch of these requests: its first call starts a new window (`reset`)
+        with their token weights (`batch_token_weights`). Only flags are set here: an engine arms before it
+        launches the step, where host time leaves the GPU idle, and the calls come after the launch. An engine
+        sets `active = False` once the step's statistics are prefetched; while inactive, calls return at once."""
+        self._window = tokens_per_request, kv_blocks_per_request
+        self.active = True
+
+    def _begin(self) -> None:
+        if self._window is not None:
+            tokens, blocks = self._window
+            self._window = None
+            self.reset()
+            self.token_weights = batch_token_weights(tokens, blocks)
 
     @property
     def token_weights(self) -> torch.Tensor | None:
@@ -142,6 +159,9 @@ class RouterStats:
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if not self.active:
+            return
+        self._begin()
         r = self._weighted(topk_weights.float(), x.device)
         self._ids.append(topk_ids.reshape(-1) + layer * self.num_experts)
         self._r.append(r.reshape(-1))
@@ -157,6 +177,9 @@ class RouterStats:
         graph hands over its layers' router inputs together, so an observed step costs ~15 device ops, not ~8 per
         layer (on the H200 the per-layer calls took 8.5 ms per observed step under cProfile); on CUDA one fused
         kernel. Folded at once: the inputs may be views of a graph's outputs, overwritten by its next replay."""
+        if not self.active:
+            return
+        self._begin()
         key = (tuple(layers), x.device)
         if self._offsets is None or self._offsets[0] != key:
             self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
@@ -213,7 +236,9 @@ class RouterStats:
     @torch.no_grad()
     def prefetch(self) -> None:
         """Start the device-to-host copy of everything observed so far: into pinned memory behind a CUDA event, so
-        the engine can read the statistics during the next step without waiting for that step's graph."""
+        the engine can read the statistics during the next step without waiting for that step's graph. An armed
+        forward that made no call still starts its (empty) window: a read must not see the last one again."""
+        self._begin()
         self._reduce()
         if self._acc is None:
             return

@@ -554,6 +554,27 @@ def test_routing_read_lands_one_step_later(ap_dir):
     assert not llm._routing_unread and not np.array_equal(got, mass)
 
 
+def test_router_observer_stays_installed_and_folds_only_observed_steps(ap_dir):
+    """The engine installs its RouterStats once and only arms it for observed steps: before a step's launch it
+    writes no observer (24 writes a step cost host time there), and an unobserved step's forward folds nothing.
+    An observer someone else replaced (scoring sets None) is installed again at the next step."""
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    stats = llm.router_stats
+    llm.add_request(PROMPTS[0], greedy(8))
+    llm.step()  # observed (step 0): installs and arms
+    assert all(layer.mlp.observer is stats for layer in llm.model.layers) and not stats.active
+    writes = []
+    install = llm.model.set_router_observer
+    llm.model.set_router_observer = lambda fn: (writes.append(fn), install(fn))
+    llm.step()  # step 1 reads step 0's window while it runs and observes nothing
+    assert not stats._ids and stats._acc is None and stats._copy is None
+    llm.step()  # step 2 observed: a new window of its own tokens only
+    assert writes == [] and llm._routing_unread and stats.mass.sum() > 0
+    install(None)  # what EngineActor.score does before its own forward
+    llm.step()
+    assert writes == [stats] and llm.model.layers[-1].mlp.observer is stats
+
+
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     weights_3 = probe.stats()["resident_weight_bytes"]

@@ -622,6 +622,29 @@ def test_router_stats_prefetch_then_more_calls():
     np.testing.assert_allclose(both.mass, later.mass, rtol=1e-6)
 
 
+def test_router_stats_fold_only_while_armed():
+    """Inactive, calls return at once; `arm` makes the next call start a new window with the batch's token
+    weights; an armed forward without calls still starts its (empty) window at `prefetch`."""
+    L, E = 2, 4
+    stats = RouterStats(L, E)
+    stats.active = False
+    x, ids, w = torch.ones(3, 8), torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
+    stats(0, x, ids, w)
+    assert stats.mass.sum() == 0
+    stats.arm([3], [6])  # one request, 3 tokens holding 6 KV blocks: token weight 2
+    stats(0, x, ids, w)
+    stats.prefetch()
+    stats.active = False
+    stats(1, x, ids, w)  # ignored
+    assert stats.mass[0, 0] == pytest.approx(3 * 0.5 * 2) and stats.mass[1].sum() == 0
+    stats.arm([3], [3])
+    stats.observe_layers([1], x[None], ids[None], w[None])
+    assert stats.mass[0].sum() == 0 and stats.mass[1, 0] == pytest.approx(3 * 0.5)
+    stats.arm([3], [3])
+    stats.prefetch()  # no call: the window is new and empty
+    assert stats.mass.sum() == 0
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
 def test_router_stats_observer_matches_reference(stacked):
     """Per-layer calls (eager forwards) and one stacked call of every layer (a whole-step graph's records) give
