@@ -337,8 +337,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
         out["observe_every"] = every
         out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows])
                                        for i, col in enumerate(TRACE_COLUMNS)} for kind, rows in traces.items()}
-        out["phase_step_ms"] = {kind: [_median([row[0] for c, row in rows if c == j]) for j in range(every)]
-                                for kind, rows in traces.items()}
+        out["phase_step_ms"] = {kind: [_median([row[0] for c, row in rows if c == j])
+                                       for j in range(min(every, max(c for c, _ in rows) + 1))]
+                                for kind, rows in traces.items()}  # up to the last place seen (a long cycle)
         out["step_traces"] = {kind: {"columns": ["cycle", *TRACE_COLUMNS], "rows": [[c, *row] for c, row in rows]}
                               for kind, rows in traces.items()}
     return out
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                         paired[key] = paired_decode(cfg, weights, ap_budget(b, batch), batch, b, home, args)
                     except Exception as exc:  # noqa: BLE001 - one failing pair must not cost the others
                         paired[key] = failed_row(exc, bits=b, batch=batch, home=home)
-                    print(key, paired[key], file=sys.stderr)
+                    print(key, {k: v for k, v in paired[key].items() if k != "step_traces"}, file=sys.stderr)
                     gc.collect()
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
