@@ -104,6 +104,9 @@ def batch_token_weights(tokens_per_request: list[int], kv_blocks_per_request: li
     return torch.from_numpy(np.repeat(per_token, tokens))  # numpy: a few us on the step's critical path
 
 
+_KERNEL_DTYPES = (torch.float16, torch.float32)  # what layer_kernels.route_stats reads (Numba has no bf16 arrays)
+
+
 class RouterStats:
     """Router observer for `model.set_router_observer`: routing mass and per-expert input-norm features.
 
@@ -184,7 +187,8 @@ class RouterStats:
         if self._offsets is None or self._offsets[0] != key:
             self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
         offsets = self._offsets[1]
-        if x.is_cuda:  # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
+        if x.is_cuda and x.dtype in _KERNEL_DTYPES and topk_weights.dtype in _KERNEL_DTYPES:
+            # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
             from pagedweight.cuda import layer_kernels
             if self._acc is None:
                 self._acc = torch.zeros(4, self.num_layers * self.num_experts, device=x.device)
