@@ -44,6 +44,9 @@ for s in "${steps[@]}"; do case $s in
   # (the table's configurations run minutes apart and drift by more than the 2 % under test)
   paired) step "${PAIRED_LIMIT:-200}" python3 -m benchmarks.engine_bench --rounds 0 --paired-chunk 4 --bits 4,3,6,5 \
             --batches 1,4 --gen 64 --paged-home match --time-budget-s 170 ${PAIRED_ARGS:-} ;;
+  # host time before each step's launch and the graph's GPU time, per engine and observation-cycle place
+  marks) step "${MARKS_LIMIT:-150}" python3 -m benchmarks.launch_marks --rounds 0 --paired-chunk 4 --bits 3,4 \
+           --batches 1,4 --gen 64 --paged-home match --time-budget-s 110 --label "${MARKS_LABEL:-marks}" ${MARKS_ARGS:-} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
   pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
