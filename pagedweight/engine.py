@@ -47,7 +47,7 @@ from pagedweight.tokenizer import TextTokenizer
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one list shared by every output of the request (copy it before changing it)
     token_ids: list[int]  # every generated token so far
     text: str  # every generated character so far (cut at a stop string)
     delta_text: str  # new since this request's previous output
@@ -597,7 +597,7 @@ class LLM:
         seq.sent_text_len = len(seq.text)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.completion_token_ids, seq.text, delta,
+        return RequestOutput(seq.request_id, seq.output_prompt, seq.completion_token_ids, seq.text, delta,
                              seq.is_finished, seq.finish_reason, seq.error)
 
     # ---- blocking and streaming front ends ----

@@ -42,10 +42,14 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
     num_preemptions: int = 0
+    # the prompt every RequestOutput of this request carries: one copy per request, not one per step (a step's
+    # outputs used to copy the whole prompt, O(prompt) host work per running request between two launches)
+    output_prompt: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.output_prompt = list(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -228,6 +228,13 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
     chunks = list(llm.stream(PROMPTS[0], greedy(16)))
     assert "".join(c.delta_text for c in chunks) == full.text and chunks[-1].finished
     assert [c.finished for c in chunks].count(True) == 1
+    # every output of a request carries one prompt list (no copy per step); changing it changes no later output
+    assert all(c.prompt_token_ids is chunks[0].prompt_token_ids for c in chunks)
+    assert chunks[0].prompt_token_ids == full.prompt_token_ids
+    mutated = llm.stream(PROMPTS[0], greedy(16))
+    first = next(mutated)
+    first.prompt_token_ids.append(-1)
+    assert [c.token_ids for c in [first, *mutated]][-1] == full.token_ids
     too_long = llm.generate([[1] * 1100], greedy(4), use_tqdm=False)[0]
     assert too_long.finish_reason == "error" and "max_model_len" in too_long.error
     with pytest.raises(ValueError):
