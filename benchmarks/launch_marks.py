@@ -76,7 +76,7 @@ class LaunchMarks:
         for (config, kind), steps in self.steps.items():
             for place in sorted({s[0] for s in steps}):
                 at = [s for s in steps if s[0] == place]
-                gpu = [a.elapsed_time(b) for *_, ev in at if ev is not None for a, b in [ev]]
+                gpu = [ev[0].elapsed_time(ev[1]) for *_, ev in at if ev is not None]
                 rows.append({"config": config, "engine": kind, "place": place, "steps": len(at),
                              "step_ms": float(np.median([s[1] for s in at])) * 1e3,
                              "launch_ms": float(np.median([s[2] for s in at])) * 1e3,

@@ -597,7 +597,7 @@ class LLM:
         seq.sent_text_len = len(seq.text)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, seq.output_prompt, seq.completion_token_ids, seq.text, delta,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, seq.text, delta,
                              seq.is_finished, seq.finish_reason, seq.error)
 
     # ---- blocking and streaming front ends ----

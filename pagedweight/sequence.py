@@ -42,22 +42,18 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
     num_preemptions: int = 0
-    # the prompt every RequestOutput of this request carries: one copy per request, not one per step (a step's
-    # outputs used to copy the whole prompt, O(prompt) host work per running request between two launches)
-    output_prompt: list[int] = field(default_factory=list)
+    # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
+    # host work per running request between two launches), so what a caller does to that list changes nothing here
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.output_prompt = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def completion_token_ids(self) -> list[int]:
