@@ -347,7 +347,8 @@ class LLM:
             return outputs
         # Before the launch only flags change: host time here leaves the GPU idle (on the H200 the observers'
         # per-step writes, reset and token weights put 0.05-0.15 ms before an observed step's launch and the
-        # next's, launch_marks-nvidia-h200-20261130-s12.json)
+        # next's, launch_marks-nvidia-h200-20261130-s12.json; with only flags, within 0.05 ms of uniform's launch,
+        # launch_marks-nvidia-h200-20261130-s13.json)
         observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
         if self.router_stats is not None:
             if getattr(self._first_mlp, "observer", None) is not self.router_stats:  # e.g. scoring reset it
