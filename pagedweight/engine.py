@@ -231,6 +231,7 @@ class LLM:
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
         self._in_flight = False  # the last boundary left pages in flight
         self._settled = False  # the last boundary was settled: the next may overlap its step (step())
+        self._climbing = False  # the last boundary wanted no offload: widths only climb (or stay), see step()
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
@@ -327,15 +328,17 @@ class LLM:
         """Run one engine step; returns the outputs of requests that advanced or finished.
 
         The paging boundary (planner, move requests, commits) runs before the step is scheduled, so that what it
-        releases can be admitted at once. When the last boundary was settled (no plan, no move under way or
-        wanted) and no request waits for admission, it runs instead once the step's forward is queued on the
-        device, before its tokens are read: its host time then overlaps the step instead of leaving the GPU idle
-        between steps (most decode steps). What it changes there reaches the device stream-ordered after this
-        step's reads (table updates, relocation copies) or behind this step's fence (copies into pages this step
-        may still read), and a release it starts commits at the next step's boundary."""
+        releases can be admitted at once. When no request waits for admission and the last boundary was settled
+        (no plan, no move under way or wanted, most decode steps), or wanted no offload while the KV cache has
+        the blocks this step allocates plus the trigger margin free (widths climbing back after pressure: no
+        release to hurry), it runs instead once the step's forward is queued on the device, before its tokens are
+        read: its host time then overlaps the step instead of leaving the GPU idle between steps. What it changes
+        there reaches the device stream-ordered after this step's reads (table updates, relocation copies) or
+        behind this step's fence (copies into pages this step may still read), and a release it starts commits at
+        the next step's boundary."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        overlap = self._settled and not self.scheduler.waiting
+        overlap = not self.scheduler.waiting and (self._settled or (self._climbing and self._kv_spare()))
         if not overlap:
             self._boundary()
         batch = self.scheduler.schedule()
@@ -409,6 +412,11 @@ class LLM:
                 torch.cuda.synchronize(self.device)
         return True
 
+    def _kv_spare(self) -> bool:
+        """The KV cache has the blocks the next step allocates and the planner's trigger margin free: the step
+        needs nothing from this boundary."""
+        return self.kv.num_free_blocks > self.scheduler.blocks_wanted() + self.planner.knobs.trigger_blocks
+
     def _boundary(self) -> None:
         t0 = time.perf_counter()
         self._in_flight = self._paging_boundary()
@@ -470,7 +478,8 @@ class LLM:
 
     def _paging_boundary(self) -> bool:
         """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight.
-        Sets `_settled`: no plan written, no move under way or wanted, nothing in flight."""
+        Sets `_settled`: no plan written, no move under way or wanted, nothing in flight; and `_climbing`: no
+        offload wanted or under way."""
         if self.mover is None:
             return False
         wanted = self.scheduler.blocks_wanted()
@@ -521,8 +530,10 @@ class LLM:
         """
         want = self.planner.desired
         if not self._requested and np.array_equal(want, committed):
+            self._climbing = True
             return True  # settled (most decode steps): no move under way and none wanted
         diff = want != committed
+        self._climbing = not (want < committed).any()  # an offload wanted or under way lowers a width
         for i, b in list(self._requested.items()):  # the moves started earlier: keep, retarget or forget
             if self.mover.pending(i):
                 if want[i] == b:

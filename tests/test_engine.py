@@ -442,8 +442,9 @@ def test_settled_boundaries_overlap_the_forward_paged_or_not(ap_dir, pressure_ru
 
 
 def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
-    """With requests running, at most `reload_starts_per_step` reloads start per boundary (each start costs host
-    time beside the decode step); with nothing running the cap is off and the widths come all the way back."""
+    """With requests running, at most `reload_starts_per_step` reloads start per boundary, and each starts beside
+    its step's forward (widths climbing, KV to spare: the boundary runs after the launch); with nothing running
+    the cap is off and the widths come all the way back."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
     budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
@@ -452,16 +453,24 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
               reload_starts_per_step=1, planner_knobs={"reload_dwell_steps": 1, "hysteresis_blocks": 1})
     starts: dict[int, int] = {}
-    request = llm.mover.request
+    before_launch: list[int] = []  # steps where a reload started before the forward while requests ran
+    request, run = llm.mover.request, llm.runner.run
+    launched = {"step": -1}
 
     def counted(i: int, b: int, keep_free_pages: int = 0, relocate: bool = True) -> bool:
         reload = b > llm.table.rows[i].q
         ok = request(i, b, keep_free_pages, relocate)
         if ok and reload and llm.scheduler.running:
             starts[llm.num_steps] = starts.get(llm.num_steps, 0) + 1
+            if launched["step"] != llm.num_steps:
+                before_launch.append(llm.num_steps)
         return ok
 
-    llm.mover.request = counted
+    def marked_run(batch):
+        launched["step"] = llm.num_steps
+        return run(batch)
+
+    llm.mover.request, llm.runner.run = counted, marked_run
     # two short requests end early: their KV comes back while the long ones still run, so reloads start then
     for p, n in zip(PROMPTS, (8, 8, 96, 96)):
         llm.add_request(p, greedy(n))
@@ -469,6 +478,7 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
         llm.step()
     assert starts, "no reload started while requests ran: the scenario no longer tests the cap"
     assert max(starts.values()) == 1, starts
+    assert not before_launch, f"reloads started before the launch at steps {before_launch} (of {sorted(starts)})"
     for _ in range(400):
         llm.step()
         if llm.mover.idle() and _mean_width(llm) == 8.0:
