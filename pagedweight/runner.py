@@ -251,9 +251,15 @@ class DecodeGraphs:
             batch_sizes = [b for b in batch_sizes if b <= limit]
         self.batch_sizes = sorted(batch_sizes)
         rows = self.batch_sizes[-1] if self.batch_sizes else 0
-        self._inputs = torch.zeros(rows * (3 + self.num_layers * max_blocks), dtype=torch.long,
-                                   device=kv.view.device)
-        self._host_q = self._ap[0].table.host_q.numpy().reshape(self.num_layers, -1) if self._ap else None
+        size, device = rows * (3 + self.num_layers * max_blocks), kv.view.device
+        self._inputs = torch.zeros(size, dtype=torch.long, device=device)
+        # built on the host in pinned memory, so the copy in does not hold the host before the launch; the event
+        # says when that copy has read it (the next step's token read has normally waited for it already)
+        self._staging = torch.empty(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host = self._staging.numpy()
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._table = self._ap[0].table if self._ap else None
+        self._luts: tuple[int, tuple[int, ...]] = (-1, ())  # (table.commits, LUT classes) derived at that commit
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
         self._seen: set[tuple] = set()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -270,7 +276,10 @@ class DecodeGraphs:
         rows = next(b for b in self.batch_sizes if b >= n)
         longest = max(len(s.block_table) for s in seqs)
         blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
-        host = np.empty((rows, 3 + self.num_layers * blocks), dtype=np.int64)
+        if self._copied is not None:
+            self._copied.synchronize()
+        shape = (rows, 3 + self.num_layers * blocks)
+        host = self._host[:rows * shape[1]].reshape(shape)
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
             tables = self.kv.block_tables(seq)
@@ -279,8 +288,10 @@ class DecodeGraphs:
             padded[:, :tables.shape[1]] = tables
             padded[:, tables.shape[1]:] = tables[:, :1]
         host[n:] = host[0]
-        inputs = self._inputs[:host.size].view(host.shape)
-        inputs.copy_(torch.from_numpy(host))
+        inputs = self._inputs[:host.size].view(shape)
+        inputs.copy_(self._staging[:host.size].view(shape), non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         graph = self._graph(inputs) if self.capture else None
         if graph is None:
             self.stats.eager += 1
@@ -313,7 +324,7 @@ class DecodeGraphs:
     def _graph(self, inputs: torch.Tensor) -> _StepGraph | None:
         """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
         key = inputs.shape
-        luts = tuple(lut_width(int(w)) for w in self._host_q.max(axis=1)) if self._ap else ()
+        luts = self._lut_classes()
         graph = self._graphs.get(key)
         if graph is not None and graph.luts == luts:
             return graph
@@ -327,6 +338,15 @@ class DecodeGraphs:
         self._graphs[key] = graph = _StepGraph(g, luts, logits, records)  # replaces a graph of other classes
         self.stats.captured += 1
         return graph
+
+    def _lut_classes(self) -> tuple[int, ...]:
+        """Every layer's LUT class under the committed widths, derived again only after a commit."""
+        if self._table is None:
+            return ()
+        if self._luts[0] != self._table.commits:
+            widest = self._table.host_q.numpy().reshape(self.num_layers, -1).max(axis=1)
+            self._luts = (self._table.commits, tuple(lut_width(int(w)) for w in widest))
+        return self._luts[1]
 
     def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and every layer's router inputs."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedweight.engine import LLM
-from pagedweight.runner import APExperts, DecodeGraphs, ModelRunner, decode_batch_sizes
+from pagedweight.runner import APExperts, DecodeGraphs, ModelRunner, decode_batch_sizes, lut_width
 from pagedweight.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -186,6 +186,9 @@ def test_width_changes_between_steps(ap_dir):
     def between(engine, step):
         if step in changes:
             _set_widths(engine, *changes[step])
+        if engine is llm:  # the graphs' LUT classes, cached by commit count, follow every commit
+            widest = engine.table.host_q.numpy().reshape(engine.config.num_hidden_layers, -1).max(axis=1)
+            assert decode._lut_classes() == tuple(lut_width(int(w)) for w in widest), step
     params = [SamplingParams(max_tokens=14, ignore_eos=True)] * 3
     lockstep(ref, llm, PROMPTS[:3], params, between)
     check_used(decode, replays_at_least=4)
