@@ -281,7 +281,7 @@ class DecodeGraphs:
             padded[:, tables.shape[1]:] = tables[:, :1]
         host[n:] = host[0]
         inputs = self._inputs[:host.size].view(host.shape)
-        # a plain copy: a pinned staging buffer, a non-blocking copy and an event to guard the buffer put 0.08-0.12
+        # a plain copy: a pinned staging buffer, a non-blocking copy and an event to guard the buffer put 0.06-0.12
         # ms more host time before the launch at batch 1 on the H200 (launch_marks-nvidia-h200-20261130-s13-prep.json
         # against -s13-prep-base.json)
         inputs.copy_(torch.from_numpy(host))
