@@ -129,10 +129,11 @@ class AsyncEngine:
         """Yield the request's outputs until it finishes; closing the iterator early aborts it.
 
         ValueError from add_request (bad prompt or params) propagates before the first output. With `coalesce`,
-        outputs that piled up while the caller was busy come as one (their delta texts joined): a consumer
-        slower than the engine (a Serve hop per output) then ships fewer, larger messages instead of falling
-        further behind.
+        outputs that piled up while the caller was busy come as one (their delta texts joined, and their token ids
+        with output_kind "delta"): a consumer slower than the engine (a Serve hop per output) then ships fewer,
+        larger messages instead of falling further behind.
         """
+        delta = params is not None and params.output_kind == "delta"
         self.check_health()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -142,11 +143,12 @@ class AsyncEngine:
             while not finished:
                 out = await queue.get()
                 if coalesce and not out.finished and not queue.empty():
-                    deltas = [out.delta_text]
+                    joined = [out]
                     while not out.finished and not queue.empty():
                         out = queue.get_nowait()
-                        deltas.append(out.delta_text)
-                    out = replace(out, delta_text="".join(deltas))
+                        joined.append(out)
+                    ids = [t for o in joined for t in o.token_ids] if delta else out.token_ids
+                    out = replace(out, token_ids=ids, delta_text="".join(o.delta_text for o in joined))
                 if first is None:
                     first = time.perf_counter() - start
                 finished = out.finished

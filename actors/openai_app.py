@@ -230,8 +230,10 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
 def _sampling_params(job: GenerationJob, max_tokens: int):
     from pagedweight.sampling import SamplingParams
 
+    # the replica reads delta text and counts (token ids never leave it): delta outputs copy no generated tokens
     return SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-                          seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos).validate()
+                          seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos,
+                          output_kind="delta").validate()
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30,
@@ -291,7 +293,7 @@ class EngineReplica:
                     return
                 if out.finished or not final_only:
                     yield {"delta": out.text if final_only else out.delta_text,
-                           "completion_tokens": len(out.token_ids),
+                           "completion_tokens": out.completion_tokens,
                            "finish_reason": out.finish_reason if out.finished else None}
                 if out.finished:
                     return

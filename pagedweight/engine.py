@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -48,20 +48,17 @@ from pagedweight.tokenizer import TextTokenizer
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]  # one list shared by every output of the request (copy it before changing it)
-    token_ids: list[int]  # every generated token so far
+    token_ids: list[int]  # every generated token so far; with output_kind "delta" those new since the last output
     text: str  # every generated character so far (cut at a stop string)
     delta_text: str  # new since this request's previous output
     finished: bool
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     error: str | None = None
+    completion_tokens: int = 0  # generated so far, whatever token_ids holds
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass
@@ -391,7 +388,8 @@ class LLM:
         now = time.perf_counter()
         for seq, tok in zip(to_sample, tokens):
             self._append(seq, tok, now)
-            outputs.append(self._output(seq))
+            if seq.is_finished or seq.params.output_kind != "final_only":
+                outputs.append(self._output(seq))
         self._end_step(t0)
         return outputs
 
@@ -585,13 +583,13 @@ class LLM:
 
     def _extend_text(self, seq: Sequence, final: bool = False) -> bool:
         """Incremental detokenization; holds back text while the last tokens end inside a UTF-8 character."""
-        ids = seq.completion_token_ids
-        before = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
-        after = self.tokenizer.decode(ids[seq.prefix_offset:])
+        ids, base = seq.token_ids, seq.num_prompt_tokens  # slices of the tail only: no copy of every token
+        before = self.tokenizer.decode(ids[base + seq.prefix_offset:base + seq.read_offset])
+        after = self.tokenizer.decode(ids[base + seq.prefix_offset:])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return False
         seq.text += after[len(before):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids) - base
         return True
 
     def _cut_at_stop(self, seq: Sequence) -> str | None:
@@ -607,10 +605,12 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         delta = seq.text[seq.sent_text_len:]
         seq.sent_text_len = len(seq.text)
+        start = seq.num_prompt_tokens + (seq.sent_tokens if seq.params.output_kind == "delta" else 0)
+        seq.sent_tokens = seq.num_completion_tokens
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, seq.text, delta,
-                             seq.is_finished, seq.finish_reason, seq.error)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], seq.text, delta,
+                             seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens)
 
     # ---- blocking and streaming front ends ----
     def generate(self, prompts: list[str | list[int]],
@@ -625,6 +625,8 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         for p in params:
             p.validate()
+        # only finished outputs are kept: the others are not built (each would copy the tokens generated so far)
+        params = [replace(p, output_kind="final_only") for p in params]
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
         wanted, done = set(ids), {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:

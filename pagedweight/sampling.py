@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass
 class SamplingParams:
     """How one request picks its tokens and when it stops (the engine contract of SPEC.md)."""
@@ -21,6 +24,11 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # what each RequestOutput of the request carries (vLLM's RequestOutputKind): "cumulative" every token so far,
+    # "delta" only the tokens new since its previous output, "final_only" one output when it finishes. Building a
+    # cumulative output copies the request's generated tokens: O(generated) host work per request every step,
+    # between a step's token read and the next launch; delta and final_only make it O(new tokens)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         return self
 
 

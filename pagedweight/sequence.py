@@ -37,6 +37,7 @@ class Sequence:
     error: str | None = None
     text: str = ""  # detokenized completion, cut at a stop string
     sent_text_len: int = 0  # how much of `text` earlier outputs already carried
+    sent_tokens: int = 0  # how many generated tokens earlier outputs already carried
     prefix_offset: int = 0  # incremental detokenization: completion tokens [prefix, read) are already text
     read_offset: int = 0
     first_token_time: float | None = None
@@ -54,10 +55,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_completion_tokens(self) -> int:

@@ -181,7 +181,8 @@ def test_reference_experts_run_without_cuda_graphs(ap_model_dir):
     assert fused.options.cuda_graphs is True
 
 
-def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir):
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     """A consumer slower than the engine gets fewer outputs, whose joined deltas are exactly the text of the
     uncoalesced run (greedy: the same tokens), and the last one is the finished output."""
     import asyncio
@@ -189,7 +190,7 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir):
     from pagedweight.actors.engine_actor import AsyncEngine, build_llm
 
     engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "coalesce")
-    params = SamplingParams(max_tokens=24, ignore_eos=True).validate()
+    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind).validate()
 
     async def run(coalesce: bool, pause_s: float) -> list:
         outs = []
@@ -206,7 +207,12 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir):
     assert len(plain) == 24 and plain[-1].finished
     assert joined[-1].finished and joined[-1].finish_reason == plain[-1].finish_reason == "length"
     assert "".join(o.delta_text for o in joined) == joined[-1].text == plain[-1].text
-    assert joined[-1].token_ids == plain[-1].token_ids
+    if kind == "delta":  # each joined output carries the tokens of the outputs it merged
+        assert [t for o in joined for t in o.token_ids] == [t for o in plain for t in o.token_ids]
+        assert len(plain[-1].token_ids) == 1
+    else:
+        assert joined[-1].token_ids == plain[-1].token_ids
+    assert [o.completion_tokens for o in plain] == list(range(1, 25)) and joined[-1].completion_tokens == 24
     assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
 
 
@@ -227,7 +233,7 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
     llm = LLM(ap_model_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     home = llm.planner.home.copy()
     engine = AsyncEngine(llm, "idle-reload")
-    params = SamplingParams(max_tokens=24, ignore_eos=True).validate()
+    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind).validate()
     prompts = ["def main():", "import os\n", "class Node:", "for i in range(10):"]
 
     async def run_all() -> list:

@@ -49,7 +49,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 def test_sampling_params_validate():
     SamplingParams().validate()
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5)):
+                dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial")):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -241,6 +241,34 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
         llm.add_request("x", SamplingParams(top_p=0.0))
     with pytest.raises(ValueError):
         llm.add_request([10**6])
+
+
+def test_output_kinds_carry_the_same_tokens(hf_dir):
+    """Per step, "cumulative" outputs carry every token so far, "delta" ones only the new tokens (joined: the same
+    tokens), "final_only" requests one output at the end; every output counts the tokens generated so far. With
+    detokenizing on, the text is the same under each kind. generate() keeps returning whole outputs."""
+    path, _ = hf_dir
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8)
+    kinds = ("cumulative", "delta", "final_only")
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, output_kind=k) for n, k in zip((12, 9, 7), kinds)]
+    want = llm.generate(PROMPTS[:3], [greedy(p.max_tokens) for p in params], use_tqdm=False)
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+    seen: dict[str, list] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        for out in llm.step():
+            seen[out.request_id].append(out)
+    cumulative, delta, final = (seen[i] for i in ids)
+    assert [o.completion_tokens for o in cumulative] == [len(o.token_ids) for o in cumulative]
+    assert cumulative[-1].token_ids == want[0].token_ids and cumulative[-1].text == want[0].text
+    assert len(delta) == 9 and all(len(o.token_ids) == 1 for o in delta)  # one token a step once prefilled
+    assert [t for o in delta for t in o.token_ids] == want[1].token_ids
+    assert [o.completion_tokens for o in delta] == list(range(1, 10))
+    assert "".join(o.delta_text for o in delta) == delta[-1].text == want[1].text
+    assert len(final) == 1 and final[0].finished and final[0].token_ids == want[2].token_ids
+    assert final[0].completion_tokens == 7 and final[0].delta_text == final[0].text == want[2].text
+    whole = llm.generate(PROMPTS[1:3], [params[1], params[2]], use_tqdm=False)
+    assert [o.token_ids for o in whole] == [want[1].token_ids, want[2].token_ids]
+    assert [p.output_kind for p in params] == list(kinds)  # generate() changed none of the caller's params
 
 
 # ---------------------------------------------------------------- any-precision path and paging
