@@ -48,6 +48,8 @@ def step_ms(llm: LLM, kind: str, requests: int, generated: int, prompt: int, ste
             if kind != "final_only":
                 llm._output(seq)
         times.append(time.perf_counter() - t0)
+    if any(seq.is_finished for seq in seqs):
+        raise RuntimeError("a request finished during the measured steps: the rows would not be steady state")
     llm._requests.clear()
     return statistics.median(times) * 1e3
 
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generated", default="128,1024,4096", help="tokens each request generated before the step")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
     llm = LLM(ROOT / "models" / "pw-tiny-moe", device="cpu")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"output_kind": kind, "requests": n, "generated": g, "prompt": args.prompt,
                              "steps": args.steps, "step_host_ms_median": round(ms, 4)})
                 print(rows[-1], flush=True)
-    write_result("output_cost", rows, label=args.label)
+    write_result("output_cost", rows, out_dir=args.out_dir, label=args.label)
     return 0
 
 

@@ -140,6 +140,18 @@ def test_attention_bench_quick_on_cpu(tmp_path):
     assert row["kv_bytes"] == 2 * 64 * 2 * 64 * 4  # K and V of 64 keys, 2 KV heads of 64 dims, float32
 
 
+def test_output_cost_times_every_kind(tmp_path):
+    from benchmarks import output_cost
+
+    assert output_cost.main(["--requests", "3", "--generated", "8,40", "--prompt", "16", "--steps", "4",
+                             "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("output_cost-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["output_kind"], r["generated"]) for r in rows] == [
+        (k, g) for k in ("cumulative", "delta", "final_only") for g in (8, 40)]
+    assert all(r["step_host_ms_median"] > 0 for r in rows)
+
+
 def test_swings_ignore_small_wiggles_that_reversals_count():
     from benchmarks.kv_pressure import reversals, swings
 
