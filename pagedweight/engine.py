@@ -793,7 +793,7 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
 
 def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed).validate()
+                            top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
