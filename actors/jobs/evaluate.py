@@ -110,7 +110,7 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
                                      "generate")
         outs = [o for part in parts for o in part]
         elapsed = time.perf_counter() - t1
-        generated = sum(len(o.token_ids) for o in outs)
+        generated = sum(o.completion_tokens for o in outs)
         result["generation"] = {
             "prompts": len(prompts), "prompts_per_engine": handled, "max_tokens": args.max_tokens,
             "generated_tokens": generated,
