@@ -131,9 +131,10 @@ class AsyncEngine:
         ValueError from add_request (bad prompt or params) propagates before the first output. With `coalesce`,
         outputs that piled up while the caller was busy come as one (their delta texts joined, and their token ids
         with output_kind "delta"): a consumer slower than the engine (a Serve hop per output) then ships fewer,
-        larger messages instead of falling further behind.
+        larger messages instead of falling further behind. A final_only request's one output is its last, so it
+        records no time to first token.
         """
-        delta = params is not None and params.output_kind == "delta"
+        kind = params.output_kind if params is not None else "cumulative"
         self.check_health()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -147,9 +148,9 @@ class AsyncEngine:
                     while not out.finished and not queue.empty():
                         out = queue.get_nowait()
                         joined.append(out)
-                    ids = [t for o in joined for t in o.token_ids] if delta else out.token_ids
+                    ids = [t for o in joined for t in o.token_ids] if kind == "delta" else out.token_ids
                     out = replace(out, token_ids=ids, delta_text="".join(o.delta_text for o in joined))
-                if first is None:
+                if first is None and kind != "final_only":
                     first = time.perf_counter() - start
                 finished = out.finished
                 yield out

@@ -216,6 +216,42 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
 
 
+def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_dir):
+    """A final_only request yields its finished output alone; its metrics record the latency but no time to first
+    token (its first output is its last), where a cumulative request records both."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine, build_llm
+
+    class Recorder:
+        def __init__(self):
+            self.requests = []
+
+        def observe_request(self, latency_s, ttft_s, finish_reason):
+            self.requests.append((latency_s, ttft_s, finish_reason))
+
+        def update(self, stats):
+            pass
+
+    metrics = Recorder()
+    engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "final",
+                         metrics)
+
+    async def run(kind: str) -> list:
+        params = SamplingParams(max_tokens=6, ignore_eos=True, output_kind=kind).validate()
+        return [out async for out in engine.generate("def main():", params)]
+
+    try:
+        final, cumulative = asyncio.run(run("final_only")), asyncio.run(run("cumulative"))
+    finally:
+        engine.shutdown()
+    assert len(final) == 1 and final[0].finished and final[0].token_ids == cumulative[-1].token_ids
+    assert len(cumulative) == 6
+    (lat_f, ttft_f, reason_f), (lat_c, ttft_c, reason_c) = metrics.requests
+    assert ttft_f is None and lat_f > 0 and reason_f == reason_c == "length"
+    assert 0 < ttft_c < lat_c
+
+
 def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
     """The engine's step loop, once its requests have ended and none arrive, reloads what KV pressure took: the
     widths return to home with no further request (an idle loop takes no steps, so the reload window alone would
