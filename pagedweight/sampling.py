@@ -27,7 +27,7 @@ class SamplingParams:
     # what each RequestOutput of the request carries (vLLM's RequestOutputKind): "cumulative" every token so far,
     # "delta" only the tokens new since its previous output, "final_only" one output when it finishes. Building a
     # cumulative output copies the request's generated tokens: O(generated) host work per request every step,
-    # between a step's token read and the next launch; delta and final_only make it O(new tokens)
+    # between a step's token read and the next launch; delta makes it O(new tokens), final_only skips it
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
