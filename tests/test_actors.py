@@ -269,7 +269,7 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
     llm = LLM(ap_model_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     home = llm.planner.home.copy()
     engine = AsyncEngine(llm, "idle-reload")
-    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind).validate()
+    params = SamplingParams(max_tokens=24, ignore_eos=True).validate()
     prompts = ["def main():", "import os\n", "class Node:", "for i in range(10):"]
 
     async def run_all() -> list:
