@@ -205,6 +205,19 @@ class DecodeStats:
 
 
 @dataclass
+class _Slot:
+    """A request's row of the device block tables: the host tables it was last written from (the kv cache's array,
+    whose identity changes whenever that request's blocks do) and the last step that used it."""
+
+    index: int
+    tables: np.ndarray  # [L, w]; the device row holds these, then the first block's pages up to max_blocks
+    used: int
+
+
+ROW_FIELDS = 5  # per decode row: token, position, source row, table slot, last block's column (then its L pages)
+
+
+@dataclass
 class _StepGraph:
     """One captured decode step: replay after copying the inputs in; `logits` and `records` are its outputs."""
 
@@ -218,12 +231,20 @@ class DecodeGraphs:
     """Decode steps at static shapes, captured whole in CUDA graphs on CUDA and run eagerly elsewhere.
 
     A step of n sequences runs as B rows of one token (B: the smallest of `batch_sizes` >= n) with block tables of
-    nb blocks (nb: the next power of two >= the longest table, at most `max_blocks`). Its inputs are one int64
-    buffer [B, 3 + L*nb] allocated once, copied in before the forward: per row the token, its position, the row whose
-    K/V it writes (padding rows repeat row 0 and rewrite its exact values) and its block tables (padded with its own
-    first block); a graph is keyed by (B, nb), so it does not depend on the context length within a bucket. Buckets
-    of blocks, not one fixed max_model_len: attention reads every block of the table, and a fixed 8k-token table
-    would read 25 GB of KV per step at 32 sequences of a Qwen1.5-MoE.
+    nb blocks (nb: the next power of two >= the longest table, at most `max_blocks`); a graph is keyed by (B, nb), so
+    it does not depend on the context length within a bucket. Buckets of blocks, not one fixed max_model_len:
+    attention reads every block of the table, and a fixed 8k-token table would read 25 GB of KV per step at 32
+    sequences of a Qwen1.5-MoE.
+
+    Block tables stay on the device between steps: each request holds a slot, a row [L, max_blocks] of
+    `_kv_tables` (its blocks, then its first block repeated: padding of finite bytes), written whole only when the
+    request takes the slot or its blocks changed otherwise than by one appended block (prefill chunks, preemption,
+    relocation: `_place`). The per-step inputs are one int64 buffer [B, 5 + L] copied in before the forward: per
+    row the token, its position, the row whose K/V it writes (padding rows repeat row 0 and rewrite its exact
+    values), its slot, and its last block's column and pages, which the step writes into the slot (so a block
+    appended by decoding costs nothing more) before gathering the rows' tables [B, L, nb] on the device. Copying
+    every row's tables in from the host instead cost ~0.6 ms of host time before the launch at 32 sequences of 4k
+    tokens and ~6 ms at 256 (24 layers), growing with batch x context.
 
     What a graph bakes in and why it stays valid: the input buffer, the pool (one allocation: KV pages and weight
     runs move inside it between steps, and where they are is device data, namely the block tables copied in here
@@ -245,14 +266,20 @@ class DecodeGraphs:
         self._mlps = [layer.mlp for layer in model.layers]  # where each step looks up the observers (no Module lookups)
         experts = [layer.mlp.experts for layer in model.layers]
         self._ap = [e for e in experts if isinstance(e, APExperts)]
+        slots = max(batch_sizes, default=0)  # a table row for every request that may run (max_num_seqs)
         if capture:  # a graph holds no host read: dense experts must take their gathered formulation
             limit = min(GRAPH_MAX_TOKENS if isinstance(e, APExperts) else e.gather_limit(kv.view.device)
                         // model.config.top_k for e in experts)
             batch_sizes = [b for b in batch_sizes if b <= limit]
         self.batch_sizes = sorted(batch_sizes)
-        rows = self.batch_sizes[-1] if self.batch_sizes else 0
-        self._inputs = torch.zeros(rows * (3 + self.num_layers * max_blocks), dtype=torch.long,
-                                   device=kv.view.device)
+        rows, device = (self.batch_sizes[-1] if self.batch_sizes else 0), kv.view.device
+        slots = slots if rows else 0
+        self._inputs = torch.zeros((rows, ROW_FIELDS + self.num_layers), dtype=torch.long, device=device)
+        self._kv_tables = torch.zeros((slots, self.num_layers, max_blocks), dtype=torch.long, device=device)
+        self._layers = torch.arange(self.num_layers, device=device)
+        self._slots: dict[str, _Slot] = {}
+        self._free_slots = list(range(slots))[::-1]
+        self._steps = 0
         self._table = self._ap[0].table if self._ap else None
         self._luts: tuple[int, tuple[int, ...]] = (-1, ())  # (table.commits, LUT classes) derived at that commit
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
@@ -269,32 +296,69 @@ class DecodeGraphs:
         A view of the graph's output when replayed: valid until the next step."""
         n = len(seqs)
         rows = next(b for b in self.batch_sizes if b >= n)
-        longest = max(len(s.block_table) for s in seqs)
-        blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
-        host = np.empty((rows, 3 + self.num_layers * blocks), dtype=np.int64)
+        self._steps += 1
+        host = np.empty((rows, ROW_FIELDS + self.num_layers), dtype=np.int64)
+        rewrite: list[tuple[int, np.ndarray]] = []
+        longest = 0
         for i, seq in enumerate(seqs):
-            pos = seq.num_computed_tokens
-            tables = self.kv.block_tables(seq)
-            host[i, :3] = seq.token_ids[pos], pos, i
-            padded = host[i, 3:].reshape(self.num_layers, blocks)
-            padded[:, :tables.shape[1]] = tables
-            padded[:, tables.shape[1]:] = tables[:, :1]
+            pos, tables = seq.num_computed_tokens, self.kv.block_tables(seq)
+            width = tables.shape[1]
+            longest = max(longest, width)
+            host[i, :ROW_FIELDS] = seq.token_ids[pos], pos, i, self._place(seq.request_id, tables, rewrite), width - 1
+            host[i, ROW_FIELDS:] = tables[:, -1]
         host[n:] = host[0]
-        inputs = self._inputs[:host.size].view(host.shape)
+        if rewrite:
+            self._write_slots(rewrite)
+        inputs = self._inputs[:rows]
         # a plain copy: a pinned staging buffer, a non-blocking copy and an event to guard the buffer put 0.06-0.12
         # ms more host time before the launch at batch 1 on the H200 (launch_marks-nvidia-h200-20261130-s13-prep.json
         # against -s13-prep-base.json)
         inputs.copy_(torch.from_numpy(host))
-        graph = self._graph(inputs) if self.capture else None
+        blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
+        graph = self._graph(inputs, blocks) if self.capture else None
         if graph is None:
             self.stats.eager += 1
-            logits, records = self._forward(inputs)
+            logits, records = self._forward(inputs, blocks)
         else:
             self.stats.replayed += 1
             graph.graph.replay()
             logits, records = graph.logits, graph.records
         self._observe(records, n)
         return logits[:n]
+
+    def _place(self, request_id: str, tables: np.ndarray, rewrite: list[tuple[int, np.ndarray]]) -> int:
+        """The slot of a request of this step; appends (slot, tables) to `rewrite` unless the slot's row holds
+        `tables` but perhaps their last block (which the step itself writes). A new request takes a free slot, else
+        the least recently used one: fewer than all slots are this step's so far (a step has at most max_num_seqs
+        requests), so that one is not."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            if self._free_slots:
+                index = self._free_slots.pop()
+            else:
+                index = self._slots.pop(min(self._slots, key=lambda r: self._slots[r].used)).index
+            self._slots[request_id] = slot = _Slot(index, tables, self._steps)
+            rewrite.append((index, tables))
+        elif slot.tables is not tables:
+            held = slot.tables.shape[1]
+            if not (held <= tables.shape[1] <= held + 1 and np.array_equal(tables[:, :held], slot.tables)):
+                rewrite.append((slot.index, tables))
+            slot.tables = tables
+        slot.used = self._steps
+        return slot.index
+
+    def _write_slots(self, rewrite: list[tuple[int, np.ndarray]]) -> None:
+        """Write whole slot rows: the tables, then the first block's pages up to max_blocks (that fill on the device:
+        the host builds only the widest table's columns, not max_model_len's)."""
+        width = max(tables.shape[1] for _, tables in rewrite)
+        rows = np.empty((len(rewrite), self.num_layers, width), dtype=np.int64)
+        for row, (_, tables) in zip(rows, rewrite):
+            row[:, :tables.shape[1]] = tables
+            row[:, tables.shape[1]:] = tables[:, :1]
+        device = self._kv_tables.device
+        index, rows = torch.tensor([i for i, _ in rewrite], device=device), torch.from_numpy(rows).to(device)
+        self._kv_tables[index, :, :width] = rows
+        self._kv_tables[index, :, width:] = rows[:, :, :1]
 
     def _observe(self, records: list[tuple], n: int) -> None:
         """Router observers get the step's real rows: a RouterStats observing every layer gets all layers in one
@@ -314,9 +378,9 @@ class DecodeGraphs:
             if observer is not None:
                 observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
 
-    def _graph(self, inputs: torch.Tensor) -> _StepGraph | None:
+    def _graph(self, inputs: torch.Tensor, blocks: int) -> _StepGraph | None:
         """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
-        key = inputs.shape
+        key = inputs.shape[0], blocks
         luts = self._lut_classes()
         graph = self._graphs.get(key)
         if graph is not None and graph.luts == luts:
@@ -327,7 +391,7 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced
         with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-            logits, records = self._forward(inputs)
+            logits, records = self._forward(inputs, blocks)
         self._graphs[key] = graph = _StepGraph(g, luts, logits, records)  # replaces a graph of other classes
         self.stats.captured += 1
         return graph
@@ -341,11 +405,12 @@ class DecodeGraphs:
             self._luts = (self._table.commits, tuple(lut_width(int(w)) for w in widest))
         return self._luts[1]
 
-    def _forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
-        """The step a graph captures: inputs [B, 3 + L*nb] -> logits [B, V] and every layer's router inputs."""
-        rows = inputs.shape[0]
-        tokens, positions = inputs[:, 0:1], inputs[:, 1:2]
-        tables = inputs[:, 3:].view(rows, self.num_layers, -1)
+    def _forward(self, inputs: torch.Tensor, blocks: int) -> tuple[torch.Tensor, list[tuple]]:
+        """The step a graph captures: inputs [B, 5 + L] -> logits [B, V] and every layer's router inputs, reading
+        `blocks` blocks of each row's slot after writing its last block there."""
+        tokens, positions, slots, last = inputs[:, 0:1], inputs[:, 1:2], inputs[:, 3], inputs[:, 4]
+        self._kv_tables[slots[:, None], self._layers, last[:, None]] = inputs[:, ROW_FIELDS:]
+        tables = self._kv_tables[:, :, :blocks].index_select(0, slots)
         records: list[tuple] = []
         observers = [layer.mlp.observer for layer in self.model.layers]
         self.model.set_router_observer(lambda *args: records.append(args))

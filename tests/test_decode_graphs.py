@@ -139,6 +139,41 @@ def test_padded_decode_equals_packed_steps():
     assert llm.kv.num_free_blocks == ref.kv.num_free_blocks == llm.stats()["kv_total_blocks"]
 
 
+def test_device_tables_follow_the_kv_cache():
+    """The block tables kept on the device between steps (one slot row per request) equal the kv cache's host tables,
+    padded with the first block, after every static step: through preemption (blocks freed and given again under a
+    small KV budget), prefill chunks beside decodes, and more requests than slots (slots reassigned). Tokens and
+    logits equal the packed steps'."""
+    from pagedweight.engine import param_bytes
+
+    probe = LLM(BUNDLED, device=DEVICE, block_size=4)
+    budget = param_bytes(probe.model) + 40 * probe.kv.block_bytes  # 6 requests of 40-60 tokens need ~75 blocks
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, budget, cuda_graphs=False, **kw), LLM(BUNDLED, budget, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    run, placed, rewritten = decode.run, set(), []
+    write = decode._write_slots
+
+    def checked(seqs):
+        logits = run(seqs)
+        for seq in seqs:
+            tables = llm.kv.block_tables(seq)
+            row = decode._kv_tables[decode._slots[seq.request_id].index].cpu().numpy()
+            assert np.array_equal(row[:, :tables.shape[1]], tables), seq.request_id
+            assert (row[:, tables.shape[1]:] == tables[:, :1]).all(), seq.request_id
+            placed.add(seq.request_id)
+        return logits
+    decode.run = checked
+    decode._write_slots = lambda rows: (rewritten.append(len(rows)), write(rows))
+    params = [SamplingParams(max_tokens=30 + 4 * i, ignore_eos=True) for i in range(6)]
+    lockstep(ref, llm, PROMPTS, params)
+    check_used(decode, replays_at_least=10)
+    assert llm.stats()["preemptions"] > 0 and ref.stats()["preemptions"] == llm.stats()["preemptions"]
+    assert len(placed) == 6 > decode._kv_tables.shape[0]
+    # slots are written whole only when taken or changed otherwise than by one decoded block
+    assert sum(rewritten) < decode.stats.eager + decode.stats.replayed, (rewritten, decode.stats)
+
+
 def test_layer_kernels_on_only_in_static_decode_steps(monkeypatch):
     """Each static decode forward (what a CUDA graph captures) turns the model's fused layer kernels on (they stay
     off where the device does not take them: the CPU) and off again after it; packed steps (prefill, mixed) never
