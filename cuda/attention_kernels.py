@@ -66,11 +66,13 @@ def _block_reduce(red, v, t, take_max):
 
 
 @cuda.jit(cache=True)
-def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
-    """q [B, H, hd]; rows [blocks, row] the pool's KV blocks, each [2 (k|v), bs, Hkv, hd] at its start (C order: a
-    key's dims are consecutive elements, so the loads of a thread differ by constant offsets); tables [B, M];
+def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
+    """q [B, H, hd]; flat: the pool's KV blocks as one C-ordered vector, block p's [2 (k|v), bs, Hkv, hd] at element
+    p * row_len (a key's dims are consecutive, so the loads of a thread differ by constant offsets); tables [B, M];
     lengths [B]; part_m, part_l [B, H, S]; part_acc [B, H, S, hd]. Block (b * H + h, s) reduces keys
-    [s * CHUNK, min((s + 1) * CHUNK, lengths[b]))."""
+    [s * CHUNK, min((s + 1) * CHUNK, lengths[b])). Element indices are unsigned: a signed index costs Numba's
+    negative-index wraparound per load, and a 2-D index a 64-bit multiply by the row stride (10 PTX instructions
+    per loaded element and 104 registers before, 6 and 64 now)."""
     H, hd = q.shape[1], q.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H
@@ -84,8 +86,7 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     sub = t % SUB
     g = t // SUB
     qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-    pages = cuda.shared.array(CHUNK, np.int64)
-    offs = cuda.shared.array(CHUNK, np.int32)  # element offset of key j's row (its KV head's part) in its block
+    base = cuda.shared.array(CHUNK, np.uint64)  # element of flat where key j's row (its KV head's part) starts
     probs = cuda.shared.array(CHUNK, np.float32)
     red = cuda.shared.array(THREADS, np.float32)
     part = cuda.shared.array(PART, np.float32)  # key partials [CHUNK][SUB + 1], then V partials [GROUPS][hd]
@@ -94,22 +95,21 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     if t < CHUNK:  # keys past the row's length repeat the chunk's last key: every load below is valid, unguarded
         pos = start + min(t, count - 1)
         blk = pos // block_size
-        pages[t] = tables[b, blk]
-        offs[t] = (pos - blk * block_size) * hkv * hd + (h // group) * hd
+        base[t] = (np.uint64(tables[b, blk]) * np.uint64(row_len)
+                   + np.uint64((pos - blk * block_size) * hkv * hd + (h // group) * hd))
     cuda.syncthreads()
     # thread (g, sub) takes keys g, g + GROUPS, ... (KEYS of them, in registers: constant indices once unrolled) and
     # for each dim sub + SUB * i loads all of them before using any: KEYS independent loads in flight per dim
-    pg = cuda.local.array(KEYS, np.int64)
-    off = cuda.local.array(KEYS, np.int32)
+    idx = cuda.local.array(KEYS, np.uint64)
     dot = cuda.local.array(KEYS, np.float32)
     for u in range(KEYS):
-        pg[u] = pages[g + GROUPS * u]
-        off[u] = offs[g + GROUPS * u] + sub
+        idx[u] = base[g + GROUPS * u] + np.uint64(sub)
         dot[u] = float32(0.0)
     for i in range(dims):
         qv = qs[sub + SUB * i]
+        step = np.uint64(SUB * i)
         for u in range(KEYS):
-            dot[u] += qv * float32(rows[pg[u], off[u] + SUB * i])
+            dot[u] += qv * float32(flat[idx[u] + step])
     for u in range(KEYS):
         part[(g + GROUPS * u) * (SUB + 1) + sub] = dot[u]  # padded rows: the summing threads hit distinct banks
     cuda.syncthreads()
@@ -123,14 +123,15 @@ def _split_kernel(q, rows, tables, lengths, scale, block_size, hkv, group, part_
     if t < CHUNK:
         probs[t] = p  # 0 for the repeated keys past the length
     total = _block_reduce(red, p, t, False)  # its barriers also publish probs and retire the key partials
-    v_off = block_size * hkv * hd  # V follows K in a block
+    v_off = np.uint64(block_size * hkv * hd)  # V follows K in a block
     for u in range(KEYS):
         dot[u] = probs[g + GROUPS * u]
-        off[u] += v_off
+        idx[u] += v_off
     for i in range(dims):
         acc = float32(0.0)
+        step = np.uint64(SUB * i)
         for u in range(KEYS):
-            acc += dot[u] * float32(rows[pg[u], off[u] + SUB * i])
+            acc += dot[u] * float32(flat[idx[u] + step])
         part[g * hd + sub + SUB * i] = acc
     cuda.syncthreads()
     for d in range(t, hd, THREADS):
@@ -201,6 +202,12 @@ def block_rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.as_strided((kv.shape[0], kv.stride(0)), (kv.stride(0), 1))
 
 
+def flat_rows(kv: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The blocks of `block_rows(kv)` as one vector (up to the last block's end) and the row length in elements."""
+    rows = block_rows(kv)
+    return kv.as_strided(((rows.shape[0] - 1) * rows.shape[1] + kv[0].numel(),), (1,)), rows.shape[1]
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
              src_rows: torch.Tensor) -> None:
     """A decode step's new keys and values into the pool, one launch (torch: a stack, a gather and a scatter):
@@ -234,10 +241,11 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=dev)  # each split's max and sum
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)
     out = torch.empty(B, H, hd, dtype=q.dtype, device=dev)  # the combine rounds into q's dtype: no cast launch
-    a = [_dev(t) for t in (q.contiguous(), block_rows(kv), tables, lengths, ml[0], ml[1], acc, out)]
-    q_, rows_, tables_, lengths_, m_, l_, acc_, out_ = a
+    flat, row_len = flat_rows(kv)
+    a = [_dev(t) for t in (q.contiguous(), flat, tables, lengths, ml[0], ml[1], acc, out)]
+    q_, flat_, tables_, lengths_, m_, l_, acc_, out_ = a
     stream = _stream()
-    _split_kernel[(B * H, splits), THREADS, stream](q_, rows_, tables_, lengths_, float32(scale), block_size, hkv,
-                                                    H // hkv, m_, l_, acc_)
+    _split_kernel[(B * H, splits), THREADS, stream](q_, flat_, row_len, tables_, lengths_, float32(scale), block_size,
+                                                    hkv, H // hkv, m_, l_, acc_)
     _combine_kernel[B * H, THREADS, stream](lengths_, m_, l_, acc_, out_)
     return out
