@@ -16,7 +16,8 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    memory, not warp shuffles, so that the CUDA simulator (which has no shuffles) runs this very kernel in the CPU
    tests. Per call at batch 1, 2048 keys, 16 heads of 128 (benchmarks/results/attention_bench-nvidia-h200-20261129-
    v2.json, -v3.json): v1 gave each thread a whole key row, 55 us; v2 had a thread walk its keys one after another,
-   each key's dims loaded under a branch, 33 us; this layout 21 us (gather + SDPA on the same exact-length table: 23).
+   each key's dims loaded under a branch, 33 us; this layout 21 us (gather + SDPA on the same exact-length table: 23),
+   16 us with running unsigned indices (see `_split_kernel`).
    Grouped-query heads each read their KV head again: with 8 query heads per KV head (gqa-32x4) this kernel takes
    32 us where gather + SDPA takes 17, and the gap grows with the context (a block per KV head is the next step).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
@@ -70,9 +71,15 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
     """q [B, H, hd]; flat: the pool's KV blocks as one C-ordered vector, block p's [2 (k|v), bs, Hkv, hd] at element
     p * row_len (a key's dims are consecutive, so the loads of a thread differ by constant offsets); tables [B, M];
     lengths [B]; part_m, part_l [B, H, S]; part_acc [B, H, S, hd]. Block (b * H + h, s) reduces keys
-    [s * CHUNK, min((s + 1) * CHUNK, lengths[b])). Element indices are unsigned: a signed index costs Numba's
-    negative-index wraparound per load, and a 2-D index a 64-bit multiply by the row stride (10 PTX instructions
-    per loaded element and 104 registers before, 6 and 64 now)."""
+    [s * CHUNK, min((s + 1) * CHUNK, lengths[b])).
+
+    Each thread keeps one unsigned running element index per key, advanced by SUB per dim. A signed index costs
+    Numba's negative-index wraparound per load and a 2-D index a 64-bit multiply by the row stride: 10 PTX
+    instructions per loaded element and 96 registers (H200) before, 6 and 64 now, and 16-37 % less time per call
+    (benchmarks/results/attention_bench-nvidia-h200-20261130-s14-var-v4.json against -var-old.json). Indexing the
+    flat vector as base + SUB * i instead, with the same instruction count, was 8-36 % slower than before (-var-flat):
+    ptxas then kept fewer of a dim's KEYS loads in flight (ncu: 17.8 against 3.7 cycles of long-scoreboard stall
+    per issued instruction, ncu_stalls-nvidia-h200-20261130-s14-attn-*.txt)."""
     H, hd = q.shape[1], q.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H
@@ -107,9 +114,9 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
         dot[u] = float32(0.0)
     for i in range(dims):
         qv = qs[sub + SUB * i]
-        step = np.uint64(SUB * i)
         for u in range(KEYS):
-            dot[u] += qv * float32(flat[idx[u] + step])
+            dot[u] += qv * float32(flat[idx[u]])
+            idx[u] += np.uint64(SUB)
     for u in range(KEYS):
         part[(g + GROUPS * u) * (SUB + 1) + sub] = dot[u]  # padded rows: the summing threads hit distinct banks
     cuda.syncthreads()
@@ -123,15 +130,15 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
     if t < CHUNK:
         probs[t] = p  # 0 for the repeated keys past the length
     total = _block_reduce(red, p, t, False)  # its barriers also publish probs and retire the key partials
-    v_off = np.uint64(block_size * hkv * hd)  # V follows K in a block
+    v_off = np.uint64(block_size * hkv * hd - hd)  # V follows K in a block (idx went hd past each key's start)
     for u in range(KEYS):
         dot[u] = probs[g + GROUPS * u]
         idx[u] += v_off
     for i in range(dims):
         acc = float32(0.0)
-        step = np.uint64(SUB * i)
         for u in range(KEYS):
-            acc += dot[u] * float32(flat[idx[u] + step])
+            acc += dot[u] * float32(flat[idx[u]])
+            idx[u] += np.uint64(SUB)
         part[g * hd + sub + SUB * i] = acc
     cuda.syncthreads()
     for d in range(t, hd, THREADS):
