@@ -75,11 +75,11 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
 
     Each thread keeps one unsigned running element index per key, advanced by SUB per dim. A signed index costs
     Numba's negative-index wraparound per load and a 2-D index a 64-bit multiply by the row stride: 10 PTX
-    instructions per loaded element and 96 registers (H200) before, 6 and 64 now, and 16-37 % less time per call
-    (benchmarks/results/attention_bench-nvidia-h200-20261130-s14-var-v4.json against -var-old.json). Indexing the
-    flat vector as base + SUB * i instead, with the same instruction count, was 8-36 % slower than before (-var-flat):
-    ptxas then kept fewer of a dim's KEYS loads in flight (ncu: 17.8 against 3.7 cycles of long-scoreboard stall
-    per issued instruction, ncu_stalls-nvidia-h200-20261130-s14-attn-*.txt)."""
+    instructions per loaded element and 104 registers (offline; 96 on the H200) before, 6 and 64 now (offline), and
+    16-37 % less time per call (benchmarks/results/attention_bench-nvidia-h200-20261130-s14-var-v4.json against
+    -var-old.json). Indexing the flat vector as base + SUB * i instead, with the same instruction count, was 8-36 %
+    slower than before (-var-flat): ptxas then kept fewer of a dim's KEYS loads in flight (ncu: 17.8 against 3.7
+    cycles of long-scoreboard stall per issued instruction, ncu_stalls-nvidia-h200-20261130-s14-attn-*.txt)."""
     H, hd = q.shape[1], q.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H

@@ -242,12 +242,14 @@ class DecodeGraphs:
     relocation: `_place`). The per-step inputs are one int64 buffer [B, 5 + L] copied in before the forward: per
     row the token, its position, the row whose K/V it writes (padding rows repeat row 0 and rewrite its exact
     values), its slot, and its last block's column and pages, which the step writes into the slot (so a block
-    appended by decoding costs nothing more) before gathering the rows' tables [B, L, nb] on the device. Copying
-    every row's tables in from the host instead cost ~0.6 ms of host time before the launch at 32 sequences of 4k
-    tokens and ~6 ms at 256 (24 layers), growing with batch x context.
+    appended by decoding costs nothing more) before gathering the rows' tables [B, L, nb] on the device (graph
+    memory: B * L * nb * 8 bytes, 12.6 MB at 256 rows of 4k tokens and 24 layers, beside a slot table of the size the
+    old input buffer had). Copying every row's tables in from the host instead took 0.82 ms of host time before the
+    launch at 32 sequences of 4k tokens and 8.76 ms at 256 on the H200's host, now 0.13 and 0.89 ms
+    (benchmarks/results/decode_inputs-nvidia-h200-20261130-s14-before.json, -after.json).
 
     What a graph bakes in and why it stays valid: the input buffer, the pool (one allocation: KV pages and weight
-    runs move inside it between steps, and where they are is device data, namely the block tables copied in here
+    runs move inside it between steps, and where they are is device data, namely the slot table of block tables
     and the page table's q / plane_off / lut_off, republished in place), the dense weights and the graph's own
     memory. Not device data: each layer's LUT class (the kernel's shared-memory size), so a graph remembers the
     classes it was captured with and is recaptured when one changes. A key is captured the second time it is seen
@@ -356,9 +358,9 @@ class DecodeGraphs:
             row[:, :tables.shape[1]] = tables
             row[:, tables.shape[1]:] = tables[:, :1]
         device = self._kv_tables.device
-        index, rows = torch.tensor([i for i, _ in rewrite], device=device), torch.from_numpy(rows).to(device)
-        self._kv_tables[index, :, :width] = rows
-        self._kv_tables[index, :, width:] = rows[:, :, :1]
+        index, dev = torch.tensor([i for i, _ in rewrite], device=device), torch.from_numpy(rows).to(device)
+        self._kv_tables[index, :, :width] = dev
+        self._kv_tables[index, :, width:] = dev[:, :, :1]
 
     def _observe(self, records: list[tuple], n: int) -> None:
         """Router observers get the step's real rows: a RouterStats observing every layer gets all layers in one
