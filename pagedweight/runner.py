@@ -407,12 +407,18 @@ class DecodeGraphs:
             self._luts = (self._table.commits, tuple(lut_width(int(w)) for w in widest))
         return self._luts[1]
 
+    def _step_tables(self, inputs: torch.Tensor, blocks: int) -> torch.Tensor:
+        """The step's block tables [B, L, blocks] (device work, in the graph): each row's last block written into its
+        slot, then the rows' slots gathered."""
+        slots, last = inputs[:, 3], inputs[:, 4]
+        self._kv_tables[slots[:, None], self._layers, last[:, None]] = inputs[:, ROW_FIELDS:]
+        return self._kv_tables[:, :, :blocks].index_select(0, slots)
+
     def _forward(self, inputs: torch.Tensor, blocks: int) -> tuple[torch.Tensor, list[tuple]]:
         """The step a graph captures: inputs [B, 5 + L] -> logits [B, V] and every layer's router inputs, reading
         `blocks` blocks of each row's slot after writing its last block there."""
-        tokens, positions, slots, last = inputs[:, 0:1], inputs[:, 1:2], inputs[:, 3], inputs[:, 4]
-        self._kv_tables[slots[:, None], self._layers, last[:, None]] = inputs[:, ROW_FIELDS:]
-        tables = self._kv_tables[:, :, :blocks].index_select(0, slots)
+        tokens, positions = inputs[:, 0:1], inputs[:, 1:2]
+        tables = self._step_tables(inputs, blocks)
         records: list[tuple] = []
         observers = [layer.mlp.observer for layer in self.model.layers]
         self.model.set_router_observer(lambda *args: records.append(args))

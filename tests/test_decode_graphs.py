@@ -13,10 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.decode_inputs import Tables, stand_in
 
 from pagedweight.engine import LLM
 from pagedweight.runner import APExperts, DecodeGraphs, ModelRunner, decode_batch_sizes, lut_width
 from pagedweight.sampling import SamplingParams
+from pagedweight.sequence import Sequence
 
 torch.set_num_threads(1)
 
@@ -172,6 +177,55 @@ def test_device_tables_follow_the_kv_cache():
     assert len(placed) == 6 > decode._kv_tables.shape[0]
     # slots are written whole only when taken or changed otherwise than by one decoded block
     assert sum(rewritten) < decode.stats.eager + decode.stats.replayed, (rewritten, decode.stats)
+
+
+REQUESTS, LAYERS = 6, 3
+GROW = st.tuples(st.just("grow"), st.integers(0, REQUESTS - 1), st.sampled_from([1, 1, 1, 2, 3]))  # mostly decoding
+STEP = st.tuples(st.just("step"), st.lists(st.integers(0, REQUESTS - 1), min_size=1, max_size=4, unique=True))
+OPS = st.one_of(GROW, GROW, STEP, STEP, STEP, st.tuples(st.just("free"), st.integers(0, REQUESTS - 1)),
+                st.tuples(st.just("relocate")))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(OPS, min_size=10, max_size=60))
+def test_slot_tables_under_random_operations(ops):
+    """The device-resident block tables against the kv cache's host tables, under random sequences of requests
+    growing by one or several blocks, freed and given new blocks under the same id (preemption), pool relocation,
+    and steps over any subset of up to 4 of 6 requests (4 slots: taken and reassigned). Every step's gathered
+    tables, what attention reads, hold each row's blocks and then its first block; padding rows repeat row 0."""
+    kv = Tables(LAYERS, block_size=4, device=torch.device("cpu"))
+    decode = DecodeGraphs(stand_in(LAYERS), kv, decode_batch_sizes(4), max_blocks=16, capture=False)
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(max_tokens=1)) for i in range(REQUESTS)]
+    for seq in seqs:
+        kv.grow(seq, kv.block_size)
+    steps = []
+
+    def forward(inputs, blocks):
+        steps.append(decode._step_tables(inputs, blocks).numpy().copy())
+        return torch.zeros(inputs.shape[0], 1), []
+    decode._forward = forward
+    for op in ops:
+        if op[0] == "grow" and len(seqs[op[1]].block_table) + op[2] <= decode.max_blocks:
+            seq = seqs[op[1]]
+            kv.grow(seq, (len(seq.block_table) + op[2]) * kv.block_size)
+        elif op[0] == "free":
+            kv._tables.pop(seqs[op[1]].request_id, None)  # as PagedKVCache.free
+            seqs[op[1]].block_table = []
+        elif op[0] == "relocate":  # as PagedKVCache._relocated: every page moves, every host table is dropped
+            kv.block_pages = {lid: [next(kv._pages) for _ in pages] for lid, pages in kv.block_pages.items()}
+            kv._tables.clear()
+        elif op[0] == "step":
+            batch = [seqs[i] for i in op[1] if seqs[i].block_table]
+            if not batch:
+                continue
+            decode.run(batch)
+            tables = steps[-1]
+            for row, seq in enumerate(batch):
+                want = np.array([kv.block_pages[b] for b in seq.block_table]).T
+                assert np.array_equal(tables[row, :, :want.shape[1]], want), (op, row)
+                assert (tables[row, :, want.shape[1]:] == want[:, :1]).all(), (op, row)
+            assert (tables[len(batch):] == tables[0]).all()
+    assert len(decode._slots) <= decode._kv_tables.shape[0] == 4
 
 
 def test_layer_kernels_on_only_in_static_decode_steps(monkeypatch):
