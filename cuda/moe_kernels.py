@@ -124,17 +124,22 @@ def _lanes(b: int) -> tuple[int, int, int]:
 
 
 def _ring_lines(b: int, j: int, word: str, indent: str) -> list[str]:
-    """Ring slot j <- the b plane words of word `word` of this thread's row (zeros past the block's last word)."""
+    """Ring slot j <- the b plane words of word `word` of this thread's row (zeros past the block's last word).
+
+    Words are loaded in order, so each plane's element index pb_p is unsigned and runs +N per word: a signed
+    `pb + word * N` cost Numba's negative-index wraparound per load (shr, and, add) and a 64-bit multiply per word,
+    ~7 PTX instructions around each plane word's load."""
     lines = [f"{indent}if {word} < w1:"]
-    lines += [f"{indent}    r{j}_{p} = uint32(pool_words[pb{p} + ({word}) * NN])" for p in range(b)]
+    lines += [f"{indent}    r{j}_{p} = uint32(pool_words[pb{p}])" for p in range(b)]
     lines += [f"{indent}else:"] + [f"{indent}    r{j}_{p} = U0" for p in range(b)]
-    return lines
+    return lines + [f"{indent}pb{p} += UN" for p in range(b)]
 
 
 def _ring_lines_setup(b: int, pf: int, first: str) -> list[str]:
-    """Row bases of the b planes and the ring's first pf words (loads issued pf words ahead of their decode)."""
-    lines = ["    nn = n if n < N else 0", "    NN = np.int64(N)"]
-    lines += [f"    pb{p} = poff[{p}] + nn" for p in range(b)]
+    """Row bases of the b planes and the ring's first pf words (loads issued pf words ahead of their decode); the
+    first load is word `first`."""
+    lines = ["    nn = n if n < N else 0", "    UN = np.uint64(N)", f"    lw = np.uint64({first}) * UN"]
+    lines += [f"    pb{p} = np.uint64(poff[{p}] + nn) + lw" for p in range(b)]
     for j in range(pf):
         lines += _ring_lines(b, j, f"{first} + {j}", "    ")
     return lines
@@ -264,8 +269,7 @@ def _dequant_body_source(b: int) -> str:
     lanes, lane_bits, groups = _lanes(b)
     pf = prefetch_words(b)
     L = [f"def _dq_{b}(pool_words, poff, lut, dst, o, N, w0, w1, n, utid):",
-         "    ubyte = utid << uint32(1)  # this row's byte offset inside a LUT line of 16-bit entries",
-         "    UN = np.uint64(N)"]
+         "    ubyte = utid << uint32(1)  # this row's byte offset inside a LUT line of 16-bit entries"]
     L += _ring_lines_setup(b, pf, "w0")
     L += ["    w = w0", "    while w < w1:"]
     L += _ring_advance(b, pf, f"w + {pf}", "        ")
