@@ -17,9 +17,11 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    tests. Per call at batch 1, 2048 keys, 16 heads of 128 (benchmarks/results/attention_bench-nvidia-h200-20261129-
    v2.json, -v3.json): v1 gave each thread a whole key row, 55 us; v2 had a thread walk its keys one after another,
    each key's dims loaded under a branch, 33 us; this layout 21 us (gather + SDPA on the same exact-length table: 23),
-   16 us with running unsigned indices (see `_split_kernel`).
-   Grouped-query heads each read their KV head again: with 8 query heads per KV head (gqa-32x4) this kernel takes
-   32 us where gather + SDPA takes 17, and the gap grows with the context (a block per KV head is the next step).
+   16 us with running unsigned indices, 14.5 us with 56 registers (see `_split_kernel`).
+   Grouped-query heads each read their KV head again, so the engine keeps gather + SDPA for them: with 4 query heads
+   per KV head at batch 16 and 8,192 keys this kernel takes 976 us against 423 (attention_bench-nvidia-h200-20261130-
+   s15-attn-old.json). A block of 4 query heads reading its KV head once (branch s15-grouped-attention) took 624 us,
+   1.01-2.63x the time of gather + SDPA across shapes (-s15-attn-new.json): 128 registers (offline), 4 blocks per SM.
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
 into the pages before them (one launch where torch stacks, gathers and scatters). K/V may be fp16 or fp32 (q the
@@ -66,6 +68,17 @@ def _block_reduce(red, v, t, take_max):
     return out
 
 
+@cuda.jit(device=True, inline=True)
+def _key_bases(base, flat_row_len, tables, b, start, count, block_size, hkv, hd, kvh, t):
+    """base[j] <- element of the flat pool where key start + j's row of KV head kvh starts (threads t < CHUNK); keys
+    past the row's length repeat the chunk's last key, so every load of the caller is valid, unguarded."""
+    if t < CHUNK:
+        pos = start + min(t, count - 1)
+        blk = pos // block_size
+        base[t] = (np.uint64(tables[b, blk]) * np.uint64(flat_row_len)
+                   + np.uint64((pos - blk * block_size) * hkv * hd + kvh * hd))
+
+
 @cuda.jit(cache=True)
 def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
     """q [B, H, hd]; flat: the pool's KV blocks as one C-ordered vector, block p's [2 (k|v), bs, Hkv, hd] at element
@@ -75,11 +88,16 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
 
     Each thread keeps one unsigned running element index per key, advanced by SUB per dim. A signed index costs
     Numba's negative-index wraparound per load and a 2-D index a 64-bit multiply by the row stride: 10 PTX
-    instructions per loaded element and 104 registers (offline; 96 on the H200) before, 6 and 64 now (offline), and
+    instructions per loaded element and 104 registers (offline; 96 on the H200) before, 6 and 64 (offline), and
     16-37 % less time per call (benchmarks/results/attention_bench-nvidia-h200-20261130-s14-var-v4.json against
     -var-old.json). Indexing the flat vector as base + SUB * i instead, with the same instruction count, was 8-36 %
     slower than before (-var-flat): ptxas then kept fewer of a dim's KEYS loads in flight (ncu: 17.8 against 3.7
-    cycles of long-scoreboard stall per issued instruction, ncu_stalls-nvidia-h200-20261130-s14-attn-*.txt)."""
+    cycles of long-scoreboard stall per issued instruction, ncu_stalls-nvidia-h200-20261130-s14-attn-*.txt).
+    With the key bases computed in `_key_bases` (the same arithmetic) ptxas allocates 56 registers instead of 64
+    (offline): 9 blocks of 128 threads fit an SM's registers instead of 8. In one call against the inline form run
+    before and after it, 9-19 % less time per call on Qwen1.5 shapes (batch 16, 8,192 keys: 640 -> 536 us, 2.0 TB/s;
+    attention_bench-nvidia-h200-20261130-s15-attn-new.json against -attn-old.json and -attn-old2.json); that the
+    register count is the cause is inferred, not measured."""
     H, hd = q.shape[1], q.shape[2]
     b = cuda.blockIdx.x // H
     h = cuda.blockIdx.x - b * H
@@ -99,11 +117,7 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
     part = cuda.shared.array(PART, np.float32)  # key partials [CHUNK][SUB + 1], then V partials [GROUPS][hd]
     for d in range(t, hd, THREADS):
         qs[d] = float32(q[b, h, d]) * scale
-    if t < CHUNK:  # keys past the row's length repeat the chunk's last key: every load below is valid, unguarded
-        pos = start + min(t, count - 1)
-        blk = pos // block_size
-        base[t] = (np.uint64(tables[b, blk]) * np.uint64(row_len)
-                   + np.uint64((pos - blk * block_size) * hkv * hd + (h // group) * hd))
+    _key_bases(base, row_len, tables, b, start, count, block_size, hkv, hd, h // group, t)
     cuda.syncthreads()
     # thread (g, sub) takes keys g, g + GROUPS, ... (KEYS of them, in registers: constant indices once unrolled) and
     # for each dim sub + SUB * i loads all of them before using any: KEYS independent loads in flight per dim

@@ -20,9 +20,11 @@ from pagedweight.cuda.reference import paged_decode_attention_reference
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
 # (B, H, Hkv, head_dim, block_size, M table blocks, dtype): GQA and MHA; head dims below THREADS (threads share a dim),
-# at it, and above it (two dims per thread); one key only, a chunk boundary, several splits
+# at it, and above it (two dims per thread); one key only, a chunk boundary, several splits; 2, 3 and 8 query heads per
+# KV head
 CASES = [(2, 4, 2, 64, 16, 12, "float16"), (3, 2, 1, 16, 4, 40, "float32"), (1, 2, 2, 160, 8, 3, "float16"),
-         (2, 2, 2, 128, 16, 17, "float16")]
+         (2, 2, 2, 128, 16, 17, "float16"), (2, 6, 2, 32, 8, 10, "float16"), (1, 16, 2, 64, 16, 9, "float32"),
+         (2, 4, 2, 160, 8, 3, "float16")]
 
 BUILD = textwrap.dedent(r"""
     import torch
