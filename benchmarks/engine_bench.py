@@ -209,7 +209,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
 
 TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms", "running", "waiting",
                  "pages_in_flight", "move_requests", "move_refusals", "compactions", "overlapped",
-                 "pre_ms", "forward_ms", "between_ms", "sample_ms", "post_ms"]
+                 "pre_ms", "forward_ms", "between_ms", "sample_ms", "post_ms", "tokens"]
 
 
 class StepPhases:
@@ -217,11 +217,17 @@ class StepPhases:
     the benchmark; the engine has no hooks). A step then splits into before the forward (a boundary that did not
     overlap, scheduling), the forward's host part (inputs, launch or graph replay), between it and sampling (an
     overlapped boundary, the routing read), sampling (which waits for the device: the GPU's remaining time when
-    the host is ahead) and after (outputs). A step that ran no forward gets None."""
+    the host is ahead) and after (outputs); and the tokens its forward ran (prefill chunks and decode rows), which
+    a prefill step's time follows. A step that ran no forward gets None."""
 
     def __init__(self, llm: LLM) -> None:
         self.marks: dict[str, float] = {}
+        self.tokens: int | None = None
         run, sample = llm.runner.run, llm.sampler
+
+        def counted(batch):
+            self.tokens = sum(batch.num_new_tokens)
+            return run(batch)
 
         def timed(name: str, fn: Callable) -> Callable:
             def wrapper(*args, **kwargs):
@@ -232,15 +238,17 @@ class StepPhases:
                     self.marks[name + "1"] = time.perf_counter()
             return wrapper
 
-        llm.runner.run, llm.sampler = timed("run", run), timed("sample", sample)
+        llm.runner.run, llm.sampler = timed("run", counted), timed("sample", sample)
 
-    def split(self, t_step: float, t_end: float) -> list[float | None]:
-        """[pre, forward, between, sample, post] ms of the step that ran from t_step to t_end; clears the marks."""
+    def split(self, t_step: float, t_end: float) -> list[float | int | None]:
+        """[pre, forward, between, sample, post] ms and the forward's tokens of the step that ran from t_step to
+        t_end; clears the marks."""
         m, self.marks = self.marks, {}
+        tokens, self.tokens = self.tokens, None
         if len(m) < 4:
-            return [None] * 5
+            return [None] * 6
         edges = [t_step, m["run0"], m["run1"], m["sample0"], m["sample1"], t_end]
-        return [round((b - a) * 1e3, 3) for a, b in zip(edges, edges[1:])]
+        return [round((b - a) * 1e3, 3) for a, b in zip(edges, edges[1:])] + [tokens]
 
 
 def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: int,
@@ -249,10 +257,10 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
     (the planner's and the move requests' within it) and the routing read's; requests running and waiting after
     it; whether pages were in flight after the boundary (a move whose copy finished within it has committed and
     does not count); move requests and refusals; pool compactions since `compactions_before` (the pool's
-    `relocations`); whether the boundary ran beside the forward (overlapped); the step's host phases (StepPhases,
-    None without). `before`: a copy of llm.paging taken before."""
+    `relocations`); whether the boundary ran beside the forward (overlapped); the step's host phases and its
+    forward's tokens (StepPhases, None without). `before`: a copy of llm.paging taken before."""
     now, ms, t_end = llm.paging, lambda a, b: round((a - b) * 1e3, 3), time.perf_counter()
-    split = phases.split(t_step, t_end) if phases is not None else [None] * 5
+    split = phases.split(t_step, t_end) if phases is not None else [None] * 6
     return [ms(t_end, t_step), ms(now.boundary_host_s, before.boundary_host_s),
             ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
             ms(now.observe_host_s, before.observe_host_s), len(llm.scheduler.running), len(llm.scheduler.waiting),

@@ -18,6 +18,9 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     assert [r["config"] for r in res["rows"]] == ["ap3-uniform", "pagedweight@ap3-memory", "pagedweight-home3@ap3-memory"]
     assert set(res["decode_ratio_paged_over_uniform"]) == {"ap3/b1", "ap3/b1/home3"}
     assert all(r["step_trace"]["rows"] for r in res["rows"]) and res["complete"]
+    col = res["rows"][0]["step_trace"]["columns"].index("tokens")
+    tokens = {row[col] for row in res["rows"][0]["step_trace"]["rows"]}
+    assert 1 in tokens and max(t or 0 for t in tokens) > 1  # decode steps of batch 1, and the prefill's
 
 
 def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
@@ -50,6 +53,7 @@ def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
     assert pair["observe_every"] == 4 and set(pair["trace_medians"]) == set(pair["phase_step_ms"]) == {"uniform", "paged"}
     cols = pair["trace_medians"]["paged"]
     assert list(cols) == engine_bench.TRACE_COLUMNS and cols["forward_ms"] > 0 and cols["sample_ms"] > 0
+    assert cols["tokens"] == 1  # decode steps of batch 1
     assert pair["trace_medians"]["uniform"]["observe_ms"] == 0
     assert all(len(v) == 4 and all(x > 0 for x in v) for v in pair["phase_step_ms"].values())
     for kind, trace in pair["step_traces"].items():  # every step's row behind those medians, its cycle place first
