@@ -33,8 +33,8 @@ for s in "${steps[@]}"; do case $s in
            --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
-  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them
-  enginetest) step "${ENGINETEST_LIMIT:-240}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
+  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them (27 tests: ~300 s on a cold cache)
+  enginetest) step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 -k "ap_ or pressure or preempts or cuda_graph or graph or on_gpu" ;;
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
