@@ -375,14 +375,26 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    if args.torch_profile:  # decode steps only: the prefill would swamp the table
+    if args.torch_profile:  # one phase only: the prefill would swamp the decode steps' table
         activities = [torch.profiler.ProfilerActivity.CPU]
         if args.device == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         tprof = torch.profiler.profile(activities=activities)
-        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=tprof.start)
-        tprof.stop()
-        _append_torch_profile(args.torch_profile, f"{name} batch {batch}: {gen - 1} decode steps", tprof, gen - 1)
+        if args.torch_profile_phase == "prefill":  # from the first step until every request has its first token
+            steps0, prefill_steps = llm.num_steps, []
+
+            def prefilled() -> None:
+                tprof.stop()
+                prefill_steps.append(llm.num_steps - steps0)
+
+            tprof.start()
+            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=prefilled)
+            title, steps = f"{prefill_steps[0]} prefill steps ({batch} x {seq_len - gen} tokens)", prefill_steps[0]
+        else:
+            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=tprof.start)
+            tprof.stop()
+            title, steps = f"{gen - 1} decode steps", gen - 1
+        _append_torch_profile(args.torch_profile, f"{name} batch {batch}: {title}", tprof, steps)
     else:
         res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace)
     if prof:
@@ -420,8 +432,9 @@ def append_profile(path: str, title: str, prof: cProfile.Profile) -> None:
 
 
 def _append_torch_profile(path: str, title: str, prof, steps: int) -> None:
-    """Device-time breakdown of one timed batch's decode steps (which kernels a step spends its GPU time in; kernels
-    replayed from CUDA graphs included), appended as text, with the device time per step against the wall's."""
+    """Device-time breakdown of one timed batch's decode or prefill steps (which kernels a step spends its GPU time
+    in; kernels replayed from CUDA graphs included) and their host time per op, appended as text, with the device
+    time per step."""
     avg = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
     with open(path, "a") as f:
@@ -549,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                         "work instead of the fused layer kernels (the path before them)")
     p.add_argument("--torch-profile", default=None, metavar="FILE",
                    help="append torch.profiler tables of each timed batch's decode steps to FILE (device time per kernel)")
+    p.add_argument("--torch-profile-phase", choices=("decode", "prefill"), default="decode",
+                   help="which steps --torch-profile records: the decode steps, or the prefill steps (host and device "
+                        "time of the chunked prefill, which is host-bound)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -6,6 +6,7 @@ import json
 import re
 
 import numpy as np
+import pytest
 
 
 def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
@@ -119,16 +120,20 @@ def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
     assert spread["reload_triggers"] == {"runs": [0, 0], "median": 0.0}
 
 
-def test_engine_bench_torch_profile_covers_decode_steps_only(tmp_path):
+@pytest.mark.parametrize("phase, title", [("decode", "4 decode steps"), ("prefill", "4 prefill steps (1 x 2043 tokens)")])
+def test_engine_bench_torch_profile_covers_one_phase(tmp_path, phase, title):
+    """Decode: the 4 decode steps after the first token, not the prefill. Prefill: the 4 chunks of 512 tokens up to the
+    first token, not the decode steps."""
     from benchmarks import engine_bench
 
-    prof = tmp_path / "decode.txt"
+    prof = tmp_path / "profile.txt"
     assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--skip-fp16",
-                              "--gen", "5", "--torch-profile", str(prof), "--out-dir", str(tmp_path)]) == 0
+                              "--gen", "5", "--torch-profile", str(prof), "--torch-profile-phase", phase,
+                              "--out-dir", str(tmp_path)]) == 0
     text = prof.read_text()
     titles = [line for line in text.splitlines() if line.startswith("=====")]
-    assert titles[0].startswith("===== ap3-uniform batch 1: 4 decode steps") and len(titles) == 2
-    # one forward per decode step: the prefill's forward is not in the profile
+    assert titles[0].startswith(f"===== ap3-uniform batch 1: {title}") and len(titles) == 2
+    # one forward per step of the phase: the other phase's forwards are not in the profile
     calls = re.findall(r"aten::embedding .* (\d+)\s*$", text, flags=re.M)
     assert calls and set(calls) == {"4"}
 
