@@ -217,8 +217,8 @@ class StepPhases:
     the benchmark; the engine has no hooks). A step then splits into before the forward (a boundary that did not
     overlap, scheduling), the forward's host part (inputs, launch or graph replay), between it and sampling (an
     overlapped boundary, the routing read), sampling (which waits for the device: the GPU's remaining time when
-    the host is ahead) and after (outputs); and the tokens its forward ran (prefill chunks and decode rows), which
-    a prefill step's time follows. A step that ran no forward gets None."""
+    the host is ahead) and after (outputs); and the tokens its forward ran (prefill chunks and decode rows: the
+    step's size). A step that ran no forward gets None."""
 
     def __init__(self, llm: LLM) -> None:
         self.marks: dict[str, float] = {}
