@@ -21,11 +21,11 @@ Compile time grows faster than linearly with the number of specialised bodies (2
 Each block reads its committed width q and plane/LUT offsets from the device tables, so changing the tables
 between graph replays changes what is read without recapture.
 
-Prefill path (T > DECODE_MAX_T): one host read (tokens per expert), then per group of routed experts one
-`_dequant_kernel` launch writes both kinds of every block of the group at its committed width into a bounded scratch
-(W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they are or rounded to bf16),
-and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90, otherwise one bmm over the
-group's rows zero-padded to its largest expert). Numba views of tensors are cached by (address, shape, strides,
+Prefill path (T > DECODE_MAX_T): one host read (the routing, laid out on the host and uploaded once), then per group
+of routed experts one `_dequant_kernel` launch writes both kinds of every block of the group at its committed width
+into a bounded scratch (W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they
+are or rounded to bf16), and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90,
+otherwise one bmm over the group's rows zero-padded to its largest expert). Numba views of tensors are cached by (address, shape, strides,
 dtype): a launch converts nothing that it converted before.
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as tf
 
 from pagedweight.bitplanes import num_words
+from pagedweight.models.layers import expert_rows
 
 from ._compat import SIMULATOR, cuda
 
@@ -636,49 +637,33 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P):
-    """Large T: pairs sorted by expert (one host read: the per-expert counts), then per group of routed experts one
-    dequantize launch (both kinds, at most PREFILL_SCRATCH_BYTES of scratch) and two grouped GEMMs over the group's
-    rows; one weighted scatter back to the tokens at the end. Without the CUTLASS grouped GEMM (fp16) the group's
-    rows are scattered once into a zero-padded [n, maxc, D] (maxc, the group's largest count, is known from the host
-    read: no new sync), stay padded through both bmm's (a zero row stays zero through silu(gate) * up) and are
-    gathered once: 7 torch ops per group whatever n. The padding is per group, not for all experts at once: it is a
-    transient activation of n * maxc rows (up to G * T), bounded like the scratch instead of growing with E."""
+    """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
+    groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
+    launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
+    CUTLASS grouped GEMM (fp16) each slot of a group is zero-padded to the group's largest count and the group is
+    one bmm per projection (a zero row stays zero through silu(gate) * up); slots sorted by count keep the padding
+    small. ~5 launches per group: the device-side layout before (repeat_interleave, per-group scatter, pad and
+    gather) took ~15 host-side ops per group, and a Qwen1.5 layer's prefill ~3 ms of host time per call."""
     T, k = topk_ids.shape
     dev = hidden.device
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(q.shape[0], dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
-    counts_h = counts.tolist()
-    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)  # routed experts first, by id: the slots
-    slot_count = counts[slot_expert]
-    ends = torch.cumsum(slot_count, 0).to(torch.int32)  # slot j's pairs end at row ends[j] of `order`
-    sizes = [c for c in counts_h if c]
-    tok = order // k
-    x = hidden.index_select(0, tok)
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
-    G = min(prefill_group(D, F), len(sizes), GROUPED_MAX)
-    if not grouped:  # each sorted pair's slot within its group (groups are G consecutive slots) and row in its slot
-        slot = torch.repeat_interleave(slot_count, output_size=T * k)  # output_size: no sync
-        pos = torch.arange(T * k, device=dev) - (ends - slot_count)[slot]
-        gslot = slot % G
-    w_gu = torch.empty(G, num_words(D) * 32, 2 * F, dtype=wdt, device=dev)
-    w_d = torch.empty(G, num_words(F) * 32, D, dtype=wdt, device=dev)
-    ys, row = [], 0
-    for s0 in range(0, len(sizes), G):
-        sz = sizes[s0:s0 + G]
-        n, rows = len(sz), sum(sz)
-        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert, s0, n, D, F, P, w_gu, w_d)
-        if grouped:
-            a, offs = x[row:row + rows], ends[s0:s0 + n] - row
-        else:
-            pad = (gslot[row:row + rows], pos[row:row + rows])
-            a, offs = x.new_zeros(n, max(sz), D), None
-            a[pad] = x[row:row + rows]
+    G = min(prefill_group(D, F), GROUPED_MAX)
+    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True)
+    slots, token, pair, ends = plan.to(dev)
+    if grouped:
+        ends = ends.to(torch.int32)
+    x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # row T of the padded hidden is zeros: padding rows'
+    n_max = min(G, len(plan.slots))
+    w_gu = torch.empty(n_max, num_words(D) * 32, 2 * F, dtype=wdt, device=dev)
+    w_d = torch.empty(n_max, num_words(F) * 32, D, dtype=wdt, device=dev)
+    ys = []
+    for s0, n, r0, r1, width in plan.groups:
+        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slots, s0, n, D, F, P, w_gu, w_d)
+        a, offs = (x[r0:r1], ends[s0:s0 + n]) if grouped else (x[r0:r1].view(n, width, D), None)
         h = _grouped_mm(a, w_gu[:n, :D], offs)
-        y = _grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs)
-        ys.append(y if grouped else y[pad])
-        row += rows
+        ys.append(_grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs).view(-1, D))
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
-    w = topk_weights.reshape(-1)[order].float().unsqueeze(1)
-    return torch.zeros(T, D, dtype=torch.float32, device=dev).index_add_(0, tok, y.float() * w).to(hidden.dtype)
+    w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
+    out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y.float() * w)
+    return out[:T].to(hidden.dtype)

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from pagedweight.checkpoint import save_hf
 from pagedweight.engine import param_bytes
 from pagedweight.generate import generate
 from pagedweight.models import DenseExperts, iter_expert_blocks, load_model
+from pagedweight.models.layers import expert_rows
 from pagedweight.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -216,8 +220,9 @@ def _experts_reference(experts: DenseExperts, x, ids, w):
 
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_dense_experts_gathered_and_grouped_agree(n):
-    """Both formulations (gathered = the accelerator's decode path, grouped = prefill and CPU) against the
-    token-by-token definition, on every token count where each would run."""
+    """All three formulations (gathered = the accelerator's decode path, padded = its prefill, grouped = the CPU's)
+    against the token-by-token definition, on every token count where each would run; the padded groups (run here on
+    the CPU: the engine takes them on accelerators only) with skewed routing, so that groups pad unequally."""
     torch.manual_seed(n)
     E, k, D, F = 12, 4, 16, 8
     experts = DenseExperts(E, D, F)
@@ -225,14 +230,53 @@ def test_dense_experts_gathered_and_grouped_agree(n):
         experts.gate_up.normal_(0, 0.3)
         experts.down.normal_(0, 0.3)
         x = torch.randn(n, D)
-        w, ids = torch.softmax(torch.randn(n, E), -1).topk(k)
+        w, ids = torch.softmax(torch.randn(n, E) + torch.linspace(3, 0, E), -1).topk(k)
         want = _experts_reference(experts, x, ids, w)
         got = {}
         for limit in (E * n * k, 0):
             experts.gather_max_pairs = limit
             got[limit] = experts(x, ids, w)
+        experts.PADDED_GROUP = 5  # groups of 5, 5 and 2 experts
+        got["padded"] = experts._padded(x, ids, w)
     for out in got.values():
         assert out.shape == (n, D) and torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 30), st.integers(2, 10), st.integers(1, 4), st.integers(1, 5), st.booleans(), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k, max_group, pad, routed_only, rnd):
+    """The prefill layout: every (token, choice) pair on exactly one row, inside its expert's slot; the other rows
+    are padding (token T) inside padded slots only; groups hold at most max_group slots, padded slots `width` rows,
+    unpadded ones their pairs' rows closed by `ends`; routed_only lists the routed experts, most pairs first."""
+    k = min(k, num_experts)
+    ids = np.array([rnd.sample(range(num_experts), k) for _ in range(t)])
+    plan = expert_rows(ids, num_experts, max_group, pad, routed_only)
+    real = plan.token < t
+    assert sorted(plan.pair[real].tolist()) == list(range(t * k))
+    assert (plan.token[real] == plan.pair[real] // k).all() and (plan.token[~real] == t).all()
+    counts = np.bincount(ids.reshape(-1), minlength=num_experts)
+    if routed_only:
+        assert sorted(plan.slots.tolist()) == np.flatnonzero(counts).tolist()
+        assert (np.diff(counts[plan.slots]) <= 0).all()
+    else:
+        assert plan.slots.tolist() == list(range(num_experts))
+    covered = np.zeros(len(plan.token), dtype=bool)
+    for s0, n, r0, r1, width in plan.groups:
+        assert all(type(v) is int for v in (s0, n, r0, r1, width))  # they size kernel grids: no numpy integers
+        assert 1 <= n <= max_group and r1 > r0
+        for j in range(n):
+            s = s0 + j
+            lo, hi = (r0 + j * width, r0 + (j + 1) * width) if pad else (r0 + (plan.ends[s - 1] if j else 0),
+                                                                          r0 + plan.ends[s])
+            rows = np.arange(lo, hi)
+            assert not covered[rows].any()
+            covered[rows] = True
+            assert real[rows].sum() == counts[plan.slots[s]]
+            assert (ids.reshape(-1)[plan.pair[rows[real[rows]]]] == plan.slots[s]).all()
+            assert pad or real[rows].all()
+        assert r1 == (r0 + n * width if pad else r0 + plan.ends[s0 + n - 1])
+    assert covered.all()
 
 
 def test_gathered_decode_has_no_sync_and_ops_independent_of_experts():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,17 +198,76 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+@dataclass
+class ExpertRows:
+    """Where each routed (token, choice) pair sits in a grouped pass over the experts, planned on the host.
+
+    Slots are experts in pass order; a group is up to `max_group` consecutive slots over consecutive rows. Padded, each
+    slot of a group takes `width` rows (its pairs, then rows of zeros), so a group is one [n, width, D] batched matmul
+    per projection; unpadded, a slot takes just its pairs' rows and `ends` closes each slot's run (the offsets of a
+    grouped GEMM). A padding row reads token T (the caller's appended zero row) and adds its zero output there."""
+
+    slots: np.ndarray  # [S] expert of each slot
+    groups: list[tuple[int, int, int, int, int]]  # (first slot, slots, first row, end row, width; 0 when unpadded)
+    token: np.ndarray  # [R] token of each row; T on padding rows
+    pair: np.ndarray  # [R] flat pair index t * k + j of each row; 0 on padding rows (whose output is zero)
+    ends: np.ndarray  # [S] end row of each slot's pairs, counted from its group's first row
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(slots, token, pair, ends) as int64 tensors on `device`, in one host-to-device copy."""
+        parts = (self.slots, self.token, self.pair, self.ends)
+        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+        return flat.split([len(p) for p in parts])
+
+
+def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool) -> ExpertRows:
+    """The layout of routing ids [T, k]. routed_only: the slots are the routed experts, most pairs first (a padded
+    group then pads little); else every expert in id order, so that a group's weights are a slice of stacked
+    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out."""
+    t, k = ids.shape
+    flat = ids.reshape(-1).astype(np.int64)
+    counts = np.bincount(flat, minlength=num_experts)
+    slots = np.argsort(-counts, kind="stable")[:np.count_nonzero(counts)] if routed_only else np.arange(num_experts)
+    rank = np.full(num_experts, len(slots))
+    rank[slots] = np.arange(len(slots))
+    order = np.argsort(rank[flat], kind="stable")  # pairs in slot order
+    c = counts[slots]
+    first = np.arange(0, len(slots), max_group)  # each group's first slot
+    group_of = np.arange(len(slots)) // max_group
+    rows = np.maximum.reduceat(c, first)[group_of] if pad else c
+    end = np.cumsum(rows)
+    base = end - rows  # each slot's first row
+    start = np.cumsum(c) - c  # each slot's first pair in `order`
+    slot_of = np.repeat(np.arange(len(slots)), c)
+    row_of = base[slot_of] + np.arange(len(order)) - start[slot_of]
+    token = np.full(int(end[-1]), t)
+    pair = np.zeros(int(end[-1]), dtype=np.int64)
+    token[row_of], pair[row_of] = order // k, order
+    groups = []
+    for s0 in first.tolist():  # plain ints: they size kernel grids, which take no numpy integers
+        n = min(max_group, len(slots) - s0)
+        r0, r1 = int(base[s0]), int(end[s0 + n - 1])
+        if r1 > r0:
+            groups.append((s0, n, r0, r1, int(rows[s0]) if pad else 0))
+    return ExpertRows(slots, groups, token, pair, base + c - base[first][group_of])
+
+
 class DenseExperts(nn.Module):
     """E routed SwiGLU experts as two stacked weights; the paged any-precision experts replace this module.
 
     gate_up [E, 2F, D]: rows 0..F-1 are gate_proj, F..2F-1 up_proj; down [E, D, F].
-    Two formulations, neither loops over all E experts:
+    Three formulations, none loops over all E experts in Python on an accelerator:
     - gathered (few pairs on an accelerator, decode): the routed experts' weights are gathered per (token, slot)
       pair and run as one batched matmul per projection: a fixed handful of ops, no host synchronisation;
-    - grouped (prefill, and the CPU, where reading back is free but copying weights is not): pairs sorted by
+    - padded (more pairs on an accelerator: prefill): the routing read once, experts in groups of PADDED_GROUP, each
+      group one batched matmul per projection over its pairs zero-padded to its largest expert's count: ~5 ops per
+      group, where one matmul per expert made a Qwen1.5-shaped prefill step host-bound (~70 launches per layer);
+    - grouped (the CPU, where reading back is free but copying weights and padding are not): pairs sorted by
       expert, one matmul per routed expert; the per-expert counts are the layer's one host read.
     `gather_max_pairs` picks: None = up to E pairs gathered on an accelerator, none on the CPU.
     """
+
+    PADDED_GROUP = 16
 
     def __init__(self, num_experts: int, d: int, f: int) -> None:
         super().__init__()
@@ -219,7 +279,9 @@ class DenseExperts(nn.Module):
         """x [N, D], topk_ids [N, k], topk_weights [N, k] -> sum_k w * expert_k(x), [N, D] in x's dtype."""
         if topk_ids.numel() <= self.gather_limit(x.device):
             return self._gathered(x, topk_ids, topk_weights)
-        return self._grouped(x, topk_ids, topk_weights)
+        if x.device.type == "cpu":
+            return self._grouped(x, topk_ids, topk_weights)
+        return self._padded(x, topk_ids, topk_weights)
 
     def gather_limit(self, device: torch.device) -> int:
         """Most (token, slot) pairs that take the gathered formulation on `device` (a CUDA graph needs it)."""
@@ -235,6 +297,22 @@ class DenseExperts(nn.Module):
         gate, up = torch.bmm(self.gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).view(n, k, -1)
         return (y * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    def _padded(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every expert in id order (a group's weights are a slice), groups zero-padded to their largest count; the
+        routing is the layer's one host read, the layout one upload."""
+        n, d = x.shape
+        plan = expert_rows(topk_ids.cpu().numpy(), self.gate_up.shape[0], self.PADDED_GROUP, pad=True,
+                           routed_only=False)
+        _, token, pair, _ = plan.to(x.device)
+        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # row n of the padded x is zeros: the padding rows'
+        ys = []
+        for s0, g, r0, r1, width in plan.groups:
+            h = torch.bmm(xs[r0:r1].view(g, width, d), self.gate_up[s0:s0 + g].transpose(1, 2))
+            gate, up = h.chunk(2, dim=-1)
+            ys.append(torch.bmm(F.silu(gate) * up, self.down[s0:s0 + g].transpose(1, 2)).view(-1, d))
+        y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * topk_weights.reshape(-1).index_select(0, pair).unsqueeze(-1)
+        return x.new_zeros(n + 1, d).index_add_(0, token, y.to(x.dtype))[:n]
 
     def _grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Pairs sorted by expert, one matmul per routed expert; the counts are the layer's one host read."""

@@ -1,0 +1,142 @@
+"""Prefill cost at the layer and engine level, optionally A/B against an older prefill: the arms alternate in one
+process (ABBA...), so that the host's drift, which moved prefill times by up to 1.9x between runs of the same code
+(README), lands on both.
+
+    git show <rev>:cuda/moe_kernels.py > _ab/old_moe_kernels.py
+    python3 -m benchmarks.prefill_bench --old _ab/old_moe_kernels.py --label L        # on the H200
+
+Layer (Qwen1.5-MoE expert shapes, synthetic planes at 4 bits, fp16): one routed-expert prefill call
+(`moe_kernels._prefill`) at T tokens: GPU time per call (CUDA events over back-to-back calls) and host time (from an
+idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped model, fp16 dense experts and uniform
+4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
+`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace) and the dense experts'
+per-expert loop (`DenseExperts._grouped`) where the "new" arm runs the padded groups (`_padded`).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import sys
+import time
+
+import torch
+
+import pagedweight.cuda.moe_kernels as mk
+from benchmarks import engine_bench as eb
+from benchmarks.common import write_result
+from benchmarks.moe_kernel_bench import SHAPES, routing
+from pagedweight.cuda.synthetic import build_synthetic_moe
+from pagedweight.models.layers import DenseExperts
+
+PROMPT, GEN = 2016, 2  # engine_bench's prompt (2048 - 32 generated) and the fewest tokens that finish after a decode
+
+
+def load_old(path: str) -> dict:
+    """The arms' functions: FILE's `_prefill` run in the current module's namespace (its helpers are the current
+    ones, so FILE must be a moe_kernels.py whose `_prefill` calls helpers that still exist), with the dense loop."""
+    ns = dict(vars(mk))
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "_prefill":
+            exec(compile(ast.Module([node], []), path, "exec"), ns)
+    if ns["_prefill"] is mk._prefill:
+        raise SystemExit(f"{path} defines no _prefill")
+    return {"old": (ns["_prefill"], DenseExperts._grouped), "new": (mk._prefill, DenseExperts._padded)}
+
+
+def use(arms: dict, arm: str) -> None:
+    mk._prefill, DenseExperts._padded = arms[arm]
+
+
+def layer_rows(arms: dict, tokens: list[int], reps: int) -> list[dict]:
+    E, D, F, k = SHAPES["qwen1.5-moe-a2.7b"]
+    moe = build_synthetic_moe(E, D, F, 8, 3, device="cuda", seed=21, shuffle=False)
+    q, po, lo = moe.tables(torch.full((E, 2), 4))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    rows = []
+    for T in tokens:
+        ids, w = routing(T, E, k, gen)
+        h = torch.randn(T, D, generator=gen, device="cuda").half()
+        args = (h, ids, w, moe.pool_words, moe.pool_halves, q, po, lo, D, F, 8)
+        samples: dict[str, dict[str, list[float]]] = {a: {"gpu": [], "host": []} for a in arms}
+        for rep in range(-1, reps):  # rep -1 warms both arms up (allocator, compile)
+            for arm in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                use(arms, arm)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(5):
+                    mk._prefill(*args)
+                end.record()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                mk._prefill(*args)
+                host = (time.perf_counter() - t0) * 1e6
+                torch.cuda.synchronize()
+                if rep >= 0:
+                    samples[arm]["gpu"].append(start.elapsed_time(end) * 1e3 / 5)
+                    samples[arm]["host"].append(host)
+        for arm, s in samples.items():
+            rows.append(dict(level="layer", arm=arm, shape="qwen1.5-moe-a2.7b", T=T, bits=4, dtype="float16",
+                             us_per_call_back_to_back=statistics.median(s["gpu"]),
+                             host_us_per_call=statistics.median(s["host"]), samples=s))
+            print(rows[-1]["arm"], T, round(rows[-1]["us_per_call_back_to_back"]),
+                  round(rows[-1]["host_us_per_call"]), flush=True)
+    return rows
+
+
+def engine_rows(arms: dict, batches: list[int], reps: int) -> list[dict]:
+    ns = argparse.Namespace(device="cuda", block_size=16, decode_attention="kernel", layer_kernels=True, chunk=512)
+    cfg = eb.model_config(False)
+    dtype = torch.float16
+    page = eb.page_bytes(cfg, ns.block_size, dtype)
+    outside = eb.outside_bytes(cfg, dtype)
+    weights = eb.ap_weights(cfg, 6)
+    dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    rows = []
+    for batch in batches:
+        kv = eb.kv_bytes(cfg, batch, PROMPT + GEN, ns.block_size, page, ns.chunk)
+        for name, w, budget, options in (
+                ("fp16-dense", None, outside + dense + kv, {}),
+                ("ap4-uniform", weights, outside + eb.expert_pool_bytes(weights, 4, page) + kv,
+                 dict(bits=4, paging=False))):
+            use(arms, "new")
+            model, llm = eb.warm_engine(name, cfg, w, budget, batch, PROMPT + GEN, GEN, ns, **options)
+            ttft: dict[str, list[float]] = {a: [] for a in arms}
+            for rep in range(-1, reps):
+                for arm in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                    use(arms, arm)
+                    res = eb.serve(llm, batch, PROMPT, GEN, cfg.vocab_size, seed=2 + rep)
+                    if rep >= 0:
+                        ttft[arm].append(res["prefill_ms"])
+            for arm, v in ttft.items():
+                rows.append(dict(level="engine", arm=arm, config=name, batch=batch, prompt_tokens=PROMPT,
+                                 chunk=ns.chunk, prefill_ms_median=statistics.median(v), prefill_ms=v))
+                print(name, batch, arm, [round(x) for x in v], flush=True)
+            del model, llm
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", default=None, metavar="FILE", help="an older moe_kernels.py whose _prefill is the A arm")
+    p.add_argument("--tokens", default="512,2048", help="layer level: tokens per call")
+    p.add_argument("--batches", default="1,4", help="engine level: prompts per batch")
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--label", default=None)
+    args = p.parse_args(argv)
+    arms = load_old(args.old) if args.old else {"new": (mk._prefill, DenseExperts._padded)}
+    rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps)
+    extra = {"old_file": args.old, "complete": False}
+    write_result("prefill_bench", rows, label=args.label, extra=extra)
+    if not args.skip_engine:
+        rows += engine_rows(arms, [int(b) for b in args.batches.split(",")], args.reps)
+    extra["complete"] = True
+    print(write_result("prefill_bench", rows, label=args.label, extra=extra))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
