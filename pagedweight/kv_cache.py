@@ -46,7 +46,7 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] slot inside its block
     ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token, per layer
     ctx_slots: torch.Tensor  # [S]
-    mask: torch.Tensor | None  # bool [1, 1, T, S], True = may attend; None = everything (one decode token)
+    mask: torch.Tensor | None  # bool [1, 1, T, S], True = may attend; None = one sequence: causal, aligned to the end
 
 
 @dataclass
@@ -171,8 +171,11 @@ class PagedKVCache:
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         """Lay out one packed step: seqs[i] appends num_new_tokens[i] tokens after its computed ones.
 
-        Index arrays are built in numpy and reach the device as one int64 copy (plus the mask, when one is
-        needed: a lone sequence decoding one token may see its whole context, so it gets none).
+        Index arrays are built in numpy and reach the device as one int64 copy (plus the block-diagonal mask when
+        the step holds several sequences). A lone sequence gets none: its new tokens are the last of its context, so
+        attention needs only a causal mask aligned to the end, which `sdpa` makes on the device (or none, as a
+        fused causal kernel, for a first chunk); a 512-token chunk over 2,048 keys was a 1 M-element mask built in
+        numpy and copied every step.
         """
         bs, L = self.block_size, self.num_layers
         w_pages, w_slot, c_pages, c_slot, q_seq, q_pos, k_seq, k_pos = ([] for _ in range(8))
@@ -193,7 +196,7 @@ class PagedKVCache:
         packed = np.concatenate([w_pages.T.ravel(), np.concatenate(w_slot), c_pages.T.ravel(), np.concatenate(c_slot)])
         dev = torch.from_numpy(packed).to(self.view.device)
         mask = None
-        if len(seqs) > 1 or t > 1:
+        if len(seqs) > 1:
             q_seq, q_pos, k_seq, k_pos = (np.concatenate(a) for a in (q_seq, q_pos, k_seq, k_pos))
             mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
             mask = torch.from_numpy(mask)[None, None].to(self.view.device)

@@ -169,6 +169,18 @@ def test_dense_greedy_matches_transformers(hf_dir):
     assert llm.stats()["kv_free_blocks"] == llm.stats()["kv_total_blocks"]
 
 
+def test_lone_sequence_chunked_prefill_matches_transformers(hf_dir):
+    """One request alone, its prompt in 4-token chunks: every chunk after the first attends through the causal mask
+    aligned to the end that attention builds on the device (a lone sequence's step carries no mask)."""
+    path, ref = hf_dir
+    llm = LLM(path, block_size=4, max_num_batched_tokens=4)
+    out = llm.generate([PROMPTS[1]], greedy(8), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) > 3 * 4  # several chunks, each after the first over a longer context
+    ids = torch.tensor([out.prompt_token_ids])
+    want = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert out.token_ids == want.tolist()
+
+
 def test_batching_equals_one_at_a_time(hf_dir):
     path, _ = hf_dir
     params = [greedy(12), SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=5, ignore_eos=True),
