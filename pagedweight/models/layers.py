@@ -305,7 +305,7 @@ class DenseExperts(nn.Module):
         plan = expert_rows(topk_ids.cpu().numpy(), self.gate_up.shape[0], self.PADDED_GROUP, pad=True,
                            routed_only=False)
         _, token, pair, _ = plan.to(x.device)
-        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # row n of the padded x is zeros: the padding rows'
+        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row n
         ys = []
         for s0, g, r0, r1, width in plan.groups:
             h = torch.bmm(xs[r0:r1].view(g, width, d), self.gate_up[s0:s0 + g].transpose(1, 2))
