@@ -3,6 +3,10 @@
     ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
         --set full python -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
 
+At T > 64 the call is the prefill path, whose kernel is the dequantize launch (one per expert group):
+
+    ncu ... --kernel-name regex:_dequant_kernel ... python -m benchmarks.kernel_probe --shape qwen1.5-moe-a2.7b --T 512
+
 No timing here: the profiler's own report (stall reasons, DRAM throughput, occupancy) is the output. The launch is
 the engine's: the kernel's `lut_width` is the LUT class the engine gives a layer of that width (`runner.lut_width`),
 which sets its shared memory and K splits (until session 10 the probe passed the parent width, 8: the 8-bit LUT's

@@ -389,14 +389,13 @@ def prefill(shapes: list[str]) -> None:
                 # one dequantize launch of a full group (the first G routed experts), both kinds
                 n = min(G, n_routed)
                 wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-                w_gu = torch.empty(n, num_words(D) * 32, 2 * F, dtype=wdt, device=DEV)
-                w_d = torch.empty(n, num_words(F) * 32, D, dtype=wdt, device=DEV)
+                scratch = mk.prefill_scratch(n, D, F, wdt, DEV)
                 slots = torch.unique(ids).long()
                 us_dq = time_cycle([lambda: mk._dequantize(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev,
-                                                           slots, 0, n, D, F, P, w_gu, w_d)], reps=10)
-                dq_bytes = (w_gu.numel() + w_d.numel()) * 2 + n * block_bytes(D, F, 4, 4)
+                                                           slots, 0, n, D, F, P, scratch)], reps=10)
+                dq_bytes = scratch.numel() * 2 + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12
-                del w_gu, w_d
+                del scratch
                 row = dict(section="prefill", check="speed", shape=name, T=T, dtype=str(dtype).split(".")[-1],
                            plan="w4", routed_experts=n_routed, group=G, us_prefill_path_eager=us,
                            host_us_per_call=statistics.median(host), us_dequant_launch=us_dq,

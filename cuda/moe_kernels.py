@@ -449,10 +449,12 @@ DQ_WORDS = 32  # plane words (1024 columns) per dequantize block: LUT staging is
 
 
 @cuda.jit(cache=True)  # reuse the compile across processes
-def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert, s0, D, F, to_bf16, out_gu, out_d):
-    """out_gu[j] = W_gate_up^T ([D_pad, 2F]) and out_d[j] = W_down^T ([F_pad, D]) of expert slot_expert[s0 + j] at
-    its committed widths, as 16-bit patterns (the fp16 LUT entries, or their bf16 rounding when to_bf16) (prefill).
-    out_gu and out_d are the flat [slots, K_pad, N] scratch buffers (K_pad: K rounded up to whole words).
+def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert, s0, D, F, to_bf16, out, d_base):
+    """W_gate_up^T ([D_pad, 2F]) and W_down^T ([F_pad, D]) of expert slot_expert[s0 + j] at its committed widths, as
+    16-bit patterns (the fp16 LUT entries, or their bf16 rounding when to_bf16) (prefill), into the flat scratch `out`:
+    [slots, D_pad, 2F] from element 0, [slots, F_pad, D] from element d_base (`prefill_scratch`; K_pad: K rounded up
+    to whole words). One output array: with the target chosen between two arrays the stores compiled to generic
+    st.u16, which may alias shared memory, so each LUT load waited behind the previous store.
 
     Transposed so that a warp's rows store contiguously; both kinds of a group in one launch.
     grid (ceil(max(2F, D) / ROWS), ceil(max words / DQ_WORDS), 2 * slots), block ROWS, dynamic shared memory
@@ -477,9 +479,9 @@ def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert
         for u in range(LUT_BATCH):  # u, not j: j is the block's slot
             lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
     cuda.syncthreads()
-    dst = out_gu if kind == 0 else out_d
-    o = np.uint64((j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
-    _dq_dispatch(b, pool_words, plane_off[e, kind], lut, dst, o, N, w0, min(W, w0 + DQ_WORDS), n, uint32(tid))
+    base = 0 if kind == 0 else d_base
+    o = np.uint64(base + (j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
+    _dq_dispatch(b, pool_words, plane_off[e, kind], lut, out, o, N, w0, min(W, w0 + DQ_WORDS), n, uint32(tid))
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -599,22 +601,40 @@ def dequant_shared_bytes(P: int) -> int:
     return (1 << P) * ROWS * 2
 
 
+def _slot_elems(D: int, F: int) -> tuple[int, int]:
+    """Elements of one expert's W_gate_up^T [D_pad, 2F] and W_down^T [F_pad, D] (K padded to whole words)."""
+    return num_words(D) * 32 * 2 * F, num_words(F) * 32 * D
+
+
 def prefill_group(D: int, F: int) -> int:
     """Experts dequantized per launch: as many as PREFILL_SCRATCH_BYTES holds (K padded to whole words), at least 1."""
-    return max(1, PREFILL_SCRATCH_BYTES // (2 * (num_words(D) * 32 * 2 * F + num_words(F) * 32 * D)))
+    return max(1, PREFILL_SCRATCH_BYTES // (2 * sum(_slot_elems(D, F))))
+
+
+def prefill_scratch(n: int, D: int, F: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Flat 16-bit scratch for n experts: every W_gate_up^T, then every W_down^T (`scratch_views`)."""
+    return torch.empty(n * sum(_slot_elems(D, F)), dtype=dtype, device=device)
+
+
+def scratch_views(scratch: torch.Tensor, D: int, F: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_gu [n, D_pad, 2F], w_d [n, F_pad, D]) inside a `prefill_scratch`."""
+    gu, d = _slot_elems(D, F)
+    n = scratch.numel() // (gu + d)
+    return scratch[:n * gu].view(n, -1, 2 * F), scratch[n * gu:n * (gu + d)].view(n, -1, D)
 
 
 def _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, s0: int, n: int, D: int,
-                F: int, P: int, w_gu: torch.Tensor, w_d: torch.Tensor) -> None:
-    """w_gu[j] <- W_gate_up^T and w_d[j] <- W_down^T of expert slot_expert[s0 + j], j < n, at committed widths; fp16
-    or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. The whole scratch is
-    passed (the same buffers, hence the same cached views, for every group of a call)."""
+                F: int, P: int, scratch: torch.Tensor) -> None:
+    """Slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j], j < n, at the
+    committed widths; fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words.
+    The whole scratch is passed (the same buffer, hence the same cached view, for every group of a call)."""
+    gu, d = _slot_elems(D, F)
     words = max(num_words(D), num_words(F))
     grid = (-(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS), 2 * n)
     _dequant_kernel[grid, ROWS, _stream(), dequant_shared_bytes(P)](
         _dev(pool_words), _dev(pool_halves.view(torch.uint16)), _dev(q), _dev(plane_off), _dev(lut_off),
-        _dev(slot_expert), s0, D, F, w_gu.dtype == torch.bfloat16, _dev(w_gu.view(torch.uint16).view(-1)),
-        _dev(w_d.view(torch.uint16).view(-1)))
+        _dev(slot_expert), s0, D, F, scratch.dtype == torch.bfloat16, _dev(scratch.view(torch.uint16)),
+        scratch.numel() // (gu + d) * gu)
 
 
 @functools.lru_cache(maxsize=16)
@@ -655,12 +675,11 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     if grouped:
         ends = ends.to(torch.int32)
     x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
-    n_max = min(G, len(plan.slots))
-    w_gu = torch.empty(n_max, num_words(D) * 32, 2 * F, dtype=wdt, device=dev)
-    w_d = torch.empty(n_max, num_words(F) * 32, D, dtype=wdt, device=dev)
+    scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
+    w_gu, w_d = scratch_views(scratch, D, F)
     ys = []
     for s0, n, r0, r1, width in plan.groups:
-        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slots, s0, n, D, F, P, w_gu, w_d)
+        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slots, s0, n, D, F, P, scratch)
         a, offs = (x[r0:r1], ends[s0:s0 + n]) if grouped else (x[r0:r1].view(n, width, D), None)
         h = _grouped_mm(a, w_gu[:n, :D], offs)
         ys.append(_grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs).view(-1, D))

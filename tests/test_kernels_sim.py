@@ -20,7 +20,8 @@ CHILD = textwrap.dedent(r"""
     torch.set_num_threads(1)
     from pagedweight.bitplanes import num_words
     import pagedweight.cuda.moe_kernels as mk
-    from pagedweight.cuda.moe_kernels import _bf16_bits, _dequantize, _grouped_mm, moe_forward, prefill_group
+    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantize, _grouped_mm, moe_forward, prefill_group,
+                                              prefill_scratch, scratch_views)
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
@@ -90,10 +91,10 @@ CHILD = textwrap.dedent(r"""
     qd, po, lo = moe.tables(q)
     D, F = moe.D, moe.F
     for dtype in (torch.float16, torch.bfloat16):
-        w_gu = torch.full((moe.E, num_words(D) * 32, 2 * F), float("nan"), dtype=dtype)
-        w_d = torch.full((moe.E, num_words(F) * 32, D), float("nan"), dtype=dtype)
+        scratch = prefill_scratch(moe.E, D, F, dtype, "cpu").fill_(float("nan"))
+        w_gu, w_d = scratch_views(scratch, D, F)
         slots = torch.randperm(moe.E, generator=g)
-        _dequantize(moe.pool_words, moe.pool_halves, qd, po, lo, slots, 1, moe.E - 1, D, F, moe.P, w_gu, w_d)
+        _dequantize(moe.pool_words, moe.pool_halves, qd, po, lo, slots, 1, moe.E - 1, D, F, moe.P, scratch)
         exact, untouched = True, bool(torch.isnan(w_gu[moe.E - 1]).all() and torch.isnan(w_d[moe.E - 1]).all())
         for j in range(moe.E - 1):
             e = int(slots[1 + j])
