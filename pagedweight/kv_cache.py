@@ -7,9 +7,12 @@ from their own counter, never from page ids: the pool may relocate KV pages (com
 the cache then only rewrites its page map; sequences' block tables stay as they are.
 
 The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new
-token's K/V go and which cached tokens each query may see. `attend` (the models' cache protocol) then writes and
-gathers per layer and attends under a block-diagonal causal mask, so prefill chunks and decodes of different
-sequences share one forward pass without attending to each other.
+token's K/V go and which cached tokens each query may see. `attend` (the models' cache protocol) then writes the new
+K/V and attends per kind of sequence: each prefill chunk (several new tokens) over its own gathered context under a
+causal mask aligned to its end, and the one-token rows (decodes) together, each over its own blocks under a length
+mask, as a static decode step does. So prefill chunks and decodes of different sequences share one forward pass
+without attending to each other, and no query is scored against another sequence's keys: a block-diagonal mask
+over every sequence's context (before session 16) cost a [T, S_total] host-built mask and T x S_total scores.
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
@@ -39,14 +42,24 @@ def kv_layer_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 
 @dataclass
+class DecodeRows:
+    """The one-token sequences of a packed step, attended as a batch (device tensors)."""
+
+    rows: torch.Tensor  # [B] their rows in the packed step
+    tables: torch.Tensor  # [B, L, M] pool KV block of each of the row's logical blocks (padded with its last)
+    mask: torch.Tensor  # bool [B, 1, 1, M * block_size], key position < the row's length
+
+
+@dataclass
 class StepLayout:
     """Index tensors of one packed step (device tensors, built once and read by every layer)."""
 
     write_pages: torch.Tensor  # [L, T] pool KV block of each new token, per layer
     write_slots: torch.Tensor  # [T] slot inside its block
-    ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token, per layer
+    ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token of the prefill chunks, per layer
     ctx_slots: torch.Tensor  # [S]
-    mask: torch.Tensor | None  # bool [1, 1, T, S], True = may attend; None = one sequence: causal, aligned to the end
+    chunks: list[tuple[int, int, int, int]]  # per prefill chunk: its rows [r0, r1) and its context [c0, c1) of S
+    decode: DecodeRows | None
 
 
 @dataclass
@@ -171,38 +184,50 @@ class PagedKVCache:
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         """Lay out one packed step: seqs[i] appends num_new_tokens[i] tokens after its computed ones.
 
-        Index arrays are built in numpy and reach the device as one int64 copy (plus the block-diagonal mask when
-        the step holds several sequences). A lone sequence gets none: its new tokens are the last of its context, so
-        attention needs only a causal mask aligned to the end, which `sdpa` makes on the device (or none, as a
-        fused causal kernel, for a first chunk); a 512-token chunk over 2,048 keys was a 1 M-element mask built in
-        numpy and copied every step.
+        Index arrays are built in numpy and reach the device as one int64 copy. A sequence of several new tokens (a
+        prefill chunk) gets its context's pages and slots; a one-token row gets its block table (padded to the
+        step's longest with its last block, which holds finite bytes) and its length, from which the device builds
+        the length mask.
         """
         bs, L = self.block_size, self.num_layers
-        w_pages, w_slot, c_pages, c_slot, q_seq, q_pos, k_seq, k_pos = ([] for _ in range(8))
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+        w_pages, w_slot, c_pages, c_slot, chunks, d_rows, d_tables, d_lens = ([] for _ in range(8))
+        row = ctx = 0
+        for seq, n in zip(seqs, num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = self.block_tables(seq).T
-            new_pos, ctx_pos = np.arange(start, end), np.arange(end)
-            w_pages.append(table[new_pos // bs])
+            table = self.block_tables(seq)  # [L, blocks]
+            new_pos = np.arange(start, end)
+            w_pages.append(table.T[new_pos // bs])
             w_slot.append(new_pos % bs)
-            c_pages.append(table[ctx_pos // bs])
-            c_slot.append(ctx_pos % bs)
-            q_seq.append(np.full(n, i))
-            q_pos.append(new_pos)
-            k_seq.append(np.full(end, i))
-            k_pos.append(ctx_pos)
-        w_pages, c_pages = np.concatenate(w_pages), np.concatenate(c_pages)  # [T, L], [S, L]
-        t, s = len(w_pages), len(c_pages)
-        packed = np.concatenate([w_pages.T.ravel(), np.concatenate(w_slot), c_pages.T.ravel(), np.concatenate(c_slot)])
-        dev = torch.from_numpy(packed).to(self.view.device)
-        mask = None
-        if len(seqs) > 1:
-            q_seq, q_pos, k_seq, k_pos = (np.concatenate(a) for a in (q_seq, q_pos, k_seq, k_pos))
-            mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-            mask = torch.from_numpy(mask)[None, None].to(self.view.device)
-        self.layout = StepLayout(
-            write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
-            ctx_pages=dev[L * t + t:L * (t + s) + t].view(L, s), ctx_slots=dev[L * (t + s) + t:], mask=mask)
+            if n == 1:
+                d_rows.append(row)
+                d_tables.append(table[:, :-(-end // bs)])
+                d_lens.append(end)
+            else:
+                ctx_pos = np.arange(end)
+                c_pages.append(table.T[ctx_pos // bs])
+                c_slot.append(ctx_pos % bs)
+                chunks.append((row, row + n, ctx, ctx + end))
+                ctx += end
+            row += n
+        t, s = row, ctx
+        parts = [np.concatenate(w_pages).T.ravel(), np.concatenate(w_slot)]
+        if chunks:
+            parts += [np.concatenate(c_pages).T.ravel(), np.concatenate(c_slot)]
+        b = len(d_rows)
+        if b:
+            m = max(x.shape[1] for x in d_tables)
+            tables = np.stack([np.pad(x, ((0, 0), (0, m - x.shape[1])), mode="edge") for x in d_tables])
+            parts += [np.array(d_rows), tables.ravel(), np.array(d_lens)]
+        dev = torch.from_numpy(np.concatenate(parts)).to(self.view.device)  # every part is int64
+        ctx_pages, ctx_slots = dev[L * t + t:L * (t + s) + t].view(L, s), dev[L * (t + s) + t:L * (t + s) + t + s]
+        decode = None
+        if b:
+            off = L * (t + s) + t + s
+            rows, tables, lengths = dev[off:].split([b, b * L * m, b])
+            keys = torch.arange(m * bs, device=dev.device)
+            decode = DecodeRows(rows, tables.view(b, L, m), (keys[None, :] < lengths[:, None])[:, None, None, :])
+        self.layout = StepLayout(write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
+                                 ctx_pages=ctx_pages, ctx_slots=ctx_slots, chunks=chunks, decode=decode)
 
     def decode_layout(self, positions: torch.Tensor, src_rows: torch.Tensor, tables: torch.Tensor) -> DecodeLayout:
         """The layout of a static decode step from device tensors alone (graph-capturable): positions [B] of the
@@ -227,11 +252,28 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.attend called before prepare()")
         if isinstance(lay, DecodeLayout):
             return self._attend_decode(lay, layer, q, k, v, scale)
-        # view[pages, :, slots] is [tokens, 2 (k|v), Hkv, hd]: one scatter and one gather per layer
+        # view[pages, :, slots] is [tokens, 2 (k|v), Hkv, hd]: one scatter of the step's new K/V
         new = torch.stack((k[0], v[0])).permute(2, 0, 1, 3)  # [T, 2, Hkv, hd]
         self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
-        kv = self.view[lay.ctx_pages[layer], :, lay.ctx_slots].permute(1, 2, 0, 3)  # [2, Hkv, S, hd]
-        return sdpa(q, kv[0:1], kv[1:2], lay.mask, scale)
+        if lay.decode is None and len(lay.chunks) == 1:  # one prefill chunk alone: its attention is the step's
+            return self._attend_chunk(lay, layer, q, *lay.chunks[0][2:], scale)
+        out = torch.empty_like(q)
+        for r0, r1, c0, c1 in lay.chunks:
+            out[:, :, r0:r1] = self._attend_chunk(lay, layer, q[:, :, r0:r1], c0, c1, scale)
+        if lay.decode is not None:
+            d = lay.decode
+            qd = q[0].index_select(1, d.rows).transpose(0, 1)[:, :, None]  # [B, H, 1, hd]
+            od = gathered_decode_attention(qd, self.view, d.tables[:, layer], d.mask, scale)
+            out[0].index_copy_(1, d.rows, od[:, :, 0].transpose(0, 1))
+        return out
+
+    def _attend_chunk(self, lay: StepLayout, layer: int, q: torch.Tensor, c0: int, c1: int, scale: float
+                      ) -> torch.Tensor:
+        """A prefill chunk's queries [1, H, t, hd] over its context, rows [c0, c1) of the step's context: its new
+        tokens are the context's last t, so `sdpa` aligns the causal mask to the end (or runs a fused causal kernel
+        for a first chunk)."""
+        kv = self.view[lay.ctx_pages[layer, c0:c1], :, lay.ctx_slots[c0:c1]].permute(1, 2, 0, 3)  # [2, Hkv, S, hd]
+        return sdpa(q, kv[0:1], kv[1:2], None, scale)
 
     def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
