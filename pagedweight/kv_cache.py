@@ -244,9 +244,9 @@ class PagedKVCache:
                             write_slots=positions % self.block_size, src_rows=src_rows, lengths=lengths, mask=mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd]
-        over every sequence's context under the block-diagonal causal mask, a static decode step's q
-        [B, H, 1, hd] over each row's blocks."""
+        """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd],
+        each prefill chunk over its own context and the one-token rows over their own blocks; a static decode
+        step's q [B, H, 1, hd] over each row's blocks."""
         lay = self.layout
         if lay is None:
             raise RuntimeError("PagedKVCache.attend called before prepare()")
