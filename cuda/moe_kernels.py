@@ -479,8 +479,8 @@ def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert
         for u in range(LUT_BATCH):  # u, not j: j is the block's slot
             lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
     cuda.syncthreads()
-    base = 0 if kind == 0 else d_base
-    o = np.uint64(base + (j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n) of [slots, W * 32, N]
+    base = 0 if kind == 0 else d_base  # the kind's [slots, W * 32, N]; o: element (slot j, column w0 * 32, row n)
+    o = np.uint64(base + (j * W * 32 + w0 * 32) * N + n)
     _dq_dispatch(b, pool_words, plane_off[e, kind], lut, out, o, N, w0, min(W, w0 + DQ_WORDS), n, uint32(tid))
 
 

@@ -216,7 +216,9 @@ class PagedKVCache:
         b = len(d_rows)
         if b:
             m = max(x.shape[1] for x in d_tables)
-            tables = np.stack([np.pad(x, ((0, 0), (0, m - x.shape[1])), mode="edge") for x in d_tables])
+            tables = np.empty((b, L, m), dtype=np.int64)
+            for i, x in enumerate(d_tables):  # slice assignments: np.pad costs ~15 us a row
+                tables[i, :, :x.shape[1]], tables[i, :, x.shape[1]:] = x, x[:, -1:]
             parts += [np.array(d_rows), tables.ravel(), np.array(d_lens)]
         dev = torch.from_numpy(np.concatenate(parts)).to(self.view.device)  # every part is int64
         ctx_pages, ctx_slots = dev[L * t + t:L * (t + s) + t].view(L, s), dev[L * (t + s) + t:L * (t + s) + t + s]
