@@ -391,8 +391,9 @@ def prefill(shapes: list[str]) -> None:
                 wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
                 scratch = mk.prefill_scratch(n, D, F, wdt, DEV)
                 slots = torch.unique(ids).long()
-                us_dq = time_cycle([lambda: mk._dequantize(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev,
-                                                           slots, 0, n, D, F, P, scratch)], reps=10)
+                dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, P,
+                                             scratch)
+                us_dq = time_cycle([lambda: dequantize(0, n)], reps=10)
                 dq_bytes = scratch.numel() * 2 + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12
                 del scratch

@@ -9,8 +9,9 @@ Layer (Qwen1.5-MoE expert shapes, synthetic planes at 4 bits, fp16): one routed-
 (`moe_kernels._prefill`) at T tokens: GPU time per call (CUDA events over back-to-back calls) and host time (from an
 idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped model, fp16 dense experts and uniform
 4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
-`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace) and the dense experts'
-per-expert loop (`DenseExperts._grouped`) where the "new" arm runs the padded groups (`_padded`).
+`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace). Both arms run the
+same dense experts (session 16's A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense
+experts' loop: that file records it).
 """
 from __future__ import annotations
 
@@ -27,25 +28,24 @@ from benchmarks import engine_bench as eb
 from benchmarks.common import write_result
 from benchmarks.moe_kernel_bench import SHAPES, routing
 from pagedweight.cuda.synthetic import build_synthetic_moe
-from pagedweight.models.layers import DenseExperts
 
 PROMPT, GEN = 2016, 2  # engine_bench's prompt (2048 - 32 generated) and the fewest tokens that finish after a decode
 
 
 def load_old(path: str) -> dict:
-    """The arms' functions: FILE's `_prefill` run in the current module's namespace (its helpers are the current
-    ones, so FILE must be a moe_kernels.py whose `_prefill` calls helpers that still exist), with the dense loop."""
+    """The arms' `_prefill`: FILE's runs in the current module's namespace, with the current helpers and, beside
+    them, FILE's functions that the module no longer has (a helper since renamed)."""
     ns = dict(vars(mk))
     for node in ast.parse(open(path).read()).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "_prefill":
+        if isinstance(node, ast.FunctionDef) and (node.name == "_prefill" or node.name not in ns):
             exec(compile(ast.Module([node], []), path, "exec"), ns)
     if ns["_prefill"] is mk._prefill:
         raise SystemExit(f"{path} defines no _prefill")
-    return {"old": (ns["_prefill"], DenseExperts._grouped), "new": (mk._prefill, DenseExperts._padded)}
+    return {"old": ns["_prefill"], "new": mk._prefill}
 
 
 def use(arms: dict, arm: str) -> None:
-    mk._prefill, DenseExperts._padded = arms[arm]
+    mk._prefill = arms[arm]
 
 
 def layer_rows(arms: dict, tokens: list[int], reps: int) -> list[dict]:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
-    arms = load_old(args.old) if args.old else {"new": (mk._prefill, DenseExperts._padded)}
+    arms = load_old(args.old) if args.old else {"new": mk._prefill}
     rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps)
     extra = {"old_file": args.old, "complete": False}
     write_result("prefill_bench", rows, label=args.label, extra=extra)

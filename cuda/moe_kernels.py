@@ -30,6 +30,7 @@ otherwise one bmm over the group's rows zero-padded to its largest expert). Numb
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -623,18 +624,64 @@ def scratch_views(scratch: torch.Tensor, D: int, F: int) -> tuple[torch.Tensor, 
     return scratch[:n * gu].view(n, -1, 2 * F), scratch[n * gu:n * (gu + d)].view(n, -1, D)
 
 
-def _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, s0: int, n: int, D: int,
-                F: int, P: int, scratch: torch.Tensor) -> None:
-    """Slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j], j < n, at the
-    committed widths; fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words.
-    The whole scratch is passed (the same buffer, hence the same cached view, for every group of a call)."""
+class _PreparedLaunch:
+    """One kernel's launch marshalled once and issued many times with one integer argument changed.
+
+    Numba marshals every argument again on each launch: the dequantize kernel's 12 (7 arrays of ~8 parameters each)
+    cost ~100 us of host time per launch, while a 7-expert launch runs ~63 us on the device (dq_ab-nvidia-h200-
+    20261130-s17.json), so the prefill was bound by the host. Here the parameters are flattened once (the ctypes
+    values Numba's own `_prepare_args` makes, numba-cuda==0.30.4 is pinned) into a void* array, and a launch sets
+    the changed integer in place and calls cuLaunchKernel. The simulator has no driver: it launches through Numba."""
+
+    def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: int):
+        self._args, self._var, self._block, self._shmem = list(args), var, block, shmem
+        self._dispatcher = dispatcher
+        if SIMULATOR:
+            return
+        from numba.cuda.cudadrv.driver import binding  # cuda.bindings.driver, as numba-cuda imports it
+
+        self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
+        stream = _stream()
+        sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+        kernel = dispatcher.overloads.get(sig) or dispatcher.compile(sig)
+        self._vals = []
+        for i, (ty, a) in enumerate(zip(kernel.argument_types, args)):
+            flat = []
+            kernel._prepare_args(ty, a, stream, [], flat)
+            if i == var:
+                assert len(flat) == 1 and isinstance(flat[0], ctypes.c_int64), (ty, flat)
+                self._slot = len(self._vals)
+            self._vals += [v if isinstance(v, ctypes._SimpleCData) else ctypes.c_int64(int(v)) for v in flat]
+        # every value is at least as wide as its parameter, little-endian: the driver copies each parameter's size
+        self._params = (ctypes.c_void_p * len(self._vals))(*map(ctypes.addressof, self._vals))
+        self._func = kernel._codelibrary.get_cufunc().handle
+        self._stream = torch.cuda.current_stream().cuda_stream
+
+    def __call__(self, grid: tuple[int, int, int], value: int) -> None:
+        if SIMULATOR:
+            self._args[self._var] = value
+            self._dispatcher[grid, self._block, 0, self._shmem](*self._args)
+            return
+        self._vals[self._slot].value = value
+        err, = self._launch_kernel(self._func, *grid, self._block, 1, 1, self._shmem, self._stream,
+                                   ctypes.addressof(self._params), 0)
+        if err != self._ok:
+            raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
+
+
+def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int, P: int,
+                 scratch: torch.Tensor):
+    """launch(s0, n): slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j],
+    j < n, at the committed widths; fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded
+    to whole words. Marshalled once per prefill call (`_PreparedLaunch`): each group's launch changes only s0."""
     gu, d = _slot_elems(D, F)
     words = max(num_words(D), num_words(F))
-    grid = (-(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS), 2 * n)
-    _dequant_kernel[grid, ROWS, _stream(), dequant_shared_bytes(P)](
+    gx, gy = -(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS)
+    launch = _PreparedLaunch(_dequant_kernel, ROWS, dequant_shared_bytes(P), (
         _dev(pool_words), _dev(pool_halves.view(torch.uint16)), _dev(q), _dev(plane_off), _dev(lut_off),
-        _dev(slot_expert), s0, D, F, scratch.dtype == torch.bfloat16, _dev(scratch.view(torch.uint16)),
-        scratch.numel() // (gu + d) * gu)
+        _dev(slot_expert), 0, D, F, scratch.dtype == torch.bfloat16, _dev(scratch.view(torch.uint16)),
+        scratch.numel() // (gu + d) * gu), var=6)
+    return lambda s0, n: launch((gx, gy, 2 * n), s0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -677,9 +724,10 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
     scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
     w_gu, w_d = scratch_views(scratch, D, F)
+    dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, P, scratch)
     ys = []
     for s0, n, r0, r1, width in plan.groups:
-        _dequantize(pool_words, pool_halves, q, plane_off, lut_off, slots, s0, n, D, F, P, scratch)
+        dequantize(s0, n)
         a, offs = (x[r0:r1], ends[s0:s0 + n]) if grouped else (x[r0:r1].view(n, width, D), None)
         h = _grouped_mm(a, w_gu[:n, :D], offs)
         ys.append(_grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs).view(-1, D))

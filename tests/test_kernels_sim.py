@@ -7,11 +7,14 @@ NUMBA_ENABLE_CUDASIM=1 and the rest of the test session keeps the real CUDA targ
 """
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
 
 from helpers import run_child_json
+
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
 CHILD = textwrap.dedent(r"""
     import json, sys
@@ -20,7 +23,7 @@ CHILD = textwrap.dedent(r"""
     torch.set_num_threads(1)
     from pagedweight.bitplanes import num_words
     import pagedweight.cuda.moe_kernels as mk
-    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantize, _grouped_mm, moe_forward, prefill_group,
+    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantizer, _grouped_mm, moe_forward, prefill_group,
                                               prefill_scratch, scratch_views)
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
@@ -94,7 +97,7 @@ CHILD = textwrap.dedent(r"""
         scratch = prefill_scratch(moe.E, D, F, dtype, "cpu").fill_(float("nan"))
         w_gu, w_d = scratch_views(scratch, D, F)
         slots = torch.randperm(moe.E, generator=g)
-        _dequantize(moe.pool_words, moe.pool_halves, qd, po, lo, slots, 1, moe.E - 1, D, F, moe.P, scratch)
+        _dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, moe.P, scratch)(1, moe.E - 1)
         exact, untouched = True, bool(torch.isnan(w_gu[moe.E - 1]).all() and torch.isnan(w_d[moe.E - 1]).all())
         for j in range(moe.E - 1):
             e = int(slots[1 + j])
@@ -160,3 +163,35 @@ def test_dequantize_kernel_is_exact(sim_results: dict, dtype: str) -> None:
 
 def test_grouped_mm_contract(sim_results: dict) -> None:
     assert sim_results["grouped_mm"]["equal"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str) -> None:
+    """The GPU's launch path (parameters marshalled once, s0 patched per group, cuLaunchKernel): every group of a
+    call writes exactly its blocks' weights, bit for bit, and nothing past the group."""
+    import torch
+
+    import pagedweight.cuda.moe_kernels as mk
+    from pagedweight.cuda.reference import block_weight
+    from pagedweight.cuda.synthetic import build_synthetic_moe
+
+    E, D, F = 7, 80, 40
+    moe = build_synthetic_moe(E=E, D=D, F=F, P=8, seed_bits=3, seed=4, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(3, 9, (E, 2), generator=g)
+    qd, po, lo = moe.tables(q)
+    dt = getattr(torch, dtype)
+    scratch = mk.prefill_scratch(3, D, F, dt, "cuda")
+    w_gu, w_d = mk.scratch_views(scratch, D, F)
+    slots = torch.randperm(E, generator=g).cuda()
+    dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, 8, scratch)
+    for s0, n in ((0, 3), (3, 3), (6, 1)):
+        scratch.fill_(float("nan"))
+        dequantize(s0, n)
+        for j in range(n):
+            e = int(slots[s0 + j])
+            wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * F, D)
+            wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), D, F)
+            assert torch.equal(w_gu[j, :D], wg.t().to(dt)) and torch.equal(w_d[j, :F], wd.t().to(dt)), (s0, j)
+        assert torch.isnan(w_gu[n:]).all() and torch.isnan(w_d[n:]).all(), (s0, n)
