@@ -359,3 +359,67 @@ def test_paging_under_pressure(ap_dir):
     if DEVICE == "cpu":
         assert runs[1][0] == runs[0][0]
         np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_capture_graph_holds_the_collector_off(monkeypatch) -> None:
+    """No automatic collection inside a capture (it could destroy a dead engine's graphs mid-capture); the
+    collector's state comes back afterwards, also when the capture raises, and stays off if it was off."""
+    import contextlib
+    import gc
+
+    from pagedweight import runner
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        seen.append((gc.isenabled(), capture_error_mode))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with runner.capture_graph(object(), None):
+        assert not gc.isenabled()
+    assert gc.isenabled() and seen == [(False, "thread_local")]
+    with pytest.raises(RuntimeError):
+        with runner.capture_graph(object(), None):
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with runner.capture_graph(object(), None):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+def test_capture_graph_survives_a_dead_graph_in_a_cycle_on_gpu() -> None:
+    """A captured graph left in a reference cycle (as a torn-down engine leaves its graphs) and collector thresholds
+    at 1, so that any allocation during the next capture would collect it: the capture still succeeds and replays."""
+    import gc
+
+    from pagedweight.runner import capture_graph
+
+    x = torch.zeros(4, device="cuda")
+    dead = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dead):
+        x.add_(1)
+    cycle: list = [dead]
+    cycle.append(cycle)
+    del dead, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with capture_graph(g, None):
+            y = x * 2
+            _ = [[] for _ in range(100)]  # allocations that would trigger a collection
+        x.fill_(3)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 6))
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
