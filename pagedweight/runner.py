@@ -12,11 +12,9 @@ twin elsewhere. Both see the same pool bytes and the same device tables.
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -177,28 +175,9 @@ class APExperts(nn.Module):
         sx, sids, sw = x.clone(), topk_ids.clone(), topk_weights.clone()
         graph = torch.cuda.CUDAGraph()
         # one pool for all layers: replays run one at a time on one stream, and each output stays referenced
-        with capture_graph(graph, self.graph_pool):
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             out = self._call(sx, sids, sw, lut_width)
         return _MoEGraph(graph, sx, sids, sw, out)
-
-
-@contextmanager
-def capture_graph(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
-    """torch.cuda.graph (thread-local capture mode) with Python's cyclic garbage collector held off.
-
-    A collection that runs during a capture may destroy dead objects' CUDA graphs (an engine torn down in this
-    process leaves its graphs in reference cycles), a call the driver refuses while a stream captures, and the
-    capture is invalidated. Seen once on the H200 (prefill_bench's fourth engine in a process failed its first decode
-    capture after two "operation not permitted when stream is capturing (function reset)" warnings, a6c14a6); torch
-    no longer collects before a capture by default (torch.compiler.config.force_cudagraph_gc)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool, graphs: bool | None = None
@@ -413,7 +392,7 @@ class DecodeGraphs:
             return None
         g = torch.cuda.CUDAGraph()
         # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced
-        with capture_graph(g, self._pool):
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             logits, records = self._forward(inputs, blocks)
         self._graphs[key] = graph = _StepGraph(g, luts, logits, records)  # replaces a graph of other classes
         self.stats.captured += 1
