@@ -25,8 +25,9 @@ Prefill path (T > DECODE_MAX_T): one host read (the routing, laid out on the hos
 of routed experts one `_dequant_kernel` launch writes both kinds of every block of the group at its committed width
 into a bounded scratch (W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they
 are or rounded to bf16), and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90,
-otherwise one bmm over the group's rows zero-padded to its largest expert). Numba views of tensors are cached by
-(address, shape, strides, dtype): a launch converts nothing that it converted before.
+otherwise one bmm over the group's rows zero-padded to its largest expert). The dequantize launch's arguments are
+marshalled once per call (`_PreparedLaunch`); each group's launch changes only its first slot. Numba views of tensors
+are cached by (address, shape, strides, dtype): a launch converts nothing that it converted before.
 """
 from __future__ import annotations
 
