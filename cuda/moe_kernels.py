@@ -35,6 +35,7 @@ import ctypes
 import functools
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -671,7 +672,7 @@ class _PreparedLaunch:
 
 
 def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int, P: int,
-                 scratch: torch.Tensor):
+                 scratch: torch.Tensor) -> Callable[[int, int], None]:
     """launch(s0, n): slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j],
     j < n, at the committed widths; fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded
     to whole words. Marshalled once per prefill call (`_PreparedLaunch`): each group's launch changes only s0."""
