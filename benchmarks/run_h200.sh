@@ -35,7 +35,7 @@ for s in "${steps[@]}"; do case $s in
            --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
-  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them (29 tests: ~300 s on a cold cache)
+  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them (30 tests: ~300 s on a cold cache)
   enginetest) step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 tests/test_kernels_sim.py \

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 import torch
+from loguru import logger
 from torch import nn
 
 from pagedweight.apformat import APCheckpoint
@@ -111,6 +112,8 @@ class _MoEGraph:
 
 
 GRAPH_MAX_TOKENS = 64  # decode steps (the fused kernel's range); larger steps run eagerly (prefill path)
+CAPTURE_ATTEMPTS = 2  # failed captures of one step shape before its steps stay eager (a failed capture costs a step)
+T = TypeVar("T")
 
 
 def lut_width(max_width: int) -> int:
@@ -163,6 +166,8 @@ class APExperts(nn.Module):
                 self._seen.add(key)
                 return self._call(x, topk_ids, topk_weights, width)
             g = self._capture(x, topk_ids, topk_weights, width)
+            if g is None:  # the capture failed (logged): this call runs eagerly
+                return self._call(x, topk_ids, topk_weights, width)
             self._graphs[key] = g
         g.x.copy_(x)
         g.ids.copy_(topk_ids)
@@ -171,13 +176,25 @@ class APExperts(nn.Module):
         return g.out
 
     def _capture(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, lut_width: int
-                 ) -> _MoEGraph:
+                 ) -> _MoEGraph | None:
         sx, sids, sw = x.clone(), topk_ids.clone(), topk_weights.clone()
         graph = torch.cuda.CUDAGraph()
         # one pool for all layers: replays run one at a time on one stream, and each output stays referenced
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
-            out = self._call(sx, sids, sw, lut_width)
-        return _MoEGraph(graph, sx, sids, sw, out)
+        out = capture(graph, self.graph_pool, lambda: self._call(sx, sids, sw, lut_width), f"layer {self.layer} MoE")
+        return None if out is None else _MoEGraph(graph, sx, sids, sw, out)
+
+
+def capture(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T], what: str) -> T | None:
+    """fn()'s result, its device work captured into graph (thread-local capture mode); None, logged, if the capture
+    fails. Nothing a capture records runs, so the caller runs that step eagerly instead, and an error of fn's own
+    raises again there. A failed capture used to fail the step's requests (once on the H200, not reproduced:
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED in a decode step's capture, prefill_probes-nvidia-h200-20261130-s17.log)."""
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            return fn()
+    except Exception as e:  # noqa: BLE001 (the driver's errors come as RuntimeError or cuda.core's CUDAError)
+        logger.opt(exception=e).warning("CUDA graph capture of {} failed; the step runs eagerly", what)
+        return None
 
 
 def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool, graphs: bool | None = None
@@ -202,6 +219,7 @@ class DecodeStats:
     eager: int = 0  # static steps run eagerly (the CPU; first sight of a key on CUDA)
     captured: int = 0
     replayed: int = 0
+    capture_failures: int = 0  # captures that failed; their steps ran eagerly
 
 
 @dataclass
@@ -286,6 +304,7 @@ class DecodeGraphs:
         self._luts: tuple[int, tuple[int, ...]] = (-1, ())  # (table.commits, LUT classes) derived at that commit
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
         self._seen: set[tuple] = set()
+        self._failures: dict[tuple, int] = {}  # failed captures per (key, LUT classes)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.stats = DecodeStats()
 
@@ -381,7 +400,8 @@ class DecodeGraphs:
                 observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
 
     def _graph(self, inputs: torch.Tensor, blocks: int) -> _StepGraph | None:
-        """The graph of this step's shape and LUT classes; None on its first sight (run it eagerly)."""
+        """The graph of this step's shape and LUT classes; None (run it eagerly) on its first sight and when its capture
+        failed (`CAPTURE_ATTEMPTS` failures: that shape stays eager)."""
         key = inputs.shape[0], blocks
         luts = self._lut_classes()
         graph = self._graphs.get(key)
@@ -390,11 +410,16 @@ class DecodeGraphs:
         if (key, luts) not in self._seen:
             self._seen.add((key, luts))
             return None
+        if self._failures.get((key, luts), 0) >= CAPTURE_ATTEMPTS:
+            return None
         g = torch.cuda.CUDAGraph()
         # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced
-        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-            logits, records = self._forward(inputs, blocks)
-        self._graphs[key] = graph = _StepGraph(g, luts, logits, records)  # replaces a graph of other classes
+        out = capture(g, self._pool, lambda: self._forward(inputs, blocks), f"a decode step of {inputs.shape[0]} rows")
+        if out is None:
+            self._failures[(key, luts)] = self._failures.get((key, luts), 0) + 1
+            self.stats.capture_failures += 1
+            return None
+        self._graphs[key] = graph = _StepGraph(g, luts, *out)  # replaces a graph of other classes
         self.stats.captured += 1
         return graph
 

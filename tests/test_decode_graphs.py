@@ -359,3 +359,60 @@ def test_paging_under_pressure(ap_dir):
     if DEVICE == "cpu":
         assert runs[1][0] == runs[0][0]
         np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture; on CUDA the real one: the test below")
+def test_failed_capture_runs_the_step_eagerly(monkeypatch):
+    """A capture that fails costs its step the graph, not its requests: the step runs eagerly with the logits and
+    tokens of an engine without graphs, and after CAPTURE_ATTEMPTS failures that step shape is not captured again.
+    On the CPU the capture is faked: it runs its body, then fails as an invalidated capture does."""
+    import contextlib
+
+    from pagedweight import runner
+
+    attempts = []
+
+    @contextlib.contextmanager
+    def failing_graph(graph, pool=None, capture_error_mode="global"):
+        attempts.append(capture_error_mode)
+        yield
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    decode.capture = True
+    params = [SamplingParams(max_tokens=14, ignore_eos=True) for _ in range(2)]
+    done = lockstep(ref, llm, PROMPTS[:2], params)
+    assert sorted(len(t) for t in done.values()) == [14, 14]
+    failures = decode._failures
+    assert decode.stats.captured == decode.stats.replayed == 0, decode.stats
+    assert decode.stats.capture_failures == len(attempts) == sum(failures.values()) > 0, (decode.stats, failures)
+    assert max(failures.values()) == runner.CAPTURE_ATTEMPTS, failures
+    assert set(attempts) == {"thread_local"}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+def test_failed_capture_runs_the_step_eagerly_on_gpu(monkeypatch):
+    """A real capture failure (a device synchronize inside the first capture, which the driver refuses and which
+    invalidates the capture): that step runs eagerly, the context stays usable, later steps capture and replay, and
+    every step's logits and tokens match an engine without graphs."""
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    forward, broken = decode._forward, []
+
+    def forward_breaking_first_capture(inputs, blocks):
+        if torch.cuda.is_current_stream_capturing() and not broken:
+            broken.append(True)
+            torch.cuda.synchronize()  # not permitted while capturing
+        return forward(inputs, blocks)
+
+    monkeypatch.setattr(decode, "_forward", forward_breaking_first_capture)
+    params = [SamplingParams(max_tokens=14, ignore_eos=True) for _ in range(2)]
+    done = lockstep(ref, llm, PROMPTS[:2], params)
+    assert sorted(len(t) for t in done.values()) == [14, 14]
+    assert broken and decode.stats.capture_failures == 1, decode.stats
+    check_used(decode)
