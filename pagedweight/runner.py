@@ -12,6 +12,7 @@ twin elsewhere. Both see the same pool bytes and the same device tables.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
@@ -194,6 +195,10 @@ def capture(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T], what: str) -
             return fn()
     except Exception as e:  # noqa: BLE001 (the driver's errors come as RuntimeError or cuda.core's CUDAError)
         logger.opt(exception=e).warning("CUDA graph capture of {} failed; the step runs eagerly", what)
+        # torch's capture_end raises before it ends the caching allocator's recording into the pool, and every later
+        # capture into that pool then failed ("beginAllocateToPool: already recording to mempool_id", on the H200)
+        with contextlib.suppress(RuntimeError):  # recording already ended
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool() if pool is None else pool)
         return None
 
 

@@ -364,8 +364,9 @@ def test_paging_under_pressure(ap_dir):
 @pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture; on CUDA the real one: the test below")
 def test_failed_capture_runs_the_step_eagerly(monkeypatch):
     """A capture that fails costs its step the graph, not its requests: the step runs eagerly with the logits and
-    tokens of an engine without graphs, and after CAPTURE_ATTEMPTS failures that step shape is not captured again.
-    On the CPU the capture is faked: it runs its body, then fails as an invalidated capture does."""
+    tokens of an engine without graphs, after CAPTURE_ATTEMPTS failures that step shape is not captured again, and
+    each failure ends the caching allocator's recording into the graph's pool. On the CPU the capture is faked: it
+    runs its body, then fails as an invalidated capture does."""
     import contextlib
 
     from pagedweight import runner
@@ -378,8 +379,15 @@ def test_failed_capture_runs_the_step_eagerly(monkeypatch):
         yield
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    class FakeGraph:
+        def pool(self):
+            return (0, 7)
+
+    ended = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool), raising=False)
     kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
     ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
     decode = static_decode(llm, max_num_seqs=4)
@@ -392,6 +400,7 @@ def test_failed_capture_runs_the_step_eagerly(monkeypatch):
     assert decode.stats.capture_failures == len(attempts) == sum(failures.values()) > 0, (decode.stats, failures)
     assert max(failures.values()) == runner.CAPTURE_ATTEMPTS, failures
     assert set(attempts) == {"thread_local"}
+    assert ended == [(0, 7)] * len(attempts)  # each failure ends the allocator's recording into the graph's pool
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
