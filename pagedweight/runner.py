@@ -149,6 +149,7 @@ class APExperts(nn.Module):
         self.in_step_graph = False  # set by DecodeGraphs while it runs (or captures) a whole decode step
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _MoEGraph] = {}
+        self._failures: dict[tuple, int] = {}  # failed captures per key
 
     def _call(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, lut_width: int
               ) -> torch.Tensor:
@@ -166,8 +167,11 @@ class APExperts(nn.Module):
             if key not in self._seen:  # first sight: eager (compiles the kernels outside any capture)
                 self._seen.add(key)
                 return self._call(x, topk_ids, topk_weights, width)
+            if self._failures.get(key, 0) >= CAPTURE_ATTEMPTS:
+                return self._call(x, topk_ids, topk_weights, width)
             g = self._capture(x, topk_ids, topk_weights, width)
             if g is None:  # the capture failed (logged): this call runs eagerly
+                self._failures[key] = self._failures.get(key, 0) + 1
                 return self._call(x, topk_ids, topk_weights, width)
             self._graphs[key] = g
         g.x.copy_(x)

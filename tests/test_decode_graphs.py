@@ -403,6 +403,43 @@ def test_failed_capture_runs_the_step_eagerly(monkeypatch):
     assert ended == [(0, 7)] * len(attempts)  # each failure ends the allocator's recording into the graph's pool
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture")
+def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, monkeypatch):
+    """A layer's own MoE graphs (calls outside a whole-step graph): a failed capture runs the call eagerly with the
+    same output, CAPTURE_ATTEMPTS times per shape, then that shape is no longer captured."""
+    import contextlib
+
+    from pagedweight import runner
+
+    attempts = []
+
+    @contextlib.contextmanager
+    def failing_graph(graph, pool=None, capture_error_mode="global"):
+        attempts.append(pool)
+        yield
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    class FakeGraph:
+        def pool(self):
+            return (0, 7)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
+    llm = LLM(ap_dir, device=DEVICE, bits=8, paging=False, page_store_dir=str(ap_dir / "store"))
+    experts = next(m for m in llm.model.modules() if isinstance(m, APExperts))
+    experts.graph_pool = (0, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, llm.config.hidden_size, generator=g)
+    ids = torch.randint(0, llm.config.num_experts, (3, llm.config.top_k), generator=g)
+    weights = torch.rand(3, llm.config.top_k, generator=g)
+    want = experts._call(x, ids, weights, lut_width(8))
+    for _ in range(5):  # first sight, two failed captures, then eager without trying
+        torch.testing.assert_close(experts(x, ids, weights), want, rtol=0, atol=0)
+    assert attempts == [(0, 3)] * runner.CAPTURE_ATTEMPTS and not experts._graphs
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 def test_failed_capture_runs_the_step_eagerly_on_gpu(monkeypatch):
     """A real capture failure (a device synchronize inside the first capture, which the driver refuses and which
