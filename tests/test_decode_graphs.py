@@ -361,21 +361,17 @@ def test_paging_under_pressure(ap_dir):
         np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture; on CUDA the real one: the test below")
-def test_failed_capture_runs_the_step_eagerly(monkeypatch):
-    """A capture that fails costs its step the graph, not its requests: the step runs eagerly with the logits and
-    tokens of an engine without graphs, after CAPTURE_ATTEMPTS failures that step shape is not captured again, and
-    each failure ends the caching allocator's recording into the graph's pool. On the CPU the capture is faked: it
-    runs its body, then fails as an invalidated capture does."""
+@pytest.fixture
+def failing_capture(monkeypatch) -> dict[str, list]:
+    """torch's capture faked for the CPU: each capture runs its body, then fails as an invalidated capture does.
+    Records each capture's (pool, mode) and each pool whose recording the fallback ended."""
     import contextlib
 
-    from pagedweight import runner
-
-    attempts = []
+    log: dict[str, list] = {"captures": [], "ended": []}
 
     @contextlib.contextmanager
     def failing_graph(graph, pool=None, capture_error_mode="global"):
-        attempts.append(capture_error_mode)
+        log["captures"].append((pool, capture_error_mode))
         yield
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
@@ -383,11 +379,21 @@ def test_failed_capture_runs_the_step_eagerly(monkeypatch):
         def pool(self):
             return (0, 7)
 
-    ended = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", failing_graph)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: log["ended"].append(pool),
+                        raising=False)
+    return log
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture; on CUDA the real one: the test below")
+def test_failed_capture_runs_the_step_eagerly(failing_capture):
+    """A capture that fails costs its step the graph, not its requests: the step runs eagerly with the logits and
+    tokens of an engine without graphs, after CAPTURE_ATTEMPTS failures that step shape is not captured again, and
+    each failure ends the caching allocator's recording into the graph's pool."""
+    from pagedweight import runner
+
     kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
     ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
     decode = static_decode(llm, max_num_seqs=4)
@@ -395,38 +401,20 @@ def test_failed_capture_runs_the_step_eagerly(monkeypatch):
     params = [SamplingParams(max_tokens=14, ignore_eos=True) for _ in range(2)]
     done = lockstep(ref, llm, PROMPTS[:2], params)
     assert sorted(len(t) for t in done.values()) == [14, 14]
-    failures = decode._failures
+    failures, captures = decode._failures, failing_capture["captures"]
     assert decode.stats.captured == decode.stats.replayed == 0, decode.stats
-    assert decode.stats.capture_failures == len(attempts) == sum(failures.values()) > 0, (decode.stats, failures)
+    assert decode.stats.capture_failures == len(captures) == sum(failures.values()) > 0, (decode.stats, failures)
     assert max(failures.values()) == runner.CAPTURE_ATTEMPTS, failures
-    assert set(attempts) == {"thread_local"}
-    assert ended == [(0, 7)] * len(attempts)  # each failure ends the allocator's recording into the graph's pool
+    assert set(captures) == {(None, "thread_local")}  # the CPU runner has no pool: the graph's own one is ended
+    assert failing_capture["ended"] == [(0, 7)] * len(captures)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture")
-def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, monkeypatch):
+def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, failing_capture):
     """A layer's own MoE graphs (calls outside a whole-step graph): a failed capture runs the call eagerly with the
     same output, CAPTURE_ATTEMPTS times per shape, then that shape is no longer captured."""
-    import contextlib
-
     from pagedweight import runner
 
-    attempts = []
-
-    @contextlib.contextmanager
-    def failing_graph(graph, pool=None, capture_error_mode="global"):
-        attempts.append(pool)
-        yield
-        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-
-    class FakeGraph:
-        def pool(self):
-            return (0, 7)
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
     llm = LLM(ap_dir, device=DEVICE, bits=8, paging=False, page_store_dir=str(ap_dir / "store"))
     experts = next(m for m in llm.model.modules() if isinstance(m, APExperts))
     experts.graph_pool = (0, 3)
@@ -437,7 +425,8 @@ def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, monkeypatch):
     want = experts._call(x, ids, weights, lut_width(8))
     for _ in range(5):  # first sight, two failed captures, then eager without trying
         torch.testing.assert_close(experts(x, ids, weights), want, rtol=0, atol=0)
-    assert attempts == [(0, 3)] * runner.CAPTURE_ATTEMPTS and not experts._graphs
+    assert failing_capture["captures"] == [((0, 3), "thread_local")] * runner.CAPTURE_ATTEMPTS
+    assert failing_capture["ended"] == [(0, 3)] * runner.CAPTURE_ATTEMPTS and not experts._graphs
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
