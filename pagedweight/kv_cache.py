@@ -226,8 +226,7 @@ class PagedKVCache:
         if b:
             off = L * (t + s) + t + s
             rows, tables, lengths = dev[off:].split([b, b * L * m, b])
-            keys = torch.arange(m * bs, device=dev.device)
-            decode = DecodeRows(rows, tables.view(b, L, m), (keys[None, :] < lengths[:, None])[:, None, None, :])
+            decode = DecodeRows(rows, tables.view(b, L, m), self._length_mask(m, lengths))
         self.layout = StepLayout(write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
                                  ctx_pages=ctx_pages, ctx_slots=ctx_slots, chunks=chunks, decode=decode)
 
@@ -240,10 +239,14 @@ class PagedKVCache:
         if self._kernels is not None:
             lengths = positions + 1
         else:
-            keys = torch.arange(m * self.block_size, device=positions.device)
-            mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+            mask = self._length_mask(m, positions + 1)
         return DecodeLayout(tables=tables, write_pages=tables.gather(2, block)[..., 0].t(),
                             write_slots=positions % self.block_size, src_rows=src_rows, lengths=lengths, mask=mask)
+
+    def _length_mask(self, blocks: int, lengths: torch.Tensor) -> torch.Tensor:
+        """bool [B, 1, 1, blocks * block_size]: key position < the row's length (SDPA's bound over gathered blocks)."""
+        keys = torch.arange(blocks * self.block_size, device=lengths.device)
+        return (keys[None, :] < lengths[:, None])[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd],
