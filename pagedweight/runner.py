@@ -13,7 +13,7 @@ twin elsewhere. Both see the same pool bytes and the same device tables.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
@@ -140,7 +140,7 @@ class APExperts(nn.Module):
     """
 
     def __init__(self, layer: int, table: WeightPageTable, pool: PagePool, hidden: int, inter: int,
-                 fn: Callable[..., torch.Tensor], graph_pool: tuple | None = None) -> None:
+                 fn: Callable[..., torch.Tensor], graph_pool: GraphPool | None = None) -> None:
         super().__init__()
         self.layer, self.table, self.pool, self.hidden, self.inter, self.fn = layer, table, pool, hidden, inter, fn
         self._rows = (table.q[layer], table.plane_off[layer], table.lut_off[layer])
@@ -189,20 +189,36 @@ class APExperts(nn.Module):
         return None if out is None else _MoEGraph(graph, sx, sids, sw, out)
 
 
-def capture(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T], what: str) -> T | None:
-    """fn()'s result, its device work captured into graph (thread-local capture mode); None, logged, if the capture
-    fails. Nothing a capture records runs, so the caller runs that step eagerly instead, and an error of fn's own
-    raises again there. A failed capture used to fail the step's requests (once on the H200, not reproduced:
-    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED in a decode step's capture, prefill_probes-nvidia-h200-20261130-s17.log)."""
+@dataclass
+class GraphPool:
+    """The memory pool a family of CUDA graphs shares, replaced after a failed capture: torch 2.13 refuses every later
+    capture into a pool whose capture failed ("beginAllocateToPool: already recording to mempool_id", also after
+    the allocator's recording into it is ended), while a fresh pool captures (capture_probe.log in
+    h200-nvidia-h200-20261130-s18-capture.log)."""
+
+    handle: tuple = field(default_factory=lambda: torch.cuda.graph_pool_handle())
+
+
+def capture(graph: torch.cuda.CUDAGraph, pool: GraphPool | None, fn: Callable[[], T], what: str) -> T | None:
+    """fn()'s result, its device work captured into graph (thread-local capture mode, in `pool`, else the graph's
+    own pool); None, logged, if the capture fails. Nothing a capture records runs, so the caller runs that step
+    eagerly instead, and an error of fn's own raises again there. A failed capture used to fail the step's requests
+    (once on the H200, not reproduced: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED in a decode step's capture,
+    prefill_probes-nvidia-h200-20261130-s17.log)."""
+    stream = torch.cuda.current_stream()
+    handle = None if pool is None else pool.handle
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=handle, capture_error_mode="thread_local"):
             return fn()
     except Exception as e:  # noqa: BLE001 (the driver's errors come as RuntimeError or cuda.core's CUDAError)
         logger.opt(exception=e).warning("CUDA graph capture of {} failed; the step runs eagerly", what)
-        # torch's capture_end raises before it ends the caching allocator's recording into the pool, and every later
-        # capture into that pool then failed ("beginAllocateToPool: already recording to mempool_id", on the H200)
+        # torch's capture_end raises before it restores the caller's stream (this and every later step would run on
+        # torch's side capture stream) and before it ends the caching allocator's recording into the pool
+        torch.cuda.set_stream(stream)
         with contextlib.suppress(RuntimeError):  # recording already ended
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool() if pool is None else pool)
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool() if handle is None else handle)
+        if pool is not None:
+            pool.handle = torch.cuda.graph_pool_handle()
         return None
 
 
@@ -212,7 +228,7 @@ def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: Page
     `graphs` (default: on for CUDA) replays decode steps' MoE launches from CUDA graphs."""
     cfg, fn = model.config, moe_function(pool.device)
     graphs = pool.device.type == "cuda" if graphs is None else graphs
-    graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+    graph_pool = GraphPool() if graphs else None
     for layer in range(cfg.num_hidden_layers):
         model.set_experts(layer, APExperts(layer, table, pool, cfg.hidden_size, cfg.moe_intermediate_size, fn,
                                            graph_pool))
@@ -314,7 +330,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
         self._seen: set[tuple] = set()
         self._failures: dict[tuple, int] = {}  # failed captures per (key, LUT classes)
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool = GraphPool() if capture else None
         self.stats = DecodeStats()
 
     def fits(self, seqs: list[Sequence]) -> bool:

@@ -363,17 +363,32 @@ def test_paging_under_pressure(ap_dir):
 
 @pytest.fixture
 def failing_capture(monkeypatch) -> dict[str, list]:
-    """torch's capture faked for the CPU: each capture runs its body, then fails as an invalidated capture does.
-    Records each capture's (pool, mode) and each pool whose recording the fallback ended."""
+    """torch's capture faked for the CPU: each capture switches to a side stream, runs its body, then fails as an
+    invalidated capture does (leaving the side stream current, as torch's does). Records each capture's (pool, mode),
+    each pool whose recording the fallback ended, and the current stream after each capture; new pools are (0, 100),
+    (0, 101), ..."""
     import contextlib
+    import itertools
 
-    log: dict[str, list] = {"captures": [], "ended": []}
+    from pagedweight import runner
+
+    log: dict[str, list] = {"captures": [], "ended": [], "streams": []}
+    stream = ["caller's"]
+    handles = ((0, i) for i in itertools.count(100))
 
     @contextlib.contextmanager
     def failing_graph(graph, pool=None, capture_error_mode="global"):
         log["captures"].append((pool, capture_error_mode))
+        stream[0] = "capture side stream"
         yield
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def capture_step(fn):
+        def wrapped(*args):
+            out = fn(*args)
+            log["streams"].append(stream[0])
+            return out
+        return wrapped
 
     class FakeGraph:
         def pool(self):
@@ -384,6 +399,10 @@ def failing_capture(monkeypatch) -> dict[str, list]:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: log["ended"].append(pool),
                         raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: stream.__setitem__(0, s))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(runner, "capture", capture_step(runner.capture))
     return log
 
 
@@ -407,6 +426,7 @@ def test_failed_capture_runs_the_step_eagerly(failing_capture):
     assert max(failures.values()) == runner.CAPTURE_ATTEMPTS, failures
     assert set(captures) == {(None, "thread_local")}  # the CPU runner has no pool: the graph's own one is ended
     assert failing_capture["ended"] == [(0, 7)] * len(captures)
+    assert failing_capture["streams"] == ["caller's"] * len(captures)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a faked capture")
@@ -417,7 +437,7 @@ def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, failing_capture):
 
     llm = LLM(ap_dir, device=DEVICE, bits=8, paging=False, page_store_dir=str(ap_dir / "store"))
     experts = next(m for m in llm.model.modules() if isinstance(m, APExperts))
-    experts.graph_pool = (0, 3)
+    experts.graph_pool = runner.GraphPool((0, 3))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, llm.config.hidden_size, generator=g)
     ids = torch.randint(0, llm.config.num_experts, (3, llm.config.top_k), generator=g)
@@ -425,8 +445,11 @@ def test_failed_moe_capture_runs_the_call_eagerly(ap_dir, failing_capture):
     want = experts._call(x, ids, weights, lut_width(8))
     for _ in range(5):  # first sight, two failed captures, then eager without trying
         torch.testing.assert_close(experts(x, ids, weights), want, rtol=0, atol=0)
-    assert failing_capture["captures"] == [((0, 3), "thread_local")] * runner.CAPTURE_ATTEMPTS
-    assert failing_capture["ended"] == [(0, 3)] * runner.CAPTURE_ATTEMPTS and not experts._graphs
+    # each failure ends the recording into its pool and gives the layers a fresh pool (torch refuses the old one)
+    assert runner.CAPTURE_ATTEMPTS == 2 and not experts._graphs
+    assert failing_capture["captures"] == [((0, 3), "thread_local"), ((0, 100), "thread_local")]
+    assert failing_capture["ended"] == [(0, 3), (0, 100)] and experts.graph_pool.handle == (0, 101)
+    assert failing_capture["streams"] == ["caller's"] * 2
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
@@ -450,4 +473,5 @@ def test_failed_capture_runs_the_step_eagerly_on_gpu(monkeypatch):
     done = lockstep(ref, llm, PROMPTS[:2], params)
     assert sorted(len(t) for t in done.values()) == [14, 14]
     assert broken and decode.stats.capture_failures == 1, decode.stats
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # torch's graph context left its side stream
     check_used(decode)
