@@ -21,6 +21,7 @@ Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -378,7 +379,8 @@ def prefill(shapes: list[str]) -> None:
             n_routed = int(torch.unique(ids).numel())
             for dtype in (torch.float16, torch.bfloat16):
                 h = torch.randn(T, D, generator=gen, device=DEV).to(dtype)
-                args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P)
+                # the LUT width the runner passes for a uniform 4-bit layer (before a6c14a6's successor: P)
+                args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, lut_class(4))
                 us = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
                 host = []
                 for _ in range(5):
@@ -391,15 +393,16 @@ def prefill(shapes: list[str]) -> None:
                 wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
                 scratch = mk.prefill_scratch(n, D, F, wdt, DEV)
                 slots = torch.unique(ids).long()
-                dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, P,
-                                             scratch)
-                us_dq = time_cycle([lambda: dequantize(0, n)], reps=10)
+                us_dq, us_dq_p = (time_cycle([functools.partial(dequantize, 0, n)], reps=10) for dequantize in (
+                    mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw, scratch)
+                    for lw in (lut_class(4), P)))
                 dq_bytes = scratch.numel() * 2 + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12
                 del scratch
                 row = dict(section="prefill", check="speed", shape=name, T=T, dtype=str(dtype).split(".")[-1],
                            plan="w4", routed_experts=n_routed, group=G, us_prefill_path_eager=us,
                            host_us_per_call=statistics.median(host), us_dequant_launch=us_dq,
+                           us_dequant_launch_lut_P=us_dq_p,
                            dequant_experts=n, dequant_bytes=dq_bytes, dequant_tb_per_s=tbs,
                            dequant_frac_of_copy_ceiling=tbs / CEIL["copy_tb_per_s"],
                            grouped_mm_kernel=dtype == torch.bfloat16 and mk._has_grouped_kernel(h.device),
@@ -407,7 +410,8 @@ def prefill(shapes: list[str]) -> None:
                            before_file=BEFORE.name)
                 add(row)
                 log(f"{name} prefill T={T} {dtype}: {us:.0f} us/layer (before {row['us_before']}), host "
-                    f"{row['host_us_per_call']:.0f} us, dequant {n} experts {us_dq:.0f} us {tbs:.2f} TB/s "
+                    f"{row['host_us_per_call']:.0f} us, dequant {n} experts {us_dq:.0f} us (LUT of {P} bits {us_dq_p:.0f}) "
+                    f"{tbs:.2f} TB/s "
                     f"({row['dequant_frac_of_copy_ceiling']:.0%})")
         del moe
         torch.cuda.empty_cache()

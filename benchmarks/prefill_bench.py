@@ -9,7 +9,9 @@ Layer (Qwen1.5-MoE expert shapes, synthetic planes at 4 bits, fp16): one routed-
 (`moe_kernels._prefill`) at T tokens: GPU time per call (CUDA events over back-to-back calls) and host time (from an
 idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped model, fp16 dense experts and uniform
 4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
-`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace). Both arms run the
+`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace; `--old-names`: with
+FILE's versions of those helpers too), given the parent width where the new arm gets the runner's LUT width (4 bits:
+`runner.lut_width`), as the revisions before session 18 passed it. Both arms run the
 same dense experts (session 16's A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense
 experts' loop: that file records it).
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -28,27 +32,38 @@ from benchmarks import engine_bench as eb
 from benchmarks.common import write_result
 from benchmarks.moe_kernel_bench import SHAPES, routing
 from pagedweight.cuda.synthetic import build_synthetic_moe
+from pagedweight.runner import lut_width as lut_class
 
 PROMPT, GEN = 2016, 2  # engine_bench's prompt (2048 - 32 generated) and the fewest tokens that finish after a decode
 
 
-def load_old(path: str) -> dict:
-    """The arms' `_prefill`: FILE's runs in the current module's namespace, with the current helpers and, beside
-    them, FILE's functions that the module no longer has (a helper since renamed)."""
+def load_old(path: str, names: list[str]) -> dict:
+    """The arms' `_prefill`: FILE's runs in the current module's namespace, with FILE's definitions of `names` (a
+    function or class; `_prefill` always), the current module's other helpers and, beside them, FILE's functions
+    that the module no longer has (a helper since renamed)."""
     ns = dict(vars(mk))
     for node in ast.parse(open(path).read()).body:
-        if isinstance(node, ast.FunctionDef) and (node.name == "_prefill" or node.name not in ns):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (
+                node.name == "_prefill" or node.name in names
+                or isinstance(node, ast.FunctionDef) and node.name not in ns):
             exec(compile(ast.Module([node], []), path, "exec"), ns)
-    if ns["_prefill"] is mk._prefill:
+    old = ns["_prefill"]
+    if old is mk._prefill:
         raise SystemExit(f"{path} defines no _prefill")
-    return {"old": ns["_prefill"], "new": mk._prefill}
+
+    def old_arm(*args):  # an older moe_forward passed `_prefill` the parent width P, the current one the LUT width
+        return old(*args[:-1], PARENT_BITS[0])
+    return {"old": old_arm, "new": mk._prefill}
+
+
+PARENT_BITS = [8]  # of the planes the running level reads (the old arm sizes its LUT by it)
 
 
 def use(arms: dict, arm: str) -> None:
     mk._prefill = arms[arm]
 
 
-def layer_rows(arms: dict, tokens: list[int], reps: int) -> list[dict]:
+def layer_rows(arms: dict, tokens: list[int], reps: int, profile: str | None = None) -> list[dict]:
     E, D, F, k = SHAPES["qwen1.5-moe-a2.7b"]
     moe = build_synthetic_moe(E, D, F, 8, 3, device="cuda", seed=21, shuffle=False)
     q, po, lo = moe.tables(torch.full((E, 2), 4))
@@ -57,7 +72,8 @@ def layer_rows(arms: dict, tokens: list[int], reps: int) -> list[dict]:
     for T in tokens:
         ids, w = routing(T, E, k, gen)
         h = torch.randn(T, D, generator=gen, device="cuda").half()
-        args = (h, ids, w, moe.pool_words, moe.pool_halves, q, po, lo, D, F, 8)
+        PARENT_BITS[0] = 8
+        args = (h, ids, w, moe.pool_words, moe.pool_halves, q, po, lo, D, F, lut_class(4))  # as the runner passes
         samples: dict[str, dict[str, list[float]]] = {a: {"gpu": [], "host": []} for a in arms}
         for rep in range(-1, reps):  # rep -1 warms both arms up (allocator, compile)
             for arm in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
@@ -76,6 +92,14 @@ def layer_rows(arms: dict, tokens: list[int], reps: int) -> list[dict]:
                 if rep >= 0:
                     samples[arm]["gpu"].append(start.elapsed_time(end) * 1e3 / 5)
                     samples[arm]["host"].append(host)
+        if profile and T == tokens[0]:  # where the new arm's host time goes (cProfile slows it: not a timing)
+            use(arms, "new")
+            prof = cProfile.Profile()
+            torch.cuda.synchronize()
+            prof.runcall(lambda: [mk._prefill(*args) for _ in range(20)])
+            with open(profile, "w") as f:
+                f.write(f"# cProfile of 20 calls of _prefill, qwen1.5-moe-a2.7b T={T} fp16 4 bits, by tottime\n")
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
         for arm, s in samples.items():
             rows.append(dict(level="layer", arm=arm, shape="qwen1.5-moe-a2.7b", T=T, bits=4, dtype="float16",
                              us_per_call_back_to_back=statistics.median(s["gpu"]),
@@ -91,7 +115,8 @@ def engine_rows(arms: dict, batches: list[int], reps: int) -> list[dict]:
     dtype = torch.float16
     page = eb.page_bytes(cfg, ns.block_size, dtype)
     outside = eb.outside_bytes(cfg, dtype)
-    weights = eb.ap_weights(cfg, 6)
+    PARENT_BITS[0] = 6
+    weights = eb.ap_weights(cfg, PARENT_BITS[0])
     dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     rows = []
     for batch in batches:
@@ -121,15 +146,18 @@ def engine_rows(arms: dict, batches: list[int], reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", default=None, metavar="FILE", help="an older moe_kernels.py whose _prefill is the A arm")
+    p.add_argument("--old-names", default="", help="comma list: FILE's functions or classes the A arm also takes "
+                   "(e.g. _dequantizer,_PreparedLaunch)")
     p.add_argument("--tokens", default="512,2048", help="layer level: tokens per call")
     p.add_argument("--batches", default="1,4", help="engine level: prompts per batch")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--profile", default=None, metavar="FILE", help="cProfile of the new arm's layer call (first T)")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
-    arms = load_old(args.old) if args.old else {"new": mk._prefill}
-    rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps)
-    extra = {"old_file": args.old, "complete": False}
+    arms = load_old(args.old, args.old_names.split(",")) if args.old else {"new": mk._prefill}
+    rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps, args.profile)
+    extra = {"old_file": args.old, "old_names": args.old_names, "complete": False}
     write_result("prefill_bench", rows, label=args.label, extra=extra)
     if not args.skip_engine:
         rows += engine_rows(arms, [int(b) for b in args.batches.split(",")], args.reps)

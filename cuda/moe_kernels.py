@@ -555,7 +555,8 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     A graph that must survive any width change is captured with the default."""
     T, k = topk_ids.shape
     if T > DECODE_MAX_T:
-        return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P)
+        return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F,
+                        P if lut_width is None else lut_width)
     E = q.shape[0]
     if E > MAX_EXPERTS or not MIN_WIDTH <= P <= MAX_WIDTH:
         raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts and widths {MIN_WIDTH}..{MAX_WIDTH}")
@@ -631,32 +632,26 @@ class _PreparedLaunch:
 
     Numba marshals every argument again on each launch: the dequantize kernel's 12 (7 arrays of ~8 parameters each)
     cost ~100 us of host time per launch, while a 7-expert launch runs ~63 us on the device (dq_ab-nvidia-h200-
-    20261130-s17.json), so the prefill was bound by the host. Here the parameters are flattened once (the ctypes
-    values Numba's own `_prepare_args` makes, numba-cuda==0.30.4 is pinned) into a void* array, and a launch sets
-    the changed integer in place and calls cuLaunchKernel. The simulator has no driver: it launches through Numba."""
+    20261130-s17.json), so the prefill was bound by the host. Here the parameters are flattened once, straight from the
+    tensors, into one int64 array (`kernel_params`: Numba's array ABI), and a launch sets the changed integer in place
+    and calls cuLaunchKernel. The kernel is looked up once per argument signature (`_cufunc`). The simulator has no
+    driver: it launches through Numba."""
 
     def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: int):
-        self._args, self._var, self._block, self._shmem = list(args), var, block, shmem
-        self._dispatcher = dispatcher
+        self._dispatcher, self._block, self._shmem, self._var = dispatcher, block, shmem, var
         if SIMULATOR:
+            self._args = [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
             return
         from numba.cuda.cudadrv.driver import binding  # cuda.bindings.driver, as numba-cuda imports it
 
         self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
-        stream = _stream()
-        sig = tuple(dispatcher.typeof_pyval(a) for a in args)
-        kernel = dispatcher.overloads.get(sig) or dispatcher.compile(sig)
-        self._vals = []
-        for i, (ty, a) in enumerate(zip(kernel.argument_types, args)):
-            flat = []
-            kernel._prepare_args(ty, a, stream, [], flat)
-            if i == var:
-                assert len(flat) == 1 and isinstance(flat[0], ctypes.c_int64), (ty, flat)
-                self._slot = len(self._vals)
-            self._vals += [v if isinstance(v, ctypes._SimpleCData) else ctypes.c_int64(int(v)) for v in flat]
-        # every value is at least as wide as its parameter, little-endian: the driver copies each parameter's size
-        self._params = (ctypes.c_void_p * len(self._vals))(*map(ctypes.addressof, self._vals))
-        self._func = kernel._codelibrary.get_cufunc().handle
+        self._func = _cufunc(dispatcher, args)
+        ints, self._slot = kernel_params(args, var)
+        # every parameter is int64 here (arrays' fields, ints, a bool): the driver copies each parameter's own size
+        # from its address, little-endian, so a narrower one (the bool) reads the low bytes
+        self._vals = (ctypes.c_int64 * len(ints))(*ints)
+        base = ctypes.addressof(self._vals)
+        self._params = (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
         self._stream = torch.cuda.current_stream().cuda_stream
 
     def __call__(self, grid: tuple[int, int, int], value: int) -> None:
@@ -664,25 +659,57 @@ class _PreparedLaunch:
             self._args[self._var] = value
             self._dispatcher[grid, self._block, 0, self._shmem](*self._args)
             return
-        self._vals[self._slot].value = value
+        self._vals[self._slot] = value
         err, = self._launch_kernel(self._func, *grid, self._block, 1, 1, self._shmem, self._stream,
                                    ctypes.addressof(self._params), 0)
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
 
 
-def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int, P: int,
-                 scratch: torch.Tensor) -> Callable[[int, int], None]:
+def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
+    """The flat kernel parameters of `args` (tensors and Python ints or bools) as Numba passes them (numba-cuda
+    0.30.4, dispatcher._prepare_args; tests/test_kernels_sim.py compares the two on the GPU): an array is meminfo and
+    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also the index of argument `var`."""
+    ints: list[int] = []
+    slot = -1
+    for i, a in enumerate(args):
+        if i == var:
+            slot = len(ints)
+        if isinstance(a, torch.Tensor):
+            size = a.element_size()
+            ints += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(s * size for s in a.stride())]
+        else:
+            ints.append(int(a))
+    return ints, slot
+
+
+_CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction handle
+
+
+def _cufunc(dispatcher, args: tuple) -> int:
+    """The CUfunction of `dispatcher` specialised for args, compiled (or loaded from the cache) on first sight of the
+    signature (dtype, rank, contiguity and device of each tensor; type of each scalar)."""
+    key = (dispatcher, *((a.dtype, a.dim(), a.is_contiguous(), a.device.index) if isinstance(a, torch.Tensor)
+                         else type(a) for a in args))
+    func = _CUFUNCS.get(key)
+    if func is None:
+        sig = tuple(dispatcher.typeof_pyval(_dev(a) if isinstance(a, torch.Tensor) else a) for a in args)
+        func = _CUFUNCS[key] = dispatcher.compile(sig)._codelibrary.get_cufunc().handle
+    return func
+
+
+def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int,
+                 lut_width: int, scratch: torch.Tensor) -> Callable[[int, int], None]:
     """launch(s0, n): slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j],
-    j < n, at the committed widths; fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded
-    to whole words. Marshalled once per prefill call (`_PreparedLaunch`): each group's launch changes only s0."""
+    j < n, at the committed widths (at most lut_width: it sizes each block's LUT in shared memory); fp16 or bf16 (the
+    scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. Marshalled once per prefill call
+    (`_PreparedLaunch`): each group's launch changes only s0."""
     gu, d = _slot_elems(D, F)
     words = max(num_words(D), num_words(F))
     gx, gy = -(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS)
-    launch = _PreparedLaunch(_dequant_kernel, ROWS, dequant_shared_bytes(P), (
-        _dev(pool_words), _dev(pool_halves.view(torch.uint16)), _dev(q), _dev(plane_off), _dev(lut_off),
-        _dev(slot_expert), 0, D, F, scratch.dtype == torch.bfloat16, _dev(scratch.view(torch.uint16)),
-        scratch.numel() // (gu + d) * gu), var=6)
+    launch = _PreparedLaunch(_dequant_kernel, ROWS, dequant_shared_bytes(lut_width), (
+        pool_words, pool_halves.view(torch.uint16), q, plane_off, lut_off, slot_expert, 0, D, F,
+        scratch.dtype == torch.bfloat16, scratch.view(torch.uint16), scratch.numel() // (gu + d) * gu), var=6)
     return lambda s0, n: launch((gx, gy, 2 * n), s0)
 
 
@@ -699,13 +726,13 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
     in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100). Else `a` is [n, maxc, K], each
     expert's rows zero-padded to the group's largest: one bmm, exact in fp16, where torch's grouped GEMM would sync
     and loop mm per expert (fp16 has no grouped kernel; ~120 launches per Qwen1.5 layer were host-bound). The
-    scratch is fp16 under fp32 activations, hence the cast (a no-op otherwise)."""
+    scratch is fp16 under fp32 activations, hence the cast."""
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
-    return torch.bmm(a, b.to(a.dtype))
+    return torch.bmm(a, b if b.dtype == a.dtype else b.to(a.dtype))
 
 
-def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, P):
+def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
     groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
     launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
@@ -726,14 +753,21 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
     scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
     w_gu, w_d = scratch_views(scratch, D, F)
-    dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, P, scratch)
+    w_gu, w_d = w_gu[:, :D], w_d[:, :F]  # a group's are its first n slots: all of them but in the last group
+    dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, lut_width, scratch)
+    # the host bounds this loop (~2 ms per Qwen1.5 layer call from T = 64 to 2,048, moe_kernel_bench-nvidia-h200-
+    # 20261130-s18-lut.json; ~10 torch calls per group: prefill_host_profile-nvidia-h200-20261130-s18-prepared.txt),
+    # so the per-group views come from one split each, not a slice per group (the groups' rows and slots are
+    # consecutive)
+    xs = x.split([r1 - r0 for _, _, r0, r1, _ in plan.groups])
+    offs = ends.split([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
     ys = []
-    for s0, n, r0, r1, width in plan.groups:
+    for (s0, n, _, _, width), a, off in zip(plan.groups, xs, offs):
         dequantize(s0, n)
-        a, offs = (x[r0:r1], ends[s0:s0 + n]) if grouped else (x[r0:r1].view(n, width, D), None)
-        h = _grouped_mm(a, w_gu[:n, :D], offs)
-        ys.append(_grouped_mm(tf.silu(h[..., :F]) * h[..., F:], w_d[:n, :F], offs).view(-1, D))
+        wg, wd = (w_gu, w_d) if n == len(w_gu) else (w_gu[:n], w_d[:n])
+        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).split(F, dim=-1)
+        ys.append(_grouped_mm(tf.silu(gate) * up, wd, off).view(-1, D))
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
     w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
-    out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y.float() * w)
+    out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y * w)  # y * w: in fp32
     return out[:T].to(hidden.dtype)

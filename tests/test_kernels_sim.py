@@ -167,9 +167,11 @@ def test_grouped_mm_contract(sim_results: dict) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str) -> None:
+@pytest.mark.parametrize("widest", [8, 4])
+def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest: int) -> None:
     """The GPU's launch path (parameters marshalled once, s0 patched per group, cuLaunchKernel): every group of a
-    call writes exactly its blocks' weights, bit for bit, and nothing past the group."""
+    call writes exactly its blocks' weights, bit for bit, and nothing past the group; with widths up to 4 the LUT in
+    shared memory is sized for 4 bits (as the runner passes for such a layer)."""
     import torch
 
     import pagedweight.cuda.moe_kernels as mk
@@ -179,13 +181,13 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str) -> Non
     E, D, F = 7, 80, 40
     moe = build_synthetic_moe(E=E, D=D, F=F, P=8, seed_bits=3, seed=4, device="cuda")
     g = torch.Generator().manual_seed(5)
-    q = torch.randint(3, 9, (E, 2), generator=g)
+    q = torch.randint(3, widest + 1, (E, 2), generator=g)
     qd, po, lo = moe.tables(q)
     dt = getattr(torch, dtype)
     scratch = mk.prefill_scratch(3, D, F, dt, "cuda")
     w_gu, w_d = mk.scratch_views(scratch, D, F)
     slots = torch.randperm(E, generator=g).cuda()
-    dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, 8, scratch)
+    dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch)
     for s0, n in ((0, 3), (3, 3), (6, 1)):
         scratch.fill_(float("nan"))
         dequantize(s0, n)
@@ -195,3 +197,32 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str) -> Non
             wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), D, F)
             assert torch.equal(w_gu[j, :D], wg.t().to(dt)) and torch.equal(w_d[j, :F], wd.t().to(dt)), (s0, j)
         assert torch.isnan(w_gu[n:]).all() and torch.isnan(w_d[n:]).all(), (s0, n)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Numba's marshalling on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (the H200)")
+def test_prepared_launch_params_are_numbas_on_gpu() -> None:
+    """`kernel_params` flattens tensors and scalars exactly as Numba's own launch does (the array ABI it relies on):
+    contiguous and strided arrays, 1-3 dimensions, 16-, 32- and 64-bit elements, ints and a bool."""
+    import ctypes
+
+    import torch
+
+    import pagedweight.cuda.moe_kernels as mk
+    from pagedweight.cuda._compat import cuda
+
+    @cuda.jit
+    def takes_all(a, b, c, d, i, flag, j):
+        pass
+
+    base = torch.arange(6 * 8 * 4, dtype=torch.int32, device="cuda").view(6, 8, 4)
+    args = (base, base[:, 1:5, ::2], torch.zeros(5, dtype=torch.int64, device="cuda")[1:],
+            torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3)
+    ours, slot = mk.kernel_params(args, var=4)
+    views = tuple(mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
+    kernel = takes_all.compile(tuple(takes_all.typeof_pyval(a) for a in views))
+    flat: list = []
+    for ty, a in zip(kernel.argument_types, views):
+        kernel._prepare_args(ty, a, mk._stream(), [], flat)
+    numbas = [v.value if isinstance(v, ctypes._SimpleCData) else int(v) for v in flat]
+    assert ours == numbas
+    assert ours[slot] == 12
