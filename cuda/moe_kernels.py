@@ -759,13 +759,15 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     # 20261130-s18-lut.json; ~10 torch calls per group: prefill_host_profile-nvidia-h200-20261130-s18-prepared.txt),
     # so the per-group views come from one split each, not a slice per group (the groups' rows and slots are
     # consecutive)
-    xs = x.split([r1 - r0 for _, _, r0, r1, _ in plan.groups])
-    offs = ends.split([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
+    # (split_with_sizes and chunk are torch's C++ methods; Tensor.split and len() go through Python wrappers)
+    xs = x.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
+    offs = ends.split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
+    full = w_gu.shape[0]
     ys = []
     for (s0, n, _, _, width), a, off in zip(plan.groups, xs, offs):
         dequantize(s0, n)
-        wg, wd = (w_gu, w_d) if n == len(w_gu) else (w_gu[:n], w_d[:n])
-        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).split(F, dim=-1)
+        wg, wd = (w_gu, w_d) if n == full else (w_gu[:n], w_d[:n])
+        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).chunk(2, dim=-1)
         ys.append(_grouped_mm(tf.silu(gate) * up, wd, off).view(-1, D))
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
     w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
