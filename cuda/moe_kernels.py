@@ -550,8 +550,9 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     """Routed experts of one layer on T tokens (SPEC.md "Fused MoE kernel contract"); returns [T, D] in
     hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
 
-    `lut_width` (default P) bounds the widths in `q`: it sizes each block's LUT in shared memory, so a layer
-    whose blocks all sit at 7 bits or less gets half the shared memory of an 8-bit one (more blocks per SM).
+    `lut_width` (default P) bounds the widths in `q`: it sizes each block's LUT in shared memory (the decode kernel's
+    and the prefill's dequantize kernel's), so a layer whose blocks all sit at 7 bits or less gets half the shared
+    memory of an 8-bit one (more blocks per SM).
     A graph that must survive any width change is captured with the default."""
     T, k = topk_ids.shape
     if T > DECODE_MAX_T:
@@ -758,8 +759,7 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     # the host bounds this loop (~2 ms per Qwen1.5 layer call from T = 64 to 2,048, moe_kernel_bench-nvidia-h200-
     # 20261130-s18-lut.json; ~10 torch calls per group: prefill_host_profile-nvidia-h200-20261130-s18-prepared.txt),
     # so the per-group views come from one split each, not a slice per group (the groups' rows and slots are
-    # consecutive)
-    # (split_with_sizes and chunk are torch's C++ methods; Tensor.split and len() go through Python wrappers)
+    # consecutive), through torch's C++ methods (split_with_sizes, chunk; Tensor.split and len() are Python wrappers)
     xs = x.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
     offs = ends.split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
     full = w_gu.shape[0]
