@@ -147,9 +147,8 @@ class APExperts(nn.Module):
         self._host_q = table.host_q[layer].numpy()  # a view of the staged widths: numpy reads need no torch op
         self.graph_pool = graph_pool  # None: eager; else the memory pool every layer's graphs share
         self.in_step_graph = False  # set by DecodeGraphs while it runs (or captures) a whole decode step
-        self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _MoEGraph] = {}
-        self._failures: dict[tuple, int] = {}  # failed captures per key
+        self._gate = CaptureGate()
 
     def _call(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, lut_width: int
               ) -> torch.Tensor:
@@ -164,14 +163,11 @@ class APExperts(nn.Module):
         key = (x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, topk_weights.dtype, width)
         g = self._graphs.get(key)
         if g is None:
-            if key not in self._seen:  # first sight: eager (compiles the kernels outside any capture)
-                self._seen.add(key)
-                return self._call(x, topk_ids, topk_weights, width)
-            if self._failures.get(key, 0) >= CAPTURE_ATTEMPTS:
+            if not self._gate.allows(key):
                 return self._call(x, topk_ids, topk_weights, width)
             g = self._capture(x, topk_ids, topk_weights, width)
             if g is None:  # the capture failed (logged): this call runs eagerly
-                self._failures[key] = self._failures.get(key, 0) + 1
+                self._gate.failed(key)
                 return self._call(x, topk_ids, topk_weights, width)
             self._graphs[key] = g
         g.x.copy_(x)
@@ -187,6 +183,25 @@ class APExperts(nn.Module):
         # one pool for all layers: replays run one at a time on one stream, and each output stays referenced
         out = capture(graph, self.graph_pool, lambda: self._call(sx, sids, sw, lut_width), f"layer {self.layer} MoE")
         return None if out is None else _MoEGraph(graph, sx, sids, sw, out)
+
+
+@dataclass
+class CaptureGate:
+    """Whether a graph of a shape may be captured now: not on the shape's first sight (that call runs eagerly, which
+    compiles the kernels outside any capture) and not after CAPTURE_ATTEMPTS failed captures of it (each failure costs
+    its call the graph: the shape then stays eager)."""
+
+    seen: set = field(default_factory=set)
+    failures: dict = field(default_factory=dict)  # failed captures per shape
+
+    def allows(self, key) -> bool:
+        if key not in self.seen:
+            self.seen.add(key)
+            return False
+        return self.failures.get(key, 0) < CAPTURE_ATTEMPTS
+
+    def failed(self, key) -> None:
+        self.failures[key] = self.failures.get(key, 0) + 1
 
 
 @dataclass
@@ -328,8 +343,7 @@ class DecodeGraphs:
         self._table = self._ap[0].table if self._ap else None
         self._luts: tuple[int, tuple[int, ...]] = (-1, ())  # (table.commits, LUT classes) derived at that commit
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
-        self._seen: set[tuple] = set()
-        self._failures: dict[tuple, int] = {}  # failed captures per (key, LUT classes)
+        self._gate = CaptureGate()  # keyed by (key, LUT classes)
         self._pool = GraphPool() if capture else None
         self.stats = DecodeStats()
 
@@ -432,16 +446,13 @@ class DecodeGraphs:
         graph = self._graphs.get(key)
         if graph is not None and graph.luts == luts:
             return graph
-        if (key, luts) not in self._seen:
-            self._seen.add((key, luts))
-            return None
-        if self._failures.get((key, luts), 0) >= CAPTURE_ATTEMPTS:
+        if not self._gate.allows((key, luts)):
             return None
         g = torch.cuda.CUDAGraph()
         # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced
         out = capture(g, self._pool, lambda: self._forward(inputs, blocks), f"a decode step of {inputs.shape[0]} rows")
         if out is None:
-            self._failures[(key, luts)] = self._failures.get((key, luts), 0) + 1
+            self._gate.failed((key, luts))
             self.stats.capture_failures += 1
             return None
         self._graphs[key] = graph = _StepGraph(g, luts, *out)  # replaces a graph of other classes

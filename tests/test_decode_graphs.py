@@ -420,7 +420,7 @@ def test_failed_capture_runs_the_step_eagerly(failing_capture):
     params = [SamplingParams(max_tokens=14, ignore_eos=True) for _ in range(2)]
     done = lockstep(ref, llm, PROMPTS[:2], params)
     assert sorted(len(t) for t in done.values()) == [14, 14]
-    failures, captures = decode._failures, failing_capture["captures"]
+    failures, captures = decode._gate.failures, failing_capture["captures"]
     assert decode.stats.captured == decode.stats.replayed == 0, decode.stats
     assert decode.stats.capture_failures == len(captures) == sum(failures.values()) > 0, (decode.stats, failures)
     assert max(failures.values()) == runner.CAPTURE_ATTEMPTS, failures
