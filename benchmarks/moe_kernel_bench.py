@@ -379,7 +379,7 @@ def prefill(shapes: list[str]) -> None:
             n_routed = int(torch.unique(ids).numel())
             for dtype in (torch.float16, torch.bfloat16):
                 h = torch.randn(T, D, generator=gen, device=DEV).to(dtype)
-                # the LUT width the runner passes for a uniform 4-bit layer (before a6c14a6's successor: P)
+                # the LUT width the runner passes for a uniform 4-bit layer (until 2badfdb the prefill took P)
                 args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, lut_class(4))
                 us = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
                 host = []
@@ -410,9 +410,8 @@ def prefill(shapes: list[str]) -> None:
                            before_file=BEFORE.name)
                 add(row)
                 log(f"{name} prefill T={T} {dtype}: {us:.0f} us/layer (before {row['us_before']}), host "
-                    f"{row['host_us_per_call']:.0f} us, dequant {n} experts {us_dq:.0f} us (LUT of {P} bits {us_dq_p:.0f}) "
-                    f"{tbs:.2f} TB/s "
-                    f"({row['dequant_frac_of_copy_ceiling']:.0%})")
+                    f"{row['host_us_per_call']:.0f} us, dequant {n} experts {us_dq:.0f} us "
+                    f"(LUT of {P} bits {us_dq_p:.0f}) {tbs:.2f} TB/s ({row['dequant_frac_of_copy_ceiling']:.0%})")
         del moe
         torch.cuda.empty_cache()
 

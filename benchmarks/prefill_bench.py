@@ -11,9 +11,9 @@ idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped m
 4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
 `--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace; `--old-names`: with
 FILE's versions of those helpers too), given the parent width where the new arm gets the runner's LUT width (4 bits:
-`runner.lut_width`), as the revisions before session 18 passed it. Both arms run the
-same dense experts (session 16's A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense
-experts' loop: that file records it).
+`runner.lut_width`), as the revisions before 2badfdb passed it. Both arms run the same dense experts (session 16's
+A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense experts' loop: that file records
+it).
 """
 from __future__ import annotations
 
