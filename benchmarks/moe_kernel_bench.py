@@ -398,9 +398,9 @@ def prefill(shapes: list[str]) -> None:
                 slots = torch.unique(ids).long()
 
                 def launches(lw: int) -> Callable[[], None]:
-                    gu, dn = (mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw,
-                                              scratch, kind) for kind in (0, 1))
-                    return lambda: ([gu(s0, min(G_gu, n - s0)) for s0 in range(0, n, G_gu)], dn(0, n))
+                    dq = mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw,
+                                         scratch)
+                    return lambda: ([dq(0, s0, min(G_gu, n - s0)) for s0 in range(0, n, G_gu)], dq(1, 0, n))
                 us_dq, us_dq_p = (time_cycle([launches(lw)], reps=10) for lw in (lut_class(4), P))
                 dq_bytes = n * 2 * sum(mk._slot_elems(D, F)) + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12

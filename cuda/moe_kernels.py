@@ -633,16 +633,16 @@ def scratch_view(scratch: torch.Tensor, kind: int, D: int, F: int) -> torch.Tens
 
 
 class _PreparedLaunch:
-    """One kernel's launch marshalled once and issued many times with one integer argument changed.
+    """One kernel's launch marshalled once and issued many times with a few integer arguments changed.
 
     Numba marshals every argument again on each launch: the dequantize kernel's 12 (7 arrays of ~8 parameters each)
     cost ~100 us of host time per launch, while a 7-expert launch runs ~63 us on the device (dq_ab-nvidia-h200-
     20261130-s17.json), so the prefill was bound by the host. Here the parameters are flattened once, straight from the
-    tensors, into one int64 array (`kernel_params`: Numba's array ABI), and a launch sets the changed integer in place
+    tensors, into one int64 array (`kernel_params`: Numba's array ABI), and a launch sets the changed integers in place
     and calls cuLaunchKernel. The kernel is looked up once per argument signature (`_cufunc`). The simulator has no
     driver: it launches through Numba."""
 
-    def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: int):
+    def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: tuple[int, ...]):
         self._dispatcher, self._block, self._shmem, self._var = dispatcher, block, shmem, var
         if SIMULATOR:
             self._args = [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -651,7 +651,7 @@ class _PreparedLaunch:
 
         self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
         self._func = _cufunc(dispatcher, args)
-        ints, self._slot = kernel_params(args, var)
+        ints, self._slots = kernel_params(args, var)
         # every parameter is int64 here (arrays' fields, ints, a bool): the driver copies each parameter's own size
         # from its address, little-endian, so a narrower one (the bool) reads the low bytes
         self._vals = (ctypes.c_int64 * len(ints))(*ints)
@@ -659,33 +659,37 @@ class _PreparedLaunch:
         self._params = (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
         self._stream = torch.cuda.current_stream().cuda_stream
 
-    def __call__(self, grid: tuple[int, int, int], value: int) -> None:
+    def __call__(self, grid: tuple[int, int, int], *values: int) -> None:
+        """Launch with the arguments `var` set to `values`."""
         if SIMULATOR:
-            self._args[self._var] = value
+            for i, v in zip(self._var, values):
+                self._args[i] = v
             self._dispatcher[grid, self._block, 0, self._shmem](*self._args)
             return
-        self._vals[self._slot] = value
+        for slot, v in zip(self._slots, values):
+            self._vals[slot] = v
         err, = self._launch_kernel(self._func, *grid, self._block, 1, 1, self._shmem, self._stream,
                                    ctypes.addressof(self._params), 0)
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
 
 
-def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
+def kernel_params(args: tuple, var: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
     """The flat kernel parameters of `args` (tensors and Python ints or bools) as Numba passes them (numba-cuda
     0.30.4, dispatcher._prepare_args; tests/test_kernels_sim.py compares the two on the GPU): an array is meminfo and
-    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also the index of argument `var`."""
+    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also where each (integer) argument of
+    `var` sits."""
     ints: list[int] = []
-    slot = -1
+    slots = [-1] * len(var)
     for i, a in enumerate(args):
-        if i == var:
-            slot = len(ints)
+        if i in var:
+            slots[var.index(i)] = len(ints)
         if isinstance(a, torch.Tensor):
             size = a.element_size()
             ints += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(s * size for s in a.stride())]
         else:
             ints.append(int(a))
-    return ints, slot
+    return ints, slots
 
 
 _CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction handle
@@ -704,17 +708,16 @@ def _cufunc(dispatcher, args: tuple) -> int:
 
 
 def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int,
-                 lut_width: int, scratch: torch.Tensor, kind: int) -> Callable[[int, int], None]:
-    """launch(s0, n): slot j of `scratch_view(scratch, kind)` <- W^T of kind `kind` of expert slot_expert[s0 + j],
-    j < n, at its committed width (at most lut_width: it sizes each block's LUT in shared memory); fp16 or bf16 (the
-    scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. Marshalled once per prefill call
-    and kind (`_PreparedLaunch`): each group's launch changes only s0."""
-    N, K = (2 * F, D) if kind == 0 else (D, F)
-    gx, gy = -(-N // ROWS), -(-num_words(K) // DQ_WORDS)
+                 lut_width: int, scratch: torch.Tensor) -> Callable[[int, int, int], None]:
+    """launch(kind, s0, n): slot j of `scratch_view(scratch, kind)` <- W^T of kind `kind` of expert
+    slot_expert[s0 + j], j < n, at its committed width (at most lut_width: it sizes each block's LUT in shared memory);
+    fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. Marshalled once
+    per prefill call (`_PreparedLaunch`): each launch changes only s0 and kind."""
+    grids = [(-(-N // ROWS), -(-num_words(K) // DQ_WORDS)) for N, K in ((2 * F, D), (D, F))]
     launch = _PreparedLaunch(_dequant_kernel, ROWS, dequant_shared_bytes(lut_width), (
-        pool_words, pool_halves.view(torch.uint16), q, plane_off, lut_off, slot_expert, 0, kind, D, F,
-        scratch.dtype == torch.bfloat16, scratch.view(torch.uint16)), var=6)
-    return lambda s0, n: launch((gx, gy, n), s0)
+        pool_words, pool_halves.view(torch.uint16), q, plane_off, lut_off, slot_expert, 0, 0, D, F,
+        scratch.dtype == torch.bfloat16, scratch.view(torch.uint16)), var=(6, 7))
+    return lambda kind, s0, n: launch((*grids[kind], n), s0, kind)
 
 
 @functools.lru_cache(maxsize=16)
@@ -738,52 +741,58 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
-    down groups of `prefill_groups`' size, each cut into gate_up groups), uploaded once; the pairs' rows gathered
-    once. Then every gate_up group: one dequantize launch and one grouped GEMM into one [rows, 2F] buffer; silu(gate) *
-    up once over all rows; every down group: one dequantize launch and one grouped GEMM; one weighted scatter back to
-    the tokens. Without the CUTLASS grouped GEMM (fp16) each slot of a down group is zero-padded to the group's
-    largest count and a group is one bmm per projection (a zero row stays zero through silu(gate) * up); slots sorted
-    by count keep the padding small.
+    groups of as many gate_up blocks as the scratch holds), uploaded once; the pairs' rows gathered once. Then every
+    group's gate_up (one dequantize launch, one grouped GEMM), silu(gate) * up once over all rows, every group's down
+    (one dequantize launch per `prefill_groups` down blocks, about two groups; one grouped GEMM per group), and one
+    weighted scatter back to the tokens. Without the CUTLASS grouped GEMM (fp16) each slot of a group is zero-padded
+    to the group's largest count and a group is one bmm per projection (a zero row stays zero through silu(gate) *
+    up); slots sorted by count keep the padding small.
 
-    The host bounds this path at the engine's chunk sizes (a Qwen1.5 layer call spent 1.1-2.0 ms of host from T = 64
-    to 2,048, ~9 torch calls per group of 7 experts that held both kinds: prefill_host_profile-nvidia-h200-20261130-
-    s18-prepared.txt); one kind at a time, the scratch holds 11 gate_up or 22 down blocks of that shape, so a layer
-    with every expert routed takes 6 + 3 launch-and-GEMM pairs and one activation instead of 9 x (2 GEMMs + 3 ops)."""
+    The host bounds this path at the engine's chunk sizes: a Qwen1.5 layer call spent 1.1-2.0 ms of host from T = 64
+    to 2,048 with ~9 torch calls per group of 7 experts, both kinds in the scratch (prefill_host_profile-nvidia-h200-
+    20261130-s18-prepared.txt). One kind at a time the scratch holds 11 gate_up or 22 down blocks of that shape: with
+    every expert routed, 6 + 3 dequantize launches, 12 GEMMs and one activation instead of 9 launches, 18 GEMMs and 27
+    elementwise calls. (A layout padded to 22-expert groups did less host work but padded more rows wherever routing
+    is skewed: slower in the engine, prefill_bench-nvidia-h200-20261130-s19-ab.json.)"""
     T, k = topk_ids.shape
     dev = hidden.device
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
-    n_gu, n_d = (min(n, GROUPED_MAX) for n in prefill_groups(D, F))
-    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], n_d, pad=not grouped, routed_only=True, sub_group=n_gu)
-    slots, token, pair, ends, sub_ends = plan.to(dev)
+    n_gu, n_d = prefill_groups(D, F)
+    n_gu = min(n_gu, GROUPED_MAX)
+    n_d = n_d // n_gu * n_gu  # a whole number of groups per down launch
+    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], n_gu, pad=not grouped, routed_only=True)
+    slots, token, pair, ends = plan.to(dev)
     x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
     S = len(plan.slots)
     scratch = prefill_scratch(min(n_gu, S), min(n_d, S), D, F, wdt, dev)
-    dequantize = [_dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, lut_width, scratch, kind)
-                  for kind in (0, 1)]
-    # the host bounds this path, so the per-group views come from one split each, not a slice per group (the groups'
-    # rows and slots are consecutive), through torch's C++ methods (split_with_sizes; Tensor.split is a Python wrapper)
-    w_gu, w_d = scratch_view(scratch, 0, D, F)[:, :D], scratch_view(scratch, 1, D, F)[:, :F]
-    if grouped:
-        ends, sub_ends = ends.to(torch.int32), sub_ends.to(torch.int32)
-    gate, up = _project(x, plan.sub_groups, sub_ends if grouped else None, w_gu, dequantize[0], D).chunk(2, dim=-1)
-    y = _project(tf.silu(gate) * up, plan.groups, ends if grouped else None, w_d, dequantize[1], F)
+    dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, lut_width, scratch)
+    # per-group views from one split each, not a slice per group (the groups' rows and slots are consecutive),
+    # through torch's C++ methods (split_with_sizes; Tensor.split is a Python wrapper)
+    rows = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
+    offs = ends.to(torch.int32).split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else None
+    gate, up = _project(x.split_with_sizes(rows), plan.groups, offs, scratch_view(scratch, 0, D, F)[:, :D],
+                        lambda s0, n: dequantize(0, s0, n), n_gu, D).chunk(2, dim=-1)
+    y = _project((tf.silu(gate) * up).split_with_sizes(rows), plan.groups, offs,
+                 scratch_view(scratch, 1, D, F)[:, :F], lambda s0, n: dequantize(1, s0, n), n_d, F)
     w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
     out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y * w)  # y * w: in fp32
     return out[:T].to(hidden.dtype)
 
 
-def _project(a: torch.Tensor, groups: list[tuple[int, int, int, int, int]], ends: torch.Tensor | None,
-             w: torch.Tensor, dequantize: Callable[[int, int], None], K: int) -> torch.Tensor:
-    """Every row of `a` [rows, K] times its slot's weights, one kind: per group, its blocks dequantized into the
-    scratch (`w` [slots, K, N]) and one grouped GEMM (`ends`: each slot's end row within its group, on the device;
-    None: padded groups, one bmm). Rows come back in a's order."""
-    ys = []
-    offs = ends.split_with_sizes([n for _, n, *_ in groups]) if ends is not None else [None] * len(groups)
-    full = w.shape[0]
-    for (s0, n, _, _, width), a_g, off in zip(groups, a.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in groups]),
-                                             offs):
-        dequantize(s0, n)
-        ys.append(_grouped_mm(a_g if off is not None else a_g.view(n, width, K), w if n == full else w[:n], off)
-                  .view(a_g.shape[0], -1))
+def _project(xs: tuple[torch.Tensor, ...], groups: list[tuple[int, int, int, int, int]],
+             offs: tuple[torch.Tensor, ...] | None, w: torch.Tensor, dequantize: Callable[[int, int], None],
+             per_launch: int, K: int) -> torch.Tensor:
+    """One kind for every group: each group's rows xs[g] ([rows, K]) times its slots' weights, dequantized
+    `per_launch` slots at a time (a whole number of groups) into the scratch `w` [slots, K, N]; one grouped GEMM per
+    group (offs[g]: each slot's end row within the group, on the device; None: padded groups, one bmm)."""
+    ys, first, end = [], 0, 0  # the scratch holds slots [first, end)
+    last = groups[-1][0] + groups[-1][1]  # one past the last slot
+    for g, ((s0, n, _, _, width), a) in enumerate(zip(groups, xs)):
+        if s0 + n > end:
+            first, end = s0, min(s0 + per_launch, last)
+            dequantize(first, end - first)
+        wg = w[s0 - first:s0 - first + n]
+        ys.append(_grouped_mm(a, wg, offs[g]) if offs is not None else
+                  _grouped_mm(a.view(n, width, K), wg, None).view(a.shape[0], -1))
     return torch.cat(ys) if len(ys) > 1 else ys[0]

@@ -67,9 +67,9 @@ CHILD = textwrap.dedent(r"""
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=g)
         results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
-    # Skewed prefill over several groups: scratch for 4 down blocks (2 gate_up), 6 of 8 experts routed (2 and 6 never)
-    # with 70/3/50/10 | 1/26 pairs, so down groups [0, 1, 3, 4] (maxc 70; gate_up groups [0, 1], [3, 4] of the same
-    # padded width) and a partial [5, 7] (maxc 26, its largest expert last; one gate_up group). Tokens and
+    # Skewed prefill over several groups: scratch for 2 gate_up or 4 down blocks, 6 of 8 experts routed (2 and 6
+    # never) with 70/3/50/10/1/26 pairs, so slots by count e0 e3 e7 e4 e1 e5, groups (e0, e3) padded to 70 rows,
+    # (e7, e4) to 26 and (e1, e5) to 3; down launches [e0, e3, e7, e4] and a partial [e1, e5]. Tokens and
     # each token's two choices shuffled, so the sorted order is not the token order. A pair given the wrong slot
     # uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two pairs given one padded
     # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
@@ -100,7 +100,7 @@ CHILD = textwrap.dedent(r"""
             scratch = prefill_scratch(moe.E, moe.E, D, F, dtype, "cpu").fill_(float("nan"))
             wk = scratch_view(scratch, kind, D, F)
             slots = torch.randperm(moe.E, generator=g)
-            _dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, moe.P, scratch, kind)(1, moe.E - 1)
+            _dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, moe.P, scratch)(kind, 1, moe.E - 1)
             untouched &= bool(torch.isnan(wk[moe.E - 1:]).all())
             for j in range(moe.E - 1):
                 e = int(slots[1 + j])
@@ -174,9 +174,9 @@ def test_grouped_mm_contract(sim_results: dict) -> None:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("widest", [8, 4])
 def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest: int) -> None:
-    """The GPU's launch path (parameters marshalled once per kind, s0 patched per group, cuLaunchKernel): every group
-    of a call writes exactly its blocks' weights of that kind, bit for bit, and nothing past the group; with widths up
-    to 4 the LUT in shared memory is sized for 4 bits (as the runner passes for such a layer)."""
+    """The GPU's launch path (parameters marshalled once, kind and s0 patched per launch, cuLaunchKernel): every
+    launch writes exactly its blocks' weights of that kind, bit for bit, and nothing past them; with widths up to 4
+    the LUT in shared memory is sized for 4 bits (as the runner passes for such a layer)."""
     import torch
 
     import pagedweight.cuda.moe_kernels as mk
@@ -191,12 +191,12 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
     dt = getattr(torch, dtype)
     scratch = mk.prefill_scratch(3, 3, D, F, dt, "cuda")
     slots = torch.randperm(E, generator=g).cuda()
-    for kind, (N, K) in enumerate(((2 * F, D), (D, F))):
-        wk = mk.scratch_view(scratch, kind, D, F)
-        dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch, kind)
-        for s0, n in ((0, 3), (3, 3), (6, 1)):
+    dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch)
+    for s0, n in ((0, 3), (3, 3), (6, 1)):
+        for kind, (N, K) in enumerate(((2 * F, D), (D, F))):  # the kinds alternate through the one launch
+            wk = mk.scratch_view(scratch, kind, D, F)
             scratch.fill_(float("nan"))
-            dequantize(s0, n)
+            dequantize(kind, s0, n)
             for j in range(n):
                 e = int(slots[s0 + j])
                 want = block_weight(moe.pool_words, moe.pool_halves, int(q[e, kind]), po[e, kind], int(lo[e, kind]),
@@ -223,7 +223,7 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     base = torch.arange(6 * 8 * 4, dtype=torch.int32, device="cuda").view(6, 8, 4)
     args = (base, base[:, 1:5, ::2], torch.zeros(5, dtype=torch.int64, device="cuda")[1:],
             torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3)
-    ours, slot = mk.kernel_params(args, var=4)
+    ours, (slot,) = mk.kernel_params(args, var=(4,))
     views = tuple(mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
     kernel = takes_all.compile(tuple(takes_all.typeof_pyval(a) for a in views))
     flat: list = []

@@ -205,31 +205,25 @@ class ExpertRows:
     Slots are experts in pass order; a group is up to `max_group` consecutive slots over consecutive rows. Padded, each
     slot of a group takes `width` rows (its pairs, then rows of zeros), so a group is one [n, width, D] batched matmul
     per projection; unpadded, a slot takes just its pairs' rows and `ends` closes each slot's run (the offsets of a
-    grouped GEMM). A padding row reads token T (the caller's appended zero row) and adds its zero output there.
-    With `sub_group`, each group is also cut into sub-groups of up to that many slots (the same rows and widths) and
-    `sub_ends` closes each slot's run counted from its sub-group's first row."""
+    grouped GEMM). A padding row reads token T (the caller's appended zero row) and adds its zero output there."""
 
     slots: np.ndarray  # [S] expert of each slot
     groups: list[tuple[int, int, int, int, int]]  # (first slot, slots, first row, end row, width; 0 when unpadded)
     token: np.ndarray  # [R] token of each row; T on padding rows
     pair: np.ndarray  # [R] flat pair index t * k + j of each row; 0 on padding rows (whose output is zero)
     ends: np.ndarray  # [S] end row of each slot's pairs, counted from its group's first row
-    sub_groups: list[tuple[int, int, int, int, int]] | None = None  # as `groups`, each inside one group
-    sub_ends: np.ndarray | None = None  # [S] as `ends`, counted from the slot's sub-group's first row
 
     def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(slots, token, pair, ends[, sub_ends]) as int64 tensors on `device`, in one host-to-device copy."""
-        parts = (self.slots, self.token, self.pair, self.ends) + (() if self.sub_ends is None else (self.sub_ends,))
+        """(slots, token, pair, ends) as int64 tensors on `device`, in one host-to-device copy."""
+        parts = (self.slots, self.token, self.pair, self.ends)
         flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
         return flat.split([len(p) for p in parts])
 
 
-def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool,
-                sub_group: int | None = None) -> ExpertRows:
+def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool) -> ExpertRows:
     """The layout of routing ids [T, k]. routed_only: the slots are the routed experts, most pairs first (a padded
     group then pads little); else every expert in id order, so that a group's weights are a slice of stacked
-    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. `sub_group` (at most
-    max_group) also cuts each group into sub-groups of that many slots (`ExpertRows.sub_groups`)."""
+    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out."""
     t, k = ids.shape
     flat = ids.reshape(-1).astype(np.int64)
     counts = np.bincount(flat, minlength=num_experts)
@@ -251,23 +245,13 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     token = np.full(int(end[-1]), t)
     pair = np.zeros(int(end[-1]), dtype=np.int64)
     token[row_of], pair[row_of] = order // k, order
-
-    def cut(size: int) -> tuple[list[tuple[int, int, int, int, int]], np.ndarray]:
-        """Runs of up to `size` slots inside each group, and each slot's end row from its run's first row."""
-        runs, run_first = [], np.zeros(len(slots), dtype=np.int64)
-        for g0 in first.tolist():  # plain ints: they size kernel grids, which take no numpy integers
-            g1 = min(g0 + max_group, len(slots))
-            for s0 in range(g0, g1, size):
-                n = min(size, g1 - s0)
-                run_first[s0:s0 + n] = s0
-                r0, r1 = int(base[s0]), int(end[s0 + n - 1])
-                if r1 > r0:
-                    runs.append((s0, n, r0, r1, int(rows[s0]) if pad else 0))
-        return runs, base + c - base[run_first]
-
-    groups, ends = cut(max_group)
-    sub_groups, sub_ends = cut(sub_group) if sub_group is not None else (None, None)
-    return ExpertRows(slots, groups, token, pair, ends, sub_groups, sub_ends)
+    groups = []
+    for s0 in first.tolist():  # plain ints: they size kernel grids, which take no numpy integers
+        n = min(max_group, len(slots) - s0)
+        r0, r1 = int(base[s0]), int(end[s0 + n - 1])
+        if r1 > r0:
+            groups.append((s0, n, r0, r1, int(rows[s0]) if pad else 0))
+    return ExpertRows(slots, groups, token, pair, base + c - base[first][group_of])
 
 
 class DenseExperts(nn.Module):
