@@ -7,8 +7,7 @@ cut-short run still leaves a valid partial result):
   graph        one capture; q, plane offsets and LUT offsets rewritten in the device tables between replays;
                each replay checked against the reference with the new tables (no recapture).
   prefill      the large-T path alone (no decode compile): correctness at mixed widths, eager time per layer, host
-               time per call, the dequantize launches of one down group (its gate_up groups, then the down group)
-               against the copy ceiling; T in {64, 256, 2048}, fp16 and bf16.
+               time per call, one dequantize launch against the copy ceiling; T in {64, 256, 2048}, fp16 and bf16.
   speed        per-layer MoE time under CUDA graphs for Qwen1.5-MoE / Mixtral-8x7B / Qwen3-30B-A3B expert shapes,
                T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
                than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
@@ -22,11 +21,11 @@ Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -348,10 +347,9 @@ BEFORE = Path(__file__).resolve().parent / "results" / "moe_kernel_bench-nvidia-
 def prefill(shapes: list[str]) -> None:
     """The prefill path (T > 64) alone, so it needs no decode-kernel compile: per shape, correctness at mixed widths
     3..8 (fp16, bf16) against the twin; then at 4 bits for T in {64, 256, 2048} (2048 = the engine's 4 x 512-token
-    chunk) and both dtypes: GPU time per layer (eager, CUDA events), host time of one call from an idle GPU, and the
-    dequantize launches of one down group alone (bytes written + read against the copy ceiling). `us_before` is the
-    same measurement (fp16, T 64/256) of the previous prefill path, from the committed result file named in
-    `before_file`."""
+    chunk) and both dtypes: GPU time per layer (eager, CUDA events), host time of one call from an idle GPU, and one
+    dequantize launch alone (bytes written + read against the copy ceiling). `us_before` is the same measurement
+    (fp16, T 64/256) of the previous prefill path, from the committed result file named in `before_file`."""
     before = {}
     if BEFORE.is_file():
         for r in json.loads(BEFORE.read_text())["rows"]:
@@ -375,7 +373,7 @@ def prefill(shapes: list[str]) -> None:
                      plan="mixed3-8", rel_err=err, passed=ok))
             log(f"{name} prefill correctness {dtype}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
         moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)
-        G_gu, G_d = mk.prefill_groups(D, F)
+        G = mk.prefill_group(D, F)
         for T in (64, 256, 2048):
             ids, w = routing(T, E, k, gen)
             n_routed = int(torch.unique(ids).numel())
@@ -390,24 +388,19 @@ def prefill(shapes: list[str]) -> None:
                     t0 = time.perf_counter()
                     mk._prefill(*args)
                     host.append((time.perf_counter() - t0) * 1e6)
-                # the dequantize launches of one full down group (the first G_d routed experts): its gate_up groups,
-                # then the down group
-                n = min(G_d, n_routed)
+                # one dequantize launch of a full group (the first G routed experts), both kinds
+                n = min(G, n_routed)
                 wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-                scratch = mk.prefill_scratch(min(G_gu, n), n, D, F, wdt, DEV)
+                scratch = mk.prefill_scratch(n, D, F, wdt, DEV)
                 slots = torch.unique(ids).long()
-
-                def launches(lw: int) -> Callable[[], None]:
-                    dq = mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw,
-                                         scratch)
-                    return lambda: ([dq(0, s0, min(G_gu, n - s0)) for s0 in range(0, n, G_gu)], dq(1, 0, n))
-                us_dq, us_dq_p = (time_cycle([launches(lw)], reps=10) for lw in (lut_class(4), P))
-                dq_bytes = n * 2 * sum(mk._slot_elems(D, F)) + n * block_bytes(D, F, 4, 4)
+                us_dq, us_dq_p = (time_cycle([functools.partial(dequantize, 0, n)], reps=10) for dequantize in (
+                    mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw, scratch)
+                    for lw in (lut_class(4), P)))
+                dq_bytes = scratch.numel() * 2 + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12
                 del scratch
                 row = dict(section="prefill", check="speed", shape=name, T=T, dtype=str(dtype).split(".")[-1],
-                           plan="w4", routed_experts=n_routed, group_gate_up=G_gu, group_down=G_d,
-                           us_prefill_path_eager=us,
+                           plan="w4", routed_experts=n_routed, group=G, us_prefill_path_eager=us,
                            host_us_per_call=statistics.median(host), us_dequant_launch=us_dq,
                            us_dequant_launch_lut_P=us_dq_p,
                            dequant_experts=n, dequant_bytes=dq_bytes, dequant_tb_per_s=tbs,

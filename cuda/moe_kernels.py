@@ -22,12 +22,11 @@ Each block reads its committed width q and plane/LUT offsets from the device tab
 between graph replays changes what is read without recapture.
 
 Prefill path (T > DECODE_MAX_T): one host read (the routing, laid out on the host and uploaded once), then per group
-of routed experts one `_dequant_kernel` launch writes one kind of every block of the group at its committed width
+of routed experts one `_dequant_kernel` launch writes both kinds of every block of the group at its committed width
 into a bounded scratch (W^T, the same index decode as the GEMV, LUT in shared memory, 16-bit entries copied as they
-are or rounded to bf16), and the group's rows go through one grouped GEMM (torch._grouped_mm for bf16 on sm90,
-otherwise one bmm over the group's rows zero-padded to its largest expert): every gate_up group first, then one
-silu(gate) * up, then every down group. The dequantize launch's arguments are marshalled once per call and kind
-(`_PreparedLaunch`); each group's launch changes only its first slot. Numba views of tensors
+are or rounded to bf16), and the group's rows go through two grouped GEMMs (torch._grouped_mm for bf16 on sm90,
+otherwise one bmm over the group's rows zero-padded to its largest expert). The dequantize launch's arguments are
+marshalled once per call (`_PreparedLaunch`); each group's launch changes only its first slot. Numba views of tensors
 are cached by (address, shape, strides, dtype): a launch converts nothing that it converted before.
 """
 from __future__ import annotations
@@ -453,22 +452,24 @@ DQ_WORDS = 32  # plane words (1024 columns) per dequantize block: LUT staging is
 
 
 @cuda.jit(cache=True)  # reuse the compile across processes
-def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert, s0, kind, D, F, to_bf16, out):
-    """W^T of one kind (0: gate_up, [D_pad, 2F]; 1: down, [F_pad, D]) of expert slot_expert[s0 + j] at its committed
-    width, as 16-bit patterns (the fp16 LUT entries, or their bf16 rounding when to_bf16) (prefill), into the flat
-    scratch `out` viewed as [slots, K_pad, N] (`scratch_view`; K_pad: K rounded up to whole words). One kind per
-    launch: the prefill runs every group's gate_up before any down, so the scratch holds twice as many down blocks
-    (`prefill_groups`). One output array: with the target chosen between two arrays the stores compiled to generic
+def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert, s0, D, F, to_bf16, out, d_base):
+    """W_gate_up^T ([D_pad, 2F]) and W_down^T ([F_pad, D]) of expert slot_expert[s0 + j] at its committed widths, as
+    16-bit patterns (the fp16 LUT entries, or their bf16 rounding when to_bf16) (prefill), into the flat scratch `out`:
+    [slots, D_pad, 2F] from element 0, [slots, F_pad, D] from element d_base (`prefill_scratch`; K_pad: K rounded up
+    to whole words). One output array: with the target chosen between two arrays the stores compiled to generic
     st.u16, which may alias shared memory, so each LUT load waited behind the previous store.
 
-    Transposed so that a warp's rows store contiguously.
-    grid (ceil(N / ROWS), ceil(words / DQ_WORDS), slots), block ROWS, dynamic shared memory
+    Transposed so that a warp's rows store contiguously; both kinds of a group in one launch.
+    grid (ceil(max(2F, D) / ROWS), ceil(max words / DQ_WORDS), 2 * slots), block ROWS, dynamic shared memory
     dequant_shared_bytes(P): the LUT of the block's rows, [2^b][ROWS], staged once for DQ_WORDS words."""
-    j = cuda.blockIdx.z
+    kind = cuda.blockIdx.z & 1
+    j = cuda.blockIdx.z >> 1
     N = 2 * F if kind == 0 else D
     W = ((D if kind == 0 else F) + 31) // 32
     w0 = cuda.blockIdx.y * DQ_WORDS
     row0 = cuda.blockIdx.x * ROWS
+    if w0 >= W or row0 >= N:  # the other kind's grid is larger: whole blocks leave before any barrier
+        return
     e = slot_expert[s0 + j]
     b = q_tab[e, kind]
     tid = cuda.threadIdx.x
@@ -478,10 +479,11 @@ def _dequant_kernel(pool_words, pool_h16, q_tab, plane_off, lut_off, slot_expert
     vals = cuda.local.array(LUT_BATCH, dtype=DT_U16)
     for c0 in range(0, 1 << b, LUT_BATCH):
         _load_lut_batch(pool_h16, lo + c0 * N, N, vals)
-        for u in range(LUT_BATCH):
+        for u in range(LUT_BATCH):  # u, not j: j is the block's slot
             lut[(c0 + u) * ROWS + tid] = _bf16_bits(vals[u]) if to_bf16 else vals[u]
     cuda.syncthreads()
-    o = np.uint64((j * W * 32 + w0 * 32) * N + n)  # element (slot j, column w0 * 32, row n)
+    base = 0 if kind == 0 else d_base  # the kind's [slots, W * 32, N]; o: element (slot j, column w0 * 32, row n)
+    o = np.uint64(base + (j * W * 32 + w0 * 32) * N + n)
     _dq_dispatch(b, pool_words, plane_off[e, kind], lut, out, o, N, w0, min(W, w0 + DQ_WORDS), n, uint32(tid))
 
 
@@ -609,40 +611,34 @@ def _slot_elems(D: int, F: int) -> tuple[int, int]:
     return num_words(D) * 32 * 2 * F, num_words(F) * 32 * D
 
 
-def prefill_groups(D: int, F: int) -> tuple[int, int]:
-    """(gate_up, down) experts dequantized per launch: as many as PREFILL_SCRATCH_BYTES holds of that kind (at least
-    1); the down group is a whole number of gate_up groups (about two: a down block is half a gate_up block)."""
-    elems = PREFILL_SCRATCH_BYTES // 2
+def prefill_group(D: int, F: int) -> int:
+    """Experts dequantized per launch: as many as PREFILL_SCRATCH_BYTES holds (K padded to whole words), at least 1."""
+    return max(1, PREFILL_SCRATCH_BYTES // (2 * sum(_slot_elems(D, F))))
+
+
+def prefill_scratch(n: int, D: int, F: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Flat 16-bit scratch for n experts: every W_gate_up^T, then every W_down^T (`scratch_views`)."""
+    return torch.empty(n * sum(_slot_elems(D, F)), dtype=dtype, device=device)
+
+
+def scratch_views(scratch: torch.Tensor, D: int, F: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_gu [n, D_pad, 2F], w_d [n, F_pad, D]) inside a `prefill_scratch`."""
     gu, d = _slot_elems(D, F)
-    n_gu = max(1, elems // gu)
-    return n_gu, max(n_gu, elems // d // n_gu * n_gu)
-
-
-def prefill_scratch(n_gu: int, n_d: int, D: int, F: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Flat 16-bit scratch that holds n_gu W_gate_up^T or n_d W_down^T, one kind at a time (`scratch_view`)."""
-    gu, d = _slot_elems(D, F)
-    return torch.empty(max(n_gu * gu, n_d * d), dtype=dtype, device=device)
-
-
-def scratch_view(scratch: torch.Tensor, kind: int, D: int, F: int) -> torch.Tensor:
-    """The blocks of one kind inside a `prefill_scratch`: W_gate_up^T [n, D_pad, 2F] (kind 0), W_down^T
-    [n, F_pad, D] (kind 1)."""
-    elems = _slot_elems(D, F)[kind]
-    n = scratch.numel() // elems
-    return scratch[:n * elems].view(n, -1, 2 * F if kind == 0 else D)
+    n = scratch.numel() // (gu + d)
+    return scratch[:n * gu].view(n, -1, 2 * F), scratch[n * gu:n * (gu + d)].view(n, -1, D)
 
 
 class _PreparedLaunch:
-    """One kernel's launch marshalled once and issued many times with a few integer arguments changed.
+    """One kernel's launch marshalled once and issued many times with one integer argument changed.
 
     Numba marshals every argument again on each launch: the dequantize kernel's 12 (7 arrays of ~8 parameters each)
     cost ~100 us of host time per launch, while a 7-expert launch runs ~63 us on the device (dq_ab-nvidia-h200-
     20261130-s17.json), so the prefill was bound by the host. Here the parameters are flattened once, straight from the
-    tensors, into one int64 array (`kernel_params`: Numba's array ABI), and a launch sets the changed integers in place
+    tensors, into one int64 array (`kernel_params`: Numba's array ABI), and a launch sets the changed integer in place
     and calls cuLaunchKernel. The kernel is looked up once per argument signature (`_cufunc`). The simulator has no
     driver: it launches through Numba."""
 
-    def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: tuple[int, ...]):
+    def __init__(self, dispatcher, block: int, shmem: int, args: tuple, var: int):
         self._dispatcher, self._block, self._shmem, self._var = dispatcher, block, shmem, var
         if SIMULATOR:
             self._args = [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -651,7 +647,7 @@ class _PreparedLaunch:
 
         self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
         self._func = _cufunc(dispatcher, args)
-        ints, self._slots = kernel_params(args, var)
+        ints, self._slot = kernel_params(args, var)
         # every parameter is int64 here (arrays' fields, ints, a bool): the driver copies each parameter's own size
         # from its address, little-endian, so a narrower one (the bool) reads the low bytes
         self._vals = (ctypes.c_int64 * len(ints))(*ints)
@@ -659,37 +655,33 @@ class _PreparedLaunch:
         self._params = (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
         self._stream = torch.cuda.current_stream().cuda_stream
 
-    def __call__(self, grid: tuple[int, int, int], *values: int) -> None:
-        """Launch with the arguments `var` set to `values`."""
+    def __call__(self, grid: tuple[int, int, int], value: int) -> None:
         if SIMULATOR:
-            for i, v in zip(self._var, values):
-                self._args[i] = v
+            self._args[self._var] = value
             self._dispatcher[grid, self._block, 0, self._shmem](*self._args)
             return
-        for slot, v in zip(self._slots, values):
-            self._vals[slot] = v
+        self._vals[self._slot] = value
         err, = self._launch_kernel(self._func, *grid, self._block, 1, 1, self._shmem, self._stream,
                                    ctypes.addressof(self._params), 0)
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
 
 
-def kernel_params(args: tuple, var: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
+def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
     """The flat kernel parameters of `args` (tensors and Python ints or bools) as Numba passes them (numba-cuda
     0.30.4, dispatcher._prepare_args; tests/test_kernels_sim.py compares the two on the GPU): an array is meminfo and
-    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also where each (integer) argument of
-    `var` sits."""
+    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also the index of argument `var`."""
     ints: list[int] = []
-    slots = [-1] * len(var)
+    slot = -1
     for i, a in enumerate(args):
-        if i in var:
-            slots[var.index(i)] = len(ints)
+        if i == var:
+            slot = len(ints)
         if isinstance(a, torch.Tensor):
             size = a.element_size()
             ints += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(s * size for s in a.stride())]
         else:
             ints.append(int(a))
-    return ints, slots
+    return ints, slot
 
 
 _CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction handle
@@ -708,16 +700,18 @@ def _cufunc(dispatcher, args: tuple) -> int:
 
 
 def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int,
-                 lut_width: int, scratch: torch.Tensor) -> Callable[[int, int, int], None]:
-    """launch(kind, s0, n): slot j of `scratch_view(scratch, kind)` <- W^T of kind `kind` of expert
-    slot_expert[s0 + j], j < n, at its committed width (at most lut_width: it sizes each block's LUT in shared memory);
-    fp16 or bf16 (the scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. Marshalled once
-    per prefill call (`_PreparedLaunch`): each launch changes only s0 and kind."""
-    grids = [(-(-N // ROWS), -(-num_words(K) // DQ_WORDS)) for N, K in ((2 * F, D), (D, F))]
+                 lut_width: int, scratch: torch.Tensor) -> Callable[[int, int], None]:
+    """launch(s0, n): slot j of `scratch_views(scratch)` <- W_gate_up^T and W_down^T of expert slot_expert[s0 + j],
+    j < n, at the committed widths (at most lut_width: it sizes each block's LUT in shared memory); fp16 or bf16 (the
+    scratch's dtype, rounded from the fp16 LUT entries), K padded to whole words. Marshalled once per prefill call
+    (`_PreparedLaunch`): each group's launch changes only s0."""
+    gu, d = _slot_elems(D, F)
+    words = max(num_words(D), num_words(F))
+    gx, gy = -(-max(2 * F, D) // ROWS), -(-words // DQ_WORDS)
     launch = _PreparedLaunch(_dequant_kernel, ROWS, dequant_shared_bytes(lut_width), (
-        pool_words, pool_halves.view(torch.uint16), q, plane_off, lut_off, slot_expert, 0, 0, D, F,
-        scratch.dtype == torch.bfloat16, scratch.view(torch.uint16)), var=(6, 7))
-    return lambda kind, s0, n: launch((*grids[kind], n), s0, kind)
+        pool_words, pool_halves.view(torch.uint16), q, plane_off, lut_off, slot_expert, 0, D, F,
+        scratch.dtype == torch.bfloat16, scratch.view(torch.uint16), scratch.numel() // (gu + d) * gu), var=6)
+    return lambda s0, n: launch((gx, gy, 2 * n), s0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -741,58 +735,44 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
 
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
-    groups of as many gate_up blocks as the scratch holds), uploaded once; the pairs' rows gathered once. Then every
-    group's gate_up (one dequantize launch, one grouped GEMM), silu(gate) * up once over all rows, every group's down
-    (one dequantize launch per `prefill_groups` down blocks, about two groups; one grouped GEMM per group), and one
-    weighted scatter back to the tokens. Without the CUTLASS grouped GEMM (fp16) each slot of a group is zero-padded
-    to the group's largest count and a group is one bmm per projection (a zero row stays zero through silu(gate) *
-    up); slots sorted by count keep the padding small.
-
-    The host bounds this path at the engine's chunk sizes: a Qwen1.5 layer call spent 1.1-2.0 ms of host from T = 64
-    to 2,048 with ~9 torch calls per group of 7 experts, both kinds in the scratch (prefill_host_profile-nvidia-h200-
-    20261130-s18-prepared.txt). One kind at a time the scratch holds 11 gate_up or 22 down blocks of that shape: with
-    every expert routed, 6 + 3 dequantize launches, 12 GEMMs and one activation instead of 9 launches, 18 GEMMs and 27
-    elementwise calls. (A layout padded to 22-expert groups did less host work but padded more rows wherever routing
-    is skewed: slower in the engine, prefill_bench-nvidia-h200-20261130-s19-ab.json.)"""
+    groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
+    launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
+    CUTLASS grouped GEMM (fp16) each slot of a group is zero-padded to the group's largest count and the group is
+    one bmm per projection (a zero row stays zero through silu(gate) * up); slots sorted by count keep the padding
+    small. ~5 launches per group, where the layout built on the device (repeat_interleave, per-group scatter, pad and
+    gather) took ~15 (prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json: a batch of four 2,016-token prompts
+    at 4 bits, 1,662 -> 1,331 ms to the first tokens). One kind per launch, every gate_up before any down (11 and 22
+    blocks in the scratch, one activation over all rows) cut a layer call by 7-12 % but not the time to first token,
+    and raised peak reserved memory by 0.17-0.47 GiB (padded groups of 11 and whole-call buffers): not kept
+    (cuda/KERNEL_NOTES.md, session 19)."""
     T, k = topk_ids.shape
     dev = hidden.device
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
-    n_gu, n_d = prefill_groups(D, F)
-    n_gu = min(n_gu, GROUPED_MAX)
-    n_d = n_d // n_gu * n_gu  # a whole number of groups per down launch
-    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], n_gu, pad=not grouped, routed_only=True)
+    G = min(prefill_group(D, F), GROUPED_MAX)
+    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True)
     slots, token, pair, ends = plan.to(dev)
+    if grouped:
+        ends = ends.to(torch.int32)
     x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
-    S = len(plan.slots)
-    scratch = prefill_scratch(min(n_gu, S), min(n_d, S), D, F, wdt, dev)
+    scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
+    w_gu, w_d = scratch_views(scratch, D, F)
+    w_gu, w_d = w_gu[:, :D], w_d[:, :F]  # a group's are its first n slots: all of them but in the last group
     dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, lut_width, scratch)
-    # per-group views from one split each, not a slice per group (the groups' rows and slots are consecutive),
-    # through torch's C++ methods (split_with_sizes; Tensor.split is a Python wrapper)
-    rows = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
-    offs = ends.to(torch.int32).split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else None
-    gate, up = _project(x.split_with_sizes(rows), plan.groups, offs, scratch_view(scratch, 0, D, F)[:, :D],
-                        lambda s0, n: dequantize(0, s0, n), n_gu, D).chunk(2, dim=-1)
-    y = _project((tf.silu(gate) * up).split_with_sizes(rows), plan.groups, offs,
-                 scratch_view(scratch, 1, D, F)[:, :F], lambda s0, n: dequantize(1, s0, n), n_d, F)
+    # the host bounds this loop (~2 ms per Qwen1.5 layer call from T = 64 to 2,048, moe_kernel_bench-nvidia-h200-
+    # 20261130-s18-lut.json; ~10 torch calls per group: prefill_host_profile-nvidia-h200-20261130-s18-prepared.txt),
+    # so the per-group views come from one split each, not a slice per group (the groups' rows and slots are
+    # consecutive), through torch's C++ methods (split_with_sizes, chunk; Tensor.split and len() are Python wrappers)
+    xs = x.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
+    offs = ends.split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
+    full = w_gu.shape[0]
+    ys = []
+    for (s0, n, _, _, width), a, off in zip(plan.groups, xs, offs):
+        dequantize(s0, n)
+        wg, wd = (w_gu, w_d) if n == full else (w_gu[:n], w_d[:n])
+        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).chunk(2, dim=-1)
+        ys.append(_grouped_mm(tf.silu(gate) * up, wd, off).view(-1, D))
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]
     w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
     out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y * w)  # y * w: in fp32
     return out[:T].to(hidden.dtype)
-
-
-def _project(xs: tuple[torch.Tensor, ...], groups: list[tuple[int, int, int, int, int]],
-             offs: tuple[torch.Tensor, ...] | None, w: torch.Tensor, dequantize: Callable[[int, int], None],
-             per_launch: int, K: int) -> torch.Tensor:
-    """One kind for every group: each group's rows xs[g] ([rows, K]) times its slots' weights, dequantized
-    `per_launch` slots at a time (a whole number of groups) into the scratch `w` [slots, K, N]; one grouped GEMM per
-    group (offs[g]: each slot's end row within the group, on the device; None: padded groups, one bmm)."""
-    ys, first, end = [], 0, 0  # the scratch holds slots [first, end)
-    last = groups[-1][0] + groups[-1][1]  # one past the last slot
-    for g, ((s0, n, _, _, width), a) in enumerate(zip(groups, xs)):
-        if s0 + n > end:
-            first, end = s0, min(s0 + per_launch, last)
-            dequantize(first, end - first)
-        wg = w[s0 - first:s0 - first + n]
-        ys.append(_grouped_mm(a, wg, offs[g]) if offs is not None else
-                  _grouped_mm(a.view(n, width, K), wg, None).view(a.shape[0], -1))
-    return torch.cat(ys) if len(ys) > 1 else ys[0]

@@ -23,8 +23,8 @@ CHILD = textwrap.dedent(r"""
     torch.set_num_threads(1)
     from pagedweight.bitplanes import num_words
     import pagedweight.cuda.moe_kernels as mk
-    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantizer, _grouped_mm, moe_forward, prefill_groups,
-                                              prefill_scratch, scratch_view)
+    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantizer, _grouped_mm, moe_forward, prefill_group,
+                                              prefill_scratch, scratch_views)
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
@@ -67,15 +67,14 @@ CHILD = textwrap.dedent(r"""
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=g)
         results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
-    # Skewed prefill over several groups: scratch for 2 gate_up or 4 down blocks, 6 of 8 experts routed (2 and 6
-    # never) with 70/3/50/10/1/26 pairs, so slots by count e0 e3 e7 e4 e1 e5, groups (e0, e3) padded to 70 rows,
-    # (e7, e4) to 26 and (e1, e5) to 3; down launches [e0, e3, e7, e4] and a partial [e1, e5]. Tokens and
+    # Skewed prefill over several groups: scratch for 4 experts, 6 of 8 routed (2 and 6 never) with 70/3/50/10 | 1/26
+    # pairs, so groups [0, 1, 3, 4] (maxc 70) and a partial [5, 7] (maxc 26, its largest expert last). Tokens and
     # each token's two choices shuffled, so the sorted order is not the token order. A pair given the wrong slot
     # uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two pairs given one padded
     # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
     # raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
     moe = build_synthetic_moe(E=8, D=80, F=40, P=6, seed_bits=3, seed=3)
-    mk.PREFILL_SCRATCH_BYTES = 4 * 2 * num_words(moe.F) * 32 * moe.D
+    mk.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
     T = 80
     first = [0] * 70 + [4] * 10
     second = [3] * 50 + [1] * 3 + [5] + [7] * 26
@@ -87,26 +86,24 @@ CHILD = textwrap.dedent(r"""
         w = torch.rand(T, 2, generator=g)
         results[f"skew_{str(dtype).split('.')[-1]}"] = dict(
             check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
-            G=prefill_groups(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist())
-    # the prefill's dequantize kernel alone, bit for bit: W^T of every block of one kind at random widths 3..8 equals
-    # the twin's weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
+            G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist())
+    # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
+    # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
     moe = moes[8]
     q = torch.randint(3, 9, (moe.E, 2), generator=g)
     qd, po, lo = moe.tables(q)
     D, F = moe.D, moe.F
     for dtype in (torch.float16, torch.bfloat16):
-        exact, untouched = True, True
-        for kind, (N, K) in enumerate(((2 * F, D), (D, F))):
-            scratch = prefill_scratch(moe.E, moe.E, D, F, dtype, "cpu").fill_(float("nan"))
-            wk = scratch_view(scratch, kind, D, F)
-            slots = torch.randperm(moe.E, generator=g)
-            _dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, moe.P, scratch)(kind, 1, moe.E - 1)
-            untouched &= bool(torch.isnan(wk[moe.E - 1:]).all())
-            for j in range(moe.E - 1):
-                e = int(slots[1 + j])
-                want = block_weight(moe.pool_words, moe.pool_halves, int(q[e, kind]), po[e, kind], int(lo[e, kind]),
-                                    N, K)
-                exact &= torch.equal(wk[j, :K], want.t().to(dtype))
+        scratch = prefill_scratch(moe.E, D, F, dtype, "cpu").fill_(float("nan"))
+        w_gu, w_d = scratch_views(scratch, D, F)
+        slots = torch.randperm(moe.E, generator=g)
+        _dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, moe.P, scratch)(1, moe.E - 1)
+        exact, untouched = True, bool(torch.isnan(w_gu[moe.E - 1]).all() and torch.isnan(w_d[moe.E - 1]).all())
+        for j in range(moe.E - 1):
+            e = int(slots[1 + j])
+            wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * F, D)
+            wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), D, F)
+            exact &= torch.equal(w_gu[j, :D], wg.t().to(dtype)) and torch.equal(w_d[j, :F], wd.t().to(dtype))
         results[f"dequant_{str(dtype).split('.')[-1]}"] = dict(exact=bool(exact), untouched=untouched)
     # torch._grouped_mm (the GPU's bf16 path; torch runs it on the CPU too) on that scratch layout, a K-padded slice
     # of [slots, K_pad, N], with end offsets, equals the padded bmm (runs zero-padded to the largest, here 5, rows
@@ -117,7 +114,6 @@ CHILD = textwrap.dedent(r"""
     pad = (torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 3]), torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0]))
     xp = x.new_zeros(len(sizes), max(sizes), D)
     xp[pad] = x
-    w_gu = scratch_view(prefill_scratch(4, 4, D, F, torch.bfloat16, "cpu").normal_(generator=g), 0, D, F)
     results["grouped_mm"] = dict(equal=torch.equal(_grouped_mm(x, w_gu[:4, :D], offs),
                                                    _grouped_mm(xp, w_gu[:4, :D], None)[pad]))
     # the prefill's bf16 scratch rounds fp16 LUT entries in the kernel: every finite fp16 value as torch rounds it
@@ -148,8 +144,7 @@ def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> None:
     r = sim_results[f"skew_{dtype}"]
-    # two down groups, the second partial; two gate_up groups in the first
-    assert r["G"] == [2, 4] and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26], r
+    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26], r  # two groups, the second partial
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r
@@ -174,9 +169,9 @@ def test_grouped_mm_contract(sim_results: dict) -> None:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("widest", [8, 4])
 def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest: int) -> None:
-    """The GPU's launch path (parameters marshalled once, kind and s0 patched per launch, cuLaunchKernel): every
-    launch writes exactly its blocks' weights of that kind, bit for bit, and nothing past them; with widths up to 4
-    the LUT in shared memory is sized for 4 bits (as the runner passes for such a layer)."""
+    """The GPU's launch path (parameters marshalled once, s0 patched per group, cuLaunchKernel): every group of a
+    call writes exactly its blocks' weights, bit for bit, and nothing past the group; with widths up to 4 the LUT in
+    shared memory is sized for 4 bits (as the runner passes for such a layer)."""
     import torch
 
     import pagedweight.cuda.moe_kernels as mk
@@ -189,20 +184,19 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
     q = torch.randint(3, widest + 1, (E, 2), generator=g)
     qd, po, lo = moe.tables(q)
     dt = getattr(torch, dtype)
-    scratch = mk.prefill_scratch(3, 3, D, F, dt, "cuda")
+    scratch = mk.prefill_scratch(3, D, F, dt, "cuda")
+    w_gu, w_d = mk.scratch_views(scratch, D, F)
     slots = torch.randperm(E, generator=g).cuda()
     dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch)
     for s0, n in ((0, 3), (3, 3), (6, 1)):
-        for kind, (N, K) in enumerate(((2 * F, D), (D, F))):  # the kinds alternate through the one launch
-            wk = mk.scratch_view(scratch, kind, D, F)
-            scratch.fill_(float("nan"))
-            dequantize(kind, s0, n)
-            for j in range(n):
-                e = int(slots[s0 + j])
-                want = block_weight(moe.pool_words, moe.pool_halves, int(q[e, kind]), po[e, kind], int(lo[e, kind]),
-                                    N, K)
-                assert torch.equal(wk[j, :K], want.t().to(dt)), (kind, s0, j)
-            assert torch.isnan(wk[n:]).all() and torch.isnan(scratch[wk[:n].numel():]).all(), (kind, s0, n)
+        scratch.fill_(float("nan"))
+        dequantize(s0, n)
+        for j in range(n):
+            e = int(slots[s0 + j])
+            wg = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 0]), po[e, 0], int(lo[e, 0]), 2 * F, D)
+            wd = block_weight(moe.pool_words, moe.pool_halves, int(q[e, 1]), po[e, 1], int(lo[e, 1]), D, F)
+            assert torch.equal(w_gu[j, :D], wg.t().to(dt)) and torch.equal(w_d[j, :F], wd.t().to(dt)), (s0, j)
+        assert torch.isnan(w_gu[n:]).all() and torch.isnan(w_d[n:]).all(), (s0, n)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Numba's marshalling on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (the H200)")
@@ -223,7 +217,7 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     base = torch.arange(6 * 8 * 4, dtype=torch.int32, device="cuda").view(6, 8, 4)
     args = (base, base[:, 1:5, ::2], torch.zeros(5, dtype=torch.int64, device="cuda")[1:],
             torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3)
-    ours, (slot,) = mk.kernel_params(args, var=(4,))
+    ours, slot = mk.kernel_params(args, var=4)
     views = tuple(mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
     kernel = takes_all.compile(tuple(takes_all.typeof_pyval(a) for a in views))
     flat: list = []
