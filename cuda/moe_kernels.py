@@ -743,7 +743,7 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     gather) took ~15 (prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json: a batch of four 2,016-token prompts
     at 4 bits, 1,662 -> 1,331 ms to the first tokens). One kind per launch, every gate_up before any down (11 and 22
     blocks in the scratch, one activation over all rows) cut a layer call by 7-12 % but not the time to first token,
-    and raised peak reserved memory by 0.17-0.47 GiB (padded groups of 11 and whole-call buffers): not kept
+    and peak reserved memory was 0.17-0.47 GiB higher (whole-call buffers, more padding in groups of 11): not kept
     (cuda/KERNEL_NOTES.md, session 19)."""
     T, k = topk_ids.shape
     dev = hidden.device
