@@ -207,6 +207,7 @@ class LLM:
                 raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights: "
                                  f"not even one KV block ({kv_block} B)")
         self.pool = PagePool(pool_bytes, self.page_bytes, device=self.device)
+        self.weights_outside_bytes = outside
         self.table = self.mover = self.planner = self.router_stats = None
         if weights is not None:
             self._setup_weights(model, weights)
@@ -680,7 +681,16 @@ class LLM:
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
             "weight_relocations": self.pool.relocated_weight_runs,
             "weight_relocated_bytes": self.pool.bytes_of(self.pool.relocated_weight_pages),
+            # computed: what gpu_memory_budget covers (weights outside the pool + the pool's whole pages)
+            "budget_bytes": self.weights_outside_bytes + self.pool.bytes_of(self.pool.capacity_pages),
+            # measured on CUDA (None elsewhere): what torch's caching allocator holds on the device for this
+            # process, now and at its peak; the gap to budget_bytes is activations, CUDA-graph pools and scratch
+            "device_reserved_bytes": None,
+            "device_peak_reserved_bytes": None,
         }
+        if self.device.type == "cuda":
+            out["device_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
         if self.table is not None:
             q = self.table.host_q.numpy()
             widths = self.table.parent_bits + 1
@@ -846,6 +856,10 @@ def run(args) -> int:
           f"= {gen / elapsed if elapsed > 0 else 0.0:.1f} tokens/s")
     print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
+    print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool)"
+          + ("" if st["device_peak_reserved_bytes"] is None else
+             f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
+             "(measured: activations, CUDA-graph pools and scratch come on top)"))
     if llm.table is not None:
         print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
               f"{min_width:.2f} at the lowest step, {mean_width(last['committed_width_hist']):.2f} when the last "

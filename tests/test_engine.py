@@ -640,6 +640,13 @@ def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     budget = outside + weights_3 + reserve + 24 * kv_block  # even at 3 bits only 24 blocks: 4 x 15 needed
     llm = LLM(ap_dir, budget, DEVICE, block_size=4, bits=3, max_num_batched_tokens=16,
               page_store_dir=str(ap_dir / "store"))
+    st = llm.stats()  # what the budget covers (computed), whole pages of the pool: at most one page short of it
+    assert st["budget_bytes"] == outside + llm.pool.bytes_of(llm.pool.capacity_pages)
+    assert budget - llm.page_bytes < st["budget_bytes"] <= budget
+    if DEVICE == "cuda":  # measured for the whole process (the probe's engine is alive too)
+        assert st["device_peak_reserved_bytes"] >= st["device_reserved_bytes"] >= st["budget_bytes"]
+    else:
+        assert st["device_reserved_bytes"] is None and st["device_peak_reserved_bytes"] is None
     ref = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     outs = llm.generate(PROMPTS, greedy(40), use_tqdm=False)
     assert llm.stats()["preemptions"] > 0
@@ -656,6 +663,7 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "requests 2 (length 2)" in out and "tokens/s" in out and "KV blocks" in out and "expert widths" in out
+    assert "MiB under the budget" in out
     assert parse_budget("2GiB") == 2 << 30 and parse_budget("0.5") == 0.5 and parse_budget("1000") == 1000
     with pytest.raises(ValueError):
         parse_budget("lots")

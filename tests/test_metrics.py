@@ -21,7 +21,8 @@ SNAPSHOTS = [
     {"kv_free_blocks": 40, "kv_total_blocks": 64, "resident_weight_bytes": 123456, "pages_in_flight": 3,
      "planner_step_ms": 0.25, "plan_staleness_steps": 2, "num_running": 5, "num_waiting": 1,
      "bytes_offloaded": 1000, "bytes_reloaded": 0, "offload_triggers": 1, "reload_triggers": 0, "preemptions": 0,
-     "committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]]},
+     "committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]],
+     "budget_bytes": 9000000, "device_reserved_bytes": 9500000, "device_peak_reserved_bytes": 9600000},
     {"kv_free_blocks": 60, "kv_total_blocks": 70, "resident_weight_bytes": 100000, "pages_in_flight": 0,
      "planner_step_ms": 0.5, "plan_staleness_steps": 0, "num_running": 0, "num_waiting": 0,
      "bytes_offloaded": 5000, "bytes_reloaded": 700, "offload_triggers": 3, "reload_triggers": 1, "preemptions": 2,
@@ -101,6 +102,8 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("kv_free_blocks") == 70 and probe_v("kv_total_blocks") == 70
     assert probe_v("resident_weight_bytes") == 100000 and probe_v("pages_in_flight") == 0
     assert probe_v("planner_step_ms") == 0.5 and probe_v("plan_staleness_steps") == 0
+    assert probe_v("budget_bytes") == 9000000 and probe_v("device_reserved_bytes") == 9500000
+    assert probe_v("device_peak_reserved_bytes") == 9600000
     # counters: growth summed over snapshots; after the restart the new totals are added on top
     assert probe_v("offloaded_bytes_total") == 5000 + 200
     assert probe_v("reloaded_bytes_total") == 700
@@ -123,6 +126,10 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert value(s, "ray_pagedweight_kv_total_blocks", engine=engine) == live["kv_total_blocks"] > 0
     assert 0 <= value(s, "ray_pagedweight_kv_free_blocks", engine=engine) <= live["kv_total_blocks"]
     assert value(s, "ray_pagedweight_resident_weight_bytes", engine=engine) == live["resident_weight_bytes"] > 0
+    assert value(s, "ray_pagedweight_budget_bytes", engine=engine) == live["budget_bytes"] > 0
+    # a CPU engine has no caching allocator to measure: those gauges are left out, not exported as zero
+    assert live["device_reserved_bytes"] is None and value(s, "ray_pagedweight_device_reserved_bytes",
+                                                           engine=engine) is None
     for layer, counts in enumerate(live["committed_width_hist"]):  # every expert block of the layer, by width
         exported = [value(s, "ray_pagedweight_committed_width_blocks", engine=engine, layer=str(layer),
                           width=str(w)) for w in range(len(counts))]
