@@ -11,7 +11,9 @@ error; none is dropped.
 
 Memory: `gpu_memory_budget` covers model weights and the KV cache. Weights that are not paged (attention,
 embeddings, norms, router, shared experts; all weights on the dense path) are taken off the top; the rest is
-the page pool, shared by expert bit-planes/LUTs and KV blocks. Activations come on top of the budget.
+the page pool, shared by expert bit-planes/LUTs and KV blocks. Activations, CUDA-graph pools and the prefill's
+scratch come on top of the budget, unless `activation_reserve` keeps a share of it for them (stats() reports the
+bytes the budget covers, computed, and the device's reserved bytes, measured).
 """
 from __future__ import annotations
 
@@ -71,6 +73,10 @@ class EngineOptions:
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: int = 64 << 20  # KV pool size when no gpu_memory_budget is given
+    # bytes of gpu_memory_budget kept out of the pool for what runs beside it (activations, CUDA-graph pools, the
+    # prefill's dequantize scratch): set to the gap device_peak_reserved_bytes - budget_bytes (stats()) measured on a
+    # run of the same shapes, and the budget bounds the process's whole footprint. 0: weights and the pool only
+    activation_reserve: int = 0
     detokenize: bool = True
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
@@ -179,6 +185,8 @@ class LLM:
             raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
         if self.options.compact_every_steps < 0:
             raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
+        if not isinstance(self.options.activation_reserve, int) or self.options.activation_reserve < 0:
+            raise ValueError(f"activation_reserve must be an int of bytes >= 0, got {self.options.activation_reserve!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
@@ -196,16 +204,19 @@ class LLM:
         outside = param_bytes(model)  # AP: experts are not parameters, so this is the non-paged rest
         kv_block = self.page_bytes * cfg.num_hidden_layers
         if gpu_memory_budget is None:
+            if opts.activation_reserve:
+                raise ValueError("activation_reserve is a share of gpu_memory_budget: give a budget too")
             pool_bytes = opts.kv_cache_bytes
             if weights is not None:  # room for every block at the parent width plus the mover's reserve
                 pool_bytes += sum(round_up(s.plane_bytes, self.page_bytes) * weights.parent_bits
                                   + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
                                   for s in weights.specs)
         else:
-            pool_bytes = resolve_budget(gpu_memory_budget, self.device) - outside
+            pool_bytes = resolve_budget(gpu_memory_budget, self.device) - outside - opts.activation_reserve
             if pool_bytes < kv_block:
-                raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights: "
-                                 f"not even one KV block ({kv_block} B)")
+                raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights and an "
+                                 f"activation_reserve of {opts.activation_reserve} B: not even one KV block "
+                                 f"({kv_block} B)")
         self.pool = PagePool(pool_bytes, self.page_bytes, device=self.device)
         self.weights_outside_bytes = outside
         self.table = self.mover = self.planner = self.router_stats = None
@@ -681,8 +692,10 @@ class LLM:
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
             "weight_relocations": self.pool.relocated_weight_runs,
             "weight_relocated_bytes": self.pool.bytes_of(self.pool.relocated_weight_pages),
-            # computed: what gpu_memory_budget covers (weights outside the pool + the pool's whole pages)
-            "budget_bytes": self.weights_outside_bytes + self.pool.bytes_of(self.pool.capacity_pages),
+            # computed: what gpu_memory_budget covers (weights outside the pool, the pool's whole pages and the
+            # activation reserve)
+            "budget_bytes": (self.weights_outside_bytes + self.pool.bytes_of(self.pool.capacity_pages)
+                             + self.options.activation_reserve),
             # measured on CUDA (None elsewhere): what torch's caching allocator holds on the device for this
             # process, now and at its peak; the gap to budget_bytes is activations, CUDA-graph pools and scratch
             "device_reserved_bytes": None,
@@ -710,13 +723,13 @@ class LLM:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_budget(text: str) -> int | float:
+def parse_budget(text: str, flag: str = "--gpu-memory-budget") -> int | float:
     """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--gpu-memory-budget {text!r}: use bytes with an optional unit (512MiB, 2GB) "
+        raise ValueError(f"{flag} {text!r}: use bytes with an optional unit (512MiB, 2GB) "
                          "or a fraction in (0, 1]")
     value, unit = float(m.group(1)), m.group(2).lower()
     if not unit and "." in m.group(1):
@@ -777,6 +790,9 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
                    help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
                         "(default: every block at full width plus 64 MiB of KV)")
+    p.add_argument("--activation-reserve", default="0", metavar="BYTES",
+                   help="share of the budget kept for activations, CUDA-graph pools and scratch, e.g. 1GiB (the "
+                        "summary's measured peak minus the budget on an earlier run): the budget then bounds it all")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
     src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
@@ -807,6 +823,9 @@ def run(args) -> int:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
+    reserve = parse_budget(args.activation_reserve, "--activation-reserve")
+    if not isinstance(reserve, int):
+        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB), not a fraction")
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: not a directory")
@@ -815,7 +834,7 @@ def run(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, page_store_dir=args.page_store_dir)
+              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve)
     def mean_width(hist: list[list[int]]) -> float:
         counts = np.asarray(hist).sum(axis=0)
         return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
@@ -856,7 +875,8 @@ def run(args) -> int:
           f"= {gen / elapsed if elapsed > 0 else 0.0:.1f} tokens/s")
     print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
-    print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool)"
+    print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool"
+          f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve)"
           + ("" if st["device_peak_reserved_bytes"] is None else
              f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
              "(measured: activations, CUDA-graph pools and scratch come on top)"))

@@ -255,6 +255,28 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
         llm.add_request([10**6])
 
 
+def test_activation_reserve_is_taken_from_the_pool(hf_dir):
+    """`activation_reserve` leaves the budget the same and the pool that much smaller, whole pages; stats() counts it
+    in the bytes the budget covers. It needs a budget, and a budget it leaves without one KV block is refused."""
+    path, _ = hf_dir
+    probe = LLM(path, block_size=4)
+    outside, page = param_bytes(probe.model), probe.page_bytes
+    budget, reserve = outside + 40 * page + 123, 7 * page + 5
+    plain = LLM(path, budget, block_size=4)
+    kept = LLM(path, budget, block_size=4, activation_reserve=reserve)
+    assert plain.pool.capacity_pages == 40 and kept.pool.capacity_pages == 33  # 33 pages + 118 B: 33 whole
+    assert kept.stats()["budget_bytes"] == outside + 33 * page + reserve <= budget
+    assert plain.stats()["budget_bytes"] == outside + 40 * page
+    assert kept.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0].token_ids == \
+        plain.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="activation_reserve"):
+        LLM(path, block_size=4, activation_reserve=page)  # no budget to take it from
+    with pytest.raises(ValueError, match="activation_reserve"):
+        LLM(path, budget, block_size=4, activation_reserve=40 * page)  # leaves no KV block
+    with pytest.raises(ValueError, match="activation_reserve"):
+        LLM(path, budget, block_size=4, activation_reserve=-1)
+
+
 def test_output_kinds_carry_the_same_tokens(hf_dir):
     """Per step, "cumulative" outputs carry every token so far, "delta" ones only the new tokens (joined: the same
     tokens), "final_only" requests one output at the end; every output counts the tokens generated so far. With
