@@ -21,8 +21,8 @@ GAUGES = {
     "plan_staleness_steps": ("plan_staleness_steps", "Engine steps since the executed plan was computed."),
     "num_running": ("running_requests", "Requests in the running batch."),
     "num_waiting": ("waiting_requests", "Requests waiting for KV blocks."),
-    "budget_bytes": ("budget_bytes", "Bytes gpu_memory_budget covers: weights outside the page pool + the pool "
-                                     "(computed)."),
+    "budget_bytes": ("budget_bytes", "Bytes gpu_memory_budget covers: weights outside the page pool, the pool and "
+                                     "the activation reserve (computed)."),
     "device_reserved_bytes": ("device_reserved_bytes", "Bytes torch's caching allocator holds on the engine's GPU "
                                                        "(measured; weights, pool, activations, graph pools)."),
     "device_peak_reserved_bytes": ("device_peak_reserved_bytes", "Peak of device_reserved_bytes since the process "

@@ -186,7 +186,8 @@ class LLM:
         if self.options.compact_every_steps < 0:
             raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
         if not isinstance(self.options.activation_reserve, int) or self.options.activation_reserve < 0:
-            raise ValueError(f"activation_reserve must be an int of bytes >= 0, got {self.options.activation_reserve!r}")
+            raise ValueError(f"activation_reserve must be an int of bytes >= 0, got "
+                             f"{self.options.activation_reserve!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
@@ -879,7 +880,7 @@ def run(args) -> int:
           f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve)"
           + ("" if st["device_peak_reserved_bytes"] is None else
              f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
-             "(measured: activations, CUDA-graph pools and scratch come on top)"))
+             "(measured)"))
     if llm.table is not None:
         print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
               f"{min_width:.2f} at the lowest step, {mean_width(last['committed_width_hist']):.2f} when the last "
