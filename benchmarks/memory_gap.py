@@ -1,0 +1,168 @@
+"""Where a serving process's memory above `gpu_memory_budget` goes, and whether `activation_reserve` closes it.
+
+The budget covers the weights outside the pool and the pool (expert pages and KV blocks); activations, CUDA-graph
+pools and the prefill's dequantize scratch come on top (pagedweight/engine.py). This benchmark runs a workload
+with torch's allocator history on (segment events only, Python stacks) and attributes every segment the caching
+allocator reserved after the engine was built to the code that asked for it: the innermost frame in this
+repository and its pool (the default pool, or a CUDA-graph pool). Then, with `--reserve`, it builds the engine
+again with budget + gap and activation_reserve = gap (the pool the same size) and replays the workload: is the
+peak reserved within that budget?
+
+Measured: torch.cuda.max_memory_reserved, each segment's size and pool (torch.cuda.memory._snapshot), and
+torch.cuda.mem_get_info's device-wide use (the CUDA context and non-torch allocations, which torch's reserved
+bytes do not count). Computed: the budget (benchmarks/engine_bench.py's and kv_pressure.py's formulas).
+
+    python -m benchmarks.memory_gap --workload bench --batch 4 --reserve    # H200
+    python -m benchmarks.memory_gap --workload pressure --reserve
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import write_result
+from benchmarks.engine_bench import (ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
+                                     page_bytes, random_model, serve)
+from benchmarks.kv_pressure import drive, workload
+from pagedweight.engine import LLM
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = tuple(str(ROOT / d) for d in ("pagedweight", "cuda", "actors"))
+MIB = 2**20
+
+
+def our_frame(frames: list[dict]) -> str:
+    """The innermost frame of this repository's code (not the benchmark's own): file:line function."""
+    for f in frames:
+        name = f.get("filename", "")
+        if name.startswith(OURS) or "/pagedweight/" in name:
+            return f"{Path(name).relative_to(ROOT) if name.startswith(str(ROOT)) else name}:{f['line']} {f['name']}"
+    return "elsewhere" if not frames else f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}"
+
+
+def attribute(snapshot: dict) -> tuple[list[dict], dict]:
+    """Segments still reserved that the recorded history saw allocated, grouped by (pool, allocating frame)."""
+    live = {s["address"]: s for s in snapshot["segments"]}
+    groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"segments": 0, "bytes": 0, "allocated_bytes": 0})
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            if e["action"] != "segment_alloc" or e["addr"] not in live:
+                continue
+            seg = live[e["addr"]]
+            pool = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph pool"
+            g = groups[(pool, our_frame(e.get("frames", [])))]
+            g["segments"] += 1
+            g["bytes"] += seg["total_size"]
+            g["allocated_bytes"] += seg["allocated_size"]
+    rows = [{"pool": pool, "source": src, **g, "mib": g["bytes"] / MIB} for (pool, src), g in groups.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    by_pool: dict[str, int] = defaultdict(int)
+    for r in rows:
+        by_pool[r["pool"]] += r["bytes"]
+    return rows, dict(by_pool)
+
+
+def record_segments() -> None:
+    """Allocator history of segment events with Python stacks (torch without `skip_actions`: every event, in a
+    ring large enough for the workloads here)."""
+    try:
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 skip_actions=["alloc", "free_requested", "free_completed"])
+    except TypeError:
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=2_000_000)
+
+
+def run(args: argparse.Namespace, reserve: int) -> dict:
+    """Build the engine (budget + reserve, activation_reserve = reserve), replay the workload twice (the first
+    captures the graphs it needs), and report the memory."""
+    cfg = model_config(False)
+    dtype = torch.float16
+    page = page_bytes(cfg, args.block_size, dtype)
+    weights = ap_weights(cfg, args.parent_bits)
+    outside = outside_bytes(cfg, dtype)
+    if args.workload == "bench":
+        kv = kv_bytes(cfg, args.batch, args.seq_len, args.block_size, page, args.chunk)
+        budget = outside + expert_pool_bytes(weights, args.bits, page) + kv
+        options = dict(max_num_seqs=args.batch, max_num_batched_tokens=args.chunk, max_model_len=args.seq_len + 16,
+                       bits=args.bits, paging=False)
+    else:  # kv_pressure's defaults: the parent width and 128 KV blocks of room, 64 sequences, 1,024-token steps
+        budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + 128 * page * cfg.num_hidden_layers
+        options = dict(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024 + 128 + 16,
+                       bits=args.parent_bits, paging=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    free0, _ = torch.cuda.mem_get_info()
+    model = random_model(cfg, False, dtype, "cuda")
+    llm = LLM.from_parts(model, weights, None, budget + reserve, "cuda", model_name=args.workload, detokenize=False,
+                         block_size=args.block_size, activation_reserve=reserve, **options)
+    torch.cuda.synchronize()
+    reserved_built = torch.cuda.memory_reserved()
+    record_segments()  # from here: what the workload adds to the engine as built
+    for replay in range(2):
+        if args.workload == "bench":
+            serve(llm, args.batch, args.seq_len - args.gen, args.gen, cfg.vocab_size, seed=replay)
+        else:
+            drive(llm, workload(24, 4.0, 256, 1024, cfg.vocab_size, 0), 128)
+    torch.cuda.synchronize()
+    st = llm.stats()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    sources, by_pool = attribute(snap)
+    peak = torch.cuda.max_memory_reserved()
+    free1, _ = torch.cuda.mem_get_info()
+    graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
+    row = {"workload": args.workload, "batch": args.batch if args.workload == "bench" else None,
+           "activation_reserve_mib": reserve / MIB, "budget_mib": st["budget_bytes"] / MIB,
+           "reserved_after_setup_mib": reserved_built / MIB, "peak_reserved_mib": peak / MIB,
+           "peak_over_budget_mib": (peak - st["budget_bytes"]) / MIB,
+           "reserved_after_setup_over_budget_mib": (reserved_built - st["budget_bytes"]) / MIB,
+           "device_used_by_process_mib": (free0 - free1) / MIB,  # mem_get_info: includes memory torch does not see
+           "device_used_not_torch_mib": (free0 - free1 - torch.cuda.memory_reserved()) / MIB,
+           "added_by_workload_by_pool_mib": {k: v / MIB for k, v in by_pool.items()},
+           "decode_graphs_captured": graphs and graphs.captured, "preemptions": st["preemptions"],
+           "sources": sources[:args.top]}
+    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if k != "sources"}, file=sys.stderr)
+    for r in sources[:args.top]:
+        print(f"  {r['pool']:>10} {r['mib']:9.1f} MiB in {r['segments']:4d} segments ({r['allocated_bytes'] / MIB:8.1f}"
+              f" allocated at the end)  {r['source']}", file=sys.stderr)
+    del llm, model
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("bench", "pressure"), default="bench",
+                   help="bench: engine_bench's batch at uniform --bits; pressure: kv_pressure's arrivals, paging on")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--parent-bits", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reserve", action="store_true",
+                   help="then run again with activation_reserve = the measured gap (rounded up to 2 MiB), budget + gap")
+    p.add_argument("--top", type=int, default=20, help="sources listed")
+    p.add_argument("--label", default=None)
+    p.add_argument("--out-dir", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs CUDA: it measures the device's caching allocator")
+    rows = [run(args, 0)]
+    if args.reserve:
+        gap = max(0, round(rows[0]["peak_over_budget_mib"] * MIB))
+        rows.append(run(args, -(-gap // (2 * MIB)) * 2 * MIB))
+        rows[-1]["peak_within_budget"] = rows[-1]["peak_over_budget_mib"] <= 0
+    print(write_result("memory_gap", rows, out_dir=args.out_dir, label=args.label or args.workload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
