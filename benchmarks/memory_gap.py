@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -45,26 +46,35 @@ def our_frame(frames: list[dict]) -> str:
     return "elsewhere" if not frames else f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}"
 
 
-def attribute(snapshot: dict) -> tuple[list[dict], dict]:
-    """Segments still reserved that the recorded history saw allocated, grouped by (pool, allocating frame)."""
+def attribute(snapshot: dict, start: int = 0, stop: int | None = None) -> tuple[list[dict], dict, int]:
+    """Segments still reserved, each by the last `segment_alloc` event at its address among trace entries
+    [start, stop) of the recorded history, grouped by (pool, allocating frame); and the `segment_free` events there
+    (the allocator gives cached segments back when a cudaMalloc fails, or on empty_cache)."""
     live = {s["address"]: s for s in snapshot["segments"]}
+    last: dict[int, dict] = {}
+    frees = 0
+    for e in snapshot["device_traces"][0][start:stop]:
+        if e["action"] == "segment_alloc":
+            last[e["addr"]] = e
+        elif e["action"] == "segment_free":
+            last.pop(e["addr"], None)
+            frees += 1
     groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"segments": 0, "bytes": 0, "allocated_bytes": 0})
-    for trace in snapshot["device_traces"]:
-        for e in trace:
-            if e["action"] != "segment_alloc" or e["addr"] not in live:
-                continue
-            seg = live[e["addr"]]
-            pool = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph pool"
-            g = groups[(pool, our_frame(e.get("frames", [])))]
-            g["segments"] += 1
-            g["bytes"] += seg["total_size"]
-            g["allocated_bytes"] += seg["allocated_size"]
+    for addr, e in last.items():
+        seg = live.get(addr)
+        if seg is None:
+            continue
+        pool = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph pool"
+        g = groups[(pool, our_frame(e.get("frames", [])))]
+        g["segments"] += 1
+        g["bytes"] += seg["total_size"]
+        g["allocated_bytes"] += seg["allocated_size"]
     rows = [{"pool": pool, "source": src, **g, "mib": g["bytes"] / MIB} for (pool, src), g in groups.items()]
     rows.sort(key=lambda r: -r["bytes"])
-    by_pool: dict[str, int] = defaultdict(int)
+    by_pool: dict[str, float] = defaultdict(float)
     for r in rows:
-        by_pool[r["pool"]] += r["bytes"]
-    return rows, dict(by_pool)
+        by_pool[r["pool"]] += r["mib"]
+    return rows, dict(by_pool), frees
 
 
 def record_segments() -> None:
@@ -99,12 +109,13 @@ def run(args: argparse.Namespace, reserve: int) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     free0, _ = torch.cuda.mem_get_info()
+    record_segments()
     model = random_model(cfg, False, dtype, "cuda")
     llm = LLM.from_parts(model, weights, None, budget + reserve, "cuda", model_name=args.workload, detokenize=False,
                          block_size=args.block_size, activation_reserve=reserve, **options)
     torch.cuda.synchronize()
-    reserved_built = torch.cuda.memory_reserved()
-    record_segments()  # from here: what the workload adds to the engine as built
+    reserved_built, allocated_built = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    built = len(torch.cuda.memory._snapshot()["device_traces"][0])  # history entries of the build
     for replay in range(2):
         if args.workload == "bench":
             serve(llm, args.batch, args.seq_len - args.gen, args.gen, cfg.vocab_size, seed=replay)
@@ -114,7 +125,8 @@ def run(args: argparse.Namespace, reserve: int) -> dict:
     st = llm.stats()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    sources, by_pool = attribute(snap)
+    setup_sources, setup_by_pool, _ = attribute(snap, 0, built)
+    sources, by_pool, frees = attribute(snap, built)
     peak = torch.cuda.max_memory_reserved()
     free1, _ = torch.cuda.mem_get_info()
     graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
@@ -123,13 +135,17 @@ def run(args: argparse.Namespace, reserve: int) -> dict:
            "reserved_after_setup_mib": reserved_built / MIB, "peak_reserved_mib": peak / MIB,
            "peak_over_budget_mib": (peak - st["budget_bytes"]) / MIB,
            "reserved_after_setup_over_budget_mib": (reserved_built - st["budget_bytes"]) / MIB,
+           "allocated_after_setup_over_budget_mib": (allocated_built - st["budget_bytes"]) / MIB,
+           "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
            "device_used_by_process_mib": (free0 - free1) / MIB,  # mem_get_info: includes memory torch does not see
            "device_used_not_torch_mib": (free0 - free1 - torch.cuda.memory_reserved()) / MIB,
-           "added_by_workload_by_pool_mib": {k: v / MIB for k, v in by_pool.items()},
+           "live_segments_of_setup_by_pool_mib": setup_by_pool, "live_segments_of_workload_by_pool_mib": by_pool,
+           "segments_freed_in_workload": frees,
            "decode_graphs_captured": graphs and graphs.captured, "preemptions": st["preemptions"],
-           "sources": sources[:args.top]}
-    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if k != "sources"}, file=sys.stderr)
-    for r in sources[:args.top]:
+           "sources": sources[:args.top], "setup_sources": setup_sources[:args.top]}
+    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if "sources" not in k}, file=sys.stderr)
+    for r in sources[:args.top] + [{"pool": "(setup)", "source": "", "mib": 0, "segments": 0, "allocated_bytes": 0}] \
+            + setup_sources[:args.top]:
         print(f"  {r['pool']:>10} {r['mib']:9.1f} MiB in {r['segments']:4d} segments ({r['allocated_bytes'] / MIB:8.1f}"
               f" allocated at the end)  {r['source']}", file=sys.stderr)
     del llm, model
