@@ -198,11 +198,13 @@ class LLM:
         """Pool, weights, KV cache, scheduler and runner around a loaded model."""
         opts, cfg = self.options, model.config
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
+        # on CUDA, the weights in one allocation: the bytes the budget counts for them are the bytes they reserve
+        packed = model.pack_weights() if self.device.type == "cuda" else 0
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
         self.page_bytes = round_up(layer_bytes, PAGE_ALIGN)
-        outside = param_bytes(model)  # AP: experts are not parameters, so this is the non-paged rest
+        outside = max(param_bytes(model), packed)  # AP: experts are not parameters, so this is the non-paged rest
         kv_block = self.page_bytes * cfg.num_hidden_layers
         if gpu_memory_budget is None:
             if opts.activation_reserve:

@@ -323,3 +323,30 @@ def test_fused_projections_match_transformers(pair):
     with torch.no_grad():
         ref = hf(ids).logits
         assert max_rel_err(fused(ids), ref) <= 1e-4, family
+
+
+def test_packed_weights_are_views_of_one_allocation(pair):
+    """`pack_weights` puts every parameter in one 256-byte-aligned allocation, each a view of it, a tied head still
+    the embedding's tensor (moved once), and the model computes the same logits bit for bit (the engine packs on
+    CUDA; the copy is the same on any device)."""
+    family, _, ours, _ = pair
+    packed = copy.deepcopy(ours)
+    packed.fuse_projections()
+    packed.lm_head.weight = packed.embed_tokens.weight  # tied, as some checkpoints are
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = packed(ids)
+    names = [n for n, _ in packed.named_parameters()]
+    total = packed.pack_weights()
+    params = list(packed.parameters())
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in params), family
+    assert total == params[0].untyped_storage().nbytes() == sum(-(-p.numel() * p.element_size() // 256) * 256
+                                                                for p in params)
+    assert all((p.data_ptr() - base) % 256 == 0 for p in params)
+    spans = sorted((p.data_ptr() - base, p.numel() * p.element_size()) for p in params)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # no two weights overlap
+    assert [n for n, _ in packed.named_parameters()] == names
+    assert packed.lm_head.weight is packed.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(packed(ids), before)

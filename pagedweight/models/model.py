@@ -5,6 +5,7 @@ expert tensors, which are the only ones stored differently).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 import torch
@@ -16,6 +17,7 @@ from pagedweight.models.layers import (MLP, Attention, DecoderLayer, DenseExpert
 
 BlockKey = tuple[int, int, str]  # (layer, expert, "gate_up" | "down")
 BLOCK_KINDS = ("gate_up", "down")
+WEIGHT_ALIGN = 256  # bytes: each packed weight starts 256-byte aligned, as the caching allocator's blocks do
 
 
 class MoEForCausalLM(nn.Module):
@@ -62,6 +64,38 @@ class MoEForCausalLM(nn.Module):
             layer.mlp.fuse_inputs()
             if self.lm_head.weight.is_cuda:
                 torch.cuda.empty_cache()
+
+    def pack_weights(self) -> int:
+        """Move every parameter and buffer into one allocation on its device, each a view of it (256-byte aligned);
+        returns that allocation's bytes. Why: building the model and fusing its projections leave the caching
+        allocator's segments with holes where unfused weights were, reserved but only reusable by allocations that
+        fit them (on the H200, 337 MiB beyond the weights' bytes for the Qwen1.5-MoE shape:
+        benchmarks/results/memory_gap-nvidia-h200-20261130-memgap2-4.json); after this the weights reserve their own
+        bytes, rounded to the allocator's 2 MiB. The copies go device to device while the device has the room for
+        a second copy, else through host memory. Tied weights stay tied (one tensor object, moved once)."""
+        tensors = list({id(t): t for t in itertools.chain(self.parameters(), self.buffers())}.values())
+        if not tensors:
+            return 0
+        device = tensors[0].device
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + -(-n // WEIGHT_ALIGN) * WEIGHT_ALIGN)
+        total = offsets[-1]
+        via_host = device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < total + (256 << 20)
+        with torch.no_grad():
+            if via_host:
+                for t in tensors:
+                    t.data = t.data.cpu()
+                torch.cuda.empty_cache()
+            arena = torch.empty(total, dtype=torch.uint8, device=device)
+            for t, off, n in zip(tensors, offsets, sizes):
+                view = arena[off:off + n].view(t.dtype).view(t.shape)
+                view.copy_(t.data)
+                t.data = view
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the old segments now hold nothing
+        return total
 
     def use_layer_kernels(self, on: bool = True) -> bool:
         """Turn the fused layer kernels (cuda/layer_kernels.py) on or off: each layer's norms (the residual add fused
