@@ -199,7 +199,8 @@ class LLM:
         opts, cfg = self.options, model.config
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
         # on CUDA, the weights in one allocation: the bytes the budget counts for them are the bytes they reserve
-        packed = model.pack_weights() if self.device.type == "cuda" else 0
+        budget = None if gpu_memory_budget is None else resolve_budget(gpu_memory_budget, self.device)
+        packed = model.pack_weights(budget) if self.device.type == "cuda" else 0
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
@@ -215,7 +216,7 @@ class LLM:
                                   + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
                                   for s in weights.specs)
         else:
-            pool_bytes = resolve_budget(gpu_memory_budget, self.device) - outside - opts.activation_reserve
+            pool_bytes = budget - outside - opts.activation_reserve
             if pool_bytes < kv_block:
                 raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights and an "
                                  f"activation_reserve of {opts.activation_reserve} B: not even one KV block "

@@ -321,6 +321,26 @@ def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
     llm.table.check()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the allocator's segments: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("limit", [None, 1])  # device to device; through host memory (no second copy fits)
+def test_packed_weights_on_gpu(hf_dir, limit):
+    """Both ways `pack_weights` copies on CUDA leave every weight a view of one device allocation and the logits
+    bit for bit what they were (the engine packs its model this way before sizing the pool)."""
+    from pagedweight.models import load_model
+
+    model = load_model(hf_dir[0], dtype=torch.float16, device=DEVICE)
+    model.fuse_projections()
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        before = model(ids)
+        model.pack_weights(limit)
+        after = model(ids)
+    params = list(model.parameters())
+    assert all(p.is_cuda and p.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr()
+               for p in params)
+    assert torch.equal(after, before)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 def test_cuda_graph_decode_equals_eager(ap_dir):
     """Decode-only steps replayed from whole-step CUDA graphs (runner.DecodeGraphs) and the MoE launches of mixed

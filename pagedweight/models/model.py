@@ -65,14 +65,15 @@ class MoEForCausalLM(nn.Module):
             if self.lm_head.weight.is_cuda:
                 torch.cuda.empty_cache()
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, limit: int | None = None) -> int:
         """Move every parameter and buffer into one allocation on its device, each a view of it (256-byte aligned);
         returns that allocation's bytes. Why: building the model and fusing its projections leave the caching
         allocator's segments with holes where unfused weights were, reserved but only reusable by allocations that
         fit them (on the H200, 337 MiB beyond the weights' bytes for the Qwen1.5-MoE shape:
         benchmarks/results/memory_gap-nvidia-h200-20261130-memgap2-4.json); after this the weights reserve their own
-        bytes, rounded to the allocator's 2 MiB. The copies go device to device while the device has the room for
-        a second copy, else through host memory. Tied weights stay tied (one tensor object, moved once)."""
+        bytes, rounded to the allocator's 2 MiB. The copies go device to device when a second copy fits in `limit`
+        bytes (the engine's budget: start-up reserves no more than that) and in the device's free memory, else
+        through host memory (~1 s per 3 GB on the H200 box). Tied weights stay tied (one tensor object, moved once)."""
         tensors = list({id(t): t for t in itertools.chain(self.parameters(), self.buffers())}.values())
         if not tensors:
             return 0
@@ -82,7 +83,8 @@ class MoEForCausalLM(nn.Module):
         for n in sizes:
             offsets.append(offsets[-1] + -(-n // WEIGHT_ALIGN) * WEIGHT_ALIGN)
         total = offsets[-1]
-        via_host = device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < total + (256 << 20)
+        via_host = device.type == "cuda" and (2 * total > (limit or 2 * total)
+                                              or torch.cuda.mem_get_info(device)[0] < total + (256 << 20))
         with torch.no_grad():
             if via_host:
                 for t in tensors:
