@@ -5,15 +5,15 @@ pools and the prefill's dequantize scratch come on top (pagedweight/engine.py). 
 with torch's allocator history on (segment events only, Python stacks) and attributes every segment the caching
 allocator reserved after the engine was built to the code that asked for it: the innermost frame in this
 repository and its pool (the default pool, or a CUDA-graph pool). Then, with `--reserve`, it builds the engine
-again with budget + gap and activation_reserve = gap (the pool the same size) and replays the workload: is the
-peak reserved within that budget?
+again with budget + gap and activation_reserve = gap (the pool the same size; "measured") or "auto" (the engine's
+start-up profile decides), and replays the workload: is the peak reserved within that budget?
 
 Measured: torch.cuda.max_memory_reserved, each segment's size and pool (torch.cuda.memory._snapshot), and
 torch.cuda.mem_get_info's device-wide use (the CUDA context and non-torch allocations, which torch's reserved
 bytes do not count). Computed: the budget (benchmarks/engine_bench.py's and kv_pressure.py's formulas).
 
-    python -m benchmarks.memory_gap --workload bench --batch 4 --reserve    # H200
-    python -m benchmarks.memory_gap --workload pressure --reserve
+    python -m benchmarks.memory_gap --workload bench --batch 4 --reserve measured,auto    # H200
+    python -m benchmarks.memory_gap --workload pressure --reserve measured,auto
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from benchmarks.common import write_result
 from benchmarks.engine_bench import (ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
                                      page_bytes, random_model, serve)
 from benchmarks.kv_pressure import drive, workload
-from pagedweight.engine import LLM
+from pagedweight.engine import LLM, round_up
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / d) for d in ("pagedweight", "cuda", "actors"))
@@ -88,9 +88,9 @@ def record_segments() -> None:
                                                  max_entries=2_000_000)
 
 
-def run(args: argparse.Namespace, reserve: int) -> dict:
-    """Build the engine (budget + reserve, activation_reserve = reserve), replay the workload twice (the first
-    captures the graphs it needs), and report the memory."""
+def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict:
+    """Build the engine (the workload's budget + `more`, activation_reserve = `reserve`), replay the workload twice
+    (the first captures the graphs it needs), and report the memory."""
     cfg = model_config(False)
     dtype = torch.float16
     page = page_bytes(cfg, args.block_size, dtype)
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, reserve: int) -> dict:
     free0, _ = torch.cuda.mem_get_info()
     record_segments()
     model = random_model(cfg, False, dtype, "cuda")
-    llm = LLM.from_parts(model, weights, None, budget + reserve, "cuda", model_name=args.workload, detokenize=False,
+    llm = LLM.from_parts(model, weights, None, budget + more, "cuda", model_name=args.workload, detokenize=False,
                          block_size=args.block_size, activation_reserve=reserve, **options)
     torch.cuda.synchronize()
     reserved_built, allocated_built = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -131,7 +131,8 @@ def run(args: argparse.Namespace, reserve: int) -> dict:
     free1, _ = torch.cuda.mem_get_info()
     graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
     row = {"workload": args.workload, "batch": args.batch if args.workload == "bench" else None,
-           "activation_reserve_mib": reserve / MIB, "budget_mib": st["budget_bytes"] / MIB,
+           "activation_reserve": reserve, "activation_reserve_mib": llm.options.activation_reserve / MIB,
+           "budget_mib": st["budget_bytes"] / MIB,
            "reserved_after_setup_mib": reserved_built / MIB, "peak_reserved_mib": peak / MIB,
            "peak_over_budget_mib": (peak - st["budget_bytes"]) / MIB,
            "reserved_after_setup_over_budget_mib": (reserved_built - st["budget_bytes"]) / MIB,
@@ -163,18 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--reserve", action="store_true",
-                   help="then run again with activation_reserve = the measured gap (rounded up to 2 MiB), budget + gap")
+    p.add_argument("--reserve", default="",
+                   help="then run again at budget + the measured gap with activation_reserve = that gap (rounded up "
+                        "to 2 MiB; 'measured') and/or 'auto' (the engine's start-up profile), comma-separated")
     p.add_argument("--top", type=int, default=20, help="sources listed")
     p.add_argument("--label", default=None)
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs CUDA: it measures the device's caching allocator")
-    rows = [run(args, 0)]
-    if args.reserve:
-        gap = max(0, round(rows[0]["peak_over_budget_mib"] * MIB))
-        rows.append(run(args, -(-gap // (2 * MIB)) * 2 * MIB))
+    rows = [run(args)]
+    gap = round_up(max(0, round(rows[0]["peak_over_budget_mib"] * MIB)), 2 * MIB)
+    for mode in filter(None, args.reserve.split(",")):
+        if mode not in ("measured", "auto"):
+            p.error(f"--reserve {mode!r}: measured or auto")
+        rows.append(run(args, gap if mode == "measured" else "auto", gap))
         rows[-1]["peak_within_budget"] = rows[-1]["peak_over_budget_mib"] <= 0
     print(write_result("memory_gap", rows, out_dir=args.out_dir, label=args.label or args.workload))
     return 0

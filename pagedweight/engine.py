@@ -17,6 +17,7 @@ bytes the budget covers, computed, and the device's reserved bytes, measured).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import time
@@ -74,9 +75,10 @@ class EngineOptions:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: int = 64 << 20  # KV pool size when no gpu_memory_budget is given
     # bytes of gpu_memory_budget kept out of the pool for what runs beside it (activations, CUDA-graph pools, the
-    # prefill's dequantize scratch): set to the gap device_peak_reserved_bytes - budget_bytes (stats()) measured on a
-    # run of the same shapes, and the budget bounds the process's whole footprint. 0: weights and the pool only
-    activation_reserve: int = 0
+    # prefill's dequantize scratch), so that the budget bounds the process's whole footprint: "auto" measures them at
+    # start-up (`LLM._profile_reserve`), or give the gap device_peak_reserved_bytes - budget_bytes (stats()) of a run
+    # of the same shapes. 0: the budget covers the weights and the pool only
+    activation_reserve: int | str = 0
     detokenize: bool = True
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
@@ -124,6 +126,12 @@ class PagingStats:
     move_refusals: int = 0  # of which refused (busy, out of pages, or would take KV the admitted requests need)
     observe_host_s: float = 0.0  # measured: host time reading routing statistics into the planner
     overlapped_boundaries: int = 0  # boundaries that ran beside their step's forward instead of before it
+
+
+# activation_reserve="auto" keeps the profile's measured gap and this share more: the profile runs fewer step shapes
+# than a long run does, and with a reserve equal to the gap of the same run the H200 peaks still rose 11-52 MiB
+# (<= 7 %) above the budget (benchmarks/results/memory_gap-nvidia-h200-20261130-memgap-*-packed.json)
+AUTO_RESERVE_MARGIN = 0.1
 
 
 def round_up(n: int, m: int) -> int:
@@ -185,9 +193,9 @@ class LLM:
             raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
         if self.options.compact_every_steps < 0:
             raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
-        if not isinstance(self.options.activation_reserve, int) or self.options.activation_reserve < 0:
-            raise ValueError(f"activation_reserve must be an int of bytes >= 0, got "
-                             f"{self.options.activation_reserve!r}")
+        reserve = self.options.activation_reserve
+        if reserve != "auto" and (not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0):
+            raise ValueError(f"activation_reserve must be an int of bytes >= 0 or 'auto', got {reserve!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
@@ -195,7 +203,8 @@ class LLM:
 
     def _setup(self, model: MoEForCausalLM, gpu_memory_budget: int | float | None,
                weights: APWeights | None) -> None:
-        """Pool, weights, KV cache, scheduler and runner around a loaded model."""
+        """Size the pool (the budget less the weights outside it and the activation reserve, measured first when
+        "auto"), then build the engine around the loaded model."""
         opts, cfg = self.options, model.config
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
         # on CUDA, the weights in one allocation: the bytes the budget counts for them are the bytes they reserve
@@ -206,8 +215,9 @@ class LLM:
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
         self.page_bytes = round_up(layer_bytes, PAGE_ALIGN)
         outside = max(param_bytes(model), packed)  # AP: experts are not parameters, so this is the non-paged rest
+        self.weights_outside_bytes = outside
         kv_block = self.page_bytes * cfg.num_hidden_layers
-        if gpu_memory_budget is None:
+        if budget is None:
             if opts.activation_reserve:
                 raise ValueError("activation_reserve is a share of gpu_memory_budget: give a budget too")
             pool_bytes = opts.kv_cache_bytes
@@ -216,13 +226,22 @@ class LLM:
                                   + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
                                   for s in weights.specs)
         else:
-            pool_bytes = budget - outside - opts.activation_reserve
-            if pool_bytes < kv_block:
-                raise ValueError(f"gpu_memory_budget leaves {pool_bytes} B after {outside} B of weights and an "
-                                 f"activation_reserve of {opts.activation_reserve} B: not even one KV block "
-                                 f"({kv_block} B)")
+            def pool_after(reserve: int) -> int:
+                if budget - outside - reserve < kv_block:
+                    raise ValueError(f"gpu_memory_budget leaves {budget - outside - reserve} B after {outside} B of "
+                                     f"weights and an activation_reserve of {reserve} B: not even one KV block "
+                                     f"({kv_block} B)")
+                return budget - outside - reserve
+
+            if opts.activation_reserve == "auto":
+                self.options = opts = replace(opts, activation_reserve=self._profile_reserve(pool_after(0), weights))
+            pool_bytes = pool_after(opts.activation_reserve)
+        self._build(pool_bytes, weights)
+
+    def _build(self, pool_bytes: int, weights: APWeights | None) -> None:
+        """Pool, weights, KV cache, scheduler and runner around the sized model."""
+        model, cfg, opts = self.model, self.config, self.options
         self.pool = PagePool(pool_bytes, self.page_bytes, device=self.device)
-        self.weights_outside_bytes = outside
         self.table = self.mover = self.planner = self.router_stats = None
         if weights is not None:
             self._setup_weights(model, weights)
@@ -247,7 +266,65 @@ class LLM:
         self._climbing = False  # the last boundary wanted no offload: widths only climb (or stay), see step()
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
-                    self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, outside)
+                    self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, self.weights_outside_bytes)
+
+    def _profile_reserve(self, room: int, weights: APWeights | None) -> int:
+        """activation_reserve="auto": the bytes the device's caching allocator reserves beyond the weights and the
+        pool while the engine runs its largest steps, plus AUTO_RESERVE_MARGIN of them (measured on CUDA; nothing
+        to measure elsewhere: 0). The profile builds the engine with half the pool's `room`, so that the
+        profile itself stays within the budget while the gap is at most the other half (or with all of it when the
+        experts at their lowest width and one step of KV do not fit half), runs `_profile_steps`, and releases it.
+        What it cannot see: graphs of decode shapes it did not run (their logits and tables) and the allocator's
+        fragmentation over a long run (benchmarks/memory_gap.py measures both against the reserve)."""
+        try:
+            self._build(room // 2, weights)
+        except ValueError:  # "gpu_memory_budget too small" at half: profile with the whole pool
+            self._release(weights)
+            self._build(room, weights)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        self._profile_steps()
+        gap = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            gap = torch.cuda.max_memory_reserved(self.device) - base
+        self._release(weights)
+        reserve = round_up(int(gap * (1 + AUTO_RESERVE_MARGIN)), 2 << 20)
+        logger.info("activation reserve: {:.1f} MiB measured in {:.2f} s of profile steps{}, {:.1f} MiB kept",
+                    gap / 2**20, time.perf_counter() - t0, "" if cuda else f" (nothing to measure on {self.device})",
+                    reserve / 2**20)
+        return reserve
+
+    def _profile_steps(self) -> None:
+        """The largest steps the engine schedules: one prompt as long as the KV cache and max_model_len allow (its
+        chunks of max_num_batched_tokens at the longest context), then max_num_seqs one-token prompts decoding
+        together (their step shape seen a second time: captured where the engine captures decode graphs)."""
+        opts, vocab = self.options, self.config.vocab_size
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        blocks = self.kv.num_free_blocks - opts.max_num_seqs - 2  # room for the short prompts' blocks
+        longest = max(1, min(self.max_model_len - params.max_tokens, blocks * opts.block_size))
+        self.generate([[(7 * i + 3) % vocab for i in range(longest)]], params, use_tqdm=False)
+        self.generate([[(11 * i + 5) % vocab] for i in range(opts.max_num_seqs)], params, use_tqdm=False)
+
+    def _release(self, weights: APWeights | None) -> None:
+        """Drop everything that holds the pool (the profile's engine), so that its memory is free for the next
+        build: the runner's hook and graphs, the KV cache, table, mover and planner, and the experts that read the
+        pool (their weights are the pool's: the next build installs new readers)."""
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
+        self.model.set_router_observer(None)
+        if weights is not None:
+            for layer in range(self.config.num_hidden_layers):
+                self.model.set_experts(layer, torch.nn.Identity())
+        self.runner = self.kv = self.scheduler = self.table = self.mover = self.planner = None
+        self.router_stats = self.pool = None
+        gc.collect()  # graphs and modules in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _setup_weights(self, model: MoEForCausalLM, weights: APWeights) -> None:
         """Page table and mover over the pool; load every block at the widest uniform width that leaves the KV
@@ -794,9 +871,10 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
                    help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
                         "(default: every block at full width plus 64 MiB of KV)")
-    p.add_argument("--activation-reserve", default="0", metavar="BYTES",
-                   help="share of the budget kept for activations, CUDA-graph pools and scratch, e.g. 1GiB (the "
-                        "summary's measured peak minus the budget on an earlier run): the budget then bounds it all")
+    p.add_argument("--activation-reserve", default="0", metavar="BYTES|auto",
+                   help="share of the budget kept for activations, CUDA-graph pools and scratch, so that the budget "
+                        "bounds it all: auto (measured by profile steps at start-up) or bytes, e.g. 1GiB (the "
+                        "summary's measured peak minus the budget on an earlier run)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
     src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
@@ -827,9 +905,11 @@ def run(args) -> int:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
-    reserve = parse_budget(args.activation_reserve, "--activation-reserve")
-    if not isinstance(reserve, int):
-        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB), not a fraction")
+    reserve = "auto" if args.activation_reserve == "auto" else parse_budget(args.activation_reserve,
+                                                                           "--activation-reserve")
+    if isinstance(reserve, float):
+        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
+                         "fraction")
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: not a directory")

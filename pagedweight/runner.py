@@ -514,12 +514,17 @@ class ModelRunner:
             # brings a new context length each time: 6.5 ms of host time per layer call on the H200
             # (torch.profiler, 2026-11-29). The flash and memory-efficient kernels take any shape as it comes.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        model.norm.register_forward_hook(self._keep_sampled_rows)
+        self._hook = model.norm.register_forward_hook(self._keep_sampled_rows)
         self.decode: DecodeGraphs | None = None
         if max_num_seqs > 0:
             max_len = max_model_len or model.config.max_position_embeddings
             self.decode = DecodeGraphs(model, kv, decode_batch_sizes(max_num_seqs), -(-max_len // kv.block_size),
                                        device.type == "cuda" if capture is None else capture, layer_kernels)
+
+    def close(self) -> None:
+        """Unhook the model (an engine that rebuilds its runner over the same model: `LLM._release`)."""
+        self._hook.remove()
+        self.decode = None
 
     def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         """Final-norm hook: the LM head then sees only the rows that get sampled."""

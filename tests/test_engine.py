@@ -277,6 +277,55 @@ def test_activation_reserve_is_taken_from_the_pool(hf_dir):
         LLM(path, budget, block_size=4, activation_reserve=-1)
 
 
+def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir):
+    """activation_reserve="auto" builds a profile engine (half the pool), runs its largest steps and releases it
+    before the real build: afterwards the engine is the one a plain build gives (on this device nothing to measure:
+    reserve 0, the same pool, widths and tokens), its step counter starts at 0, the model carries one LM-head hook,
+    and the experts read the new pool. "auto" needs a budget; any other string is refused."""
+    path, _ = hf_dir
+    probe = LLM(path, block_size=4)
+    budget = param_bytes(probe.model) + 64 * probe.page_bytes
+    for src, extra in ((path, {}), (ap_dir, dict(page_store_dir=str(ap_dir / "store")))):
+        if extra:
+            ap_probe = LLM(ap_dir, block_size=4, **extra)
+            budget = (param_bytes(ap_probe.model) + ap_probe.stats()["resident_weight_bytes"]
+                      + ap_probe.pool.bytes_of(ap_probe.pool.reserve_pages) + 12 * ap_probe.kv.block_bytes)
+        plain = LLM(src, budget, block_size=4, max_num_batched_tokens=16, **extra)
+        auto = LLM(src, budget, block_size=4, max_num_batched_tokens=16, activation_reserve="auto", **extra)
+        assert auto.options.activation_reserve == 0 and auto.num_steps == 0 and not auto._requests
+        assert auto.pool.capacity_pages == plain.pool.capacity_pages
+        assert auto.stats()["budget_bytes"] == plain.stats()["budget_bytes"]
+        assert len(auto.model.norm._forward_hooks) == 1
+        if extra:
+            assert np.array_equal(auto.committed_widths(), plain.committed_widths())
+            assert all(layer.mlp.experts.pool is auto.pool for layer in auto.model.layers)
+        want = [o.token_ids for o in plain.generate(PROMPTS, greedy(8), use_tqdm=False)]
+        assert [o.token_ids for o in auto.generate(PROMPTS, greedy(8), use_tqdm=False)] == want
+    with pytest.raises(ValueError, match="activation_reserve"):
+        LLM(path, block_size=4, activation_reserve="auto")  # no budget
+    with pytest.raises(ValueError, match="activation_reserve"):
+        LLM(path, budget, block_size=4, activation_reserve="plenty")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="measures the CUDA allocator: PAGEDWEIGHT_TEST_DEVICE=cuda (on the H200)")
+def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
+    """On CUDA the profile measures a gap: the reserve is > 0, the pool that many whole pages smaller than a plain
+    build's, and the engine serves the tokens an engine given that reserve as bytes serves."""
+    extra = dict(device=DEVICE, block_size=16, max_num_batched_tokens=64, page_store_dir=str(ap_dir / "store"))
+    probe = LLM(ap_dir, **extra)
+    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 64 * probe.kv.block_bytes)
+    plain = LLM(ap_dir, budget, **extra)
+    auto = LLM(ap_dir, budget, activation_reserve="auto", **extra)
+    reserve = auto.options.activation_reserve
+    assert reserve > 0 and reserve % (2 << 20) == 0
+    assert plain.pool.capacity_pages - auto.pool.capacity_pages in (reserve // plain.page_bytes,
+                                                                    -(-reserve // plain.page_bytes))
+    given = LLM(ap_dir, budget, activation_reserve=reserve, **extra)
+    want = [o.token_ids for o in given.generate(PROMPTS, greedy(12), use_tqdm=False)]
+    assert [o.token_ids for o in auto.generate(PROMPTS, greedy(12), use_tqdm=False)] == want
+
+
 def test_output_kinds_carry_the_same_tokens(hf_dir):
     """Per step, "cumulative" outputs carry every token so far, "delta" ones only the new tokens (joined: the same
     tokens), "final_only" requests one output at the end; every output counts the tokens generated so far. With
