@@ -11,9 +11,11 @@ error; none is dropped.
 
 Memory: `gpu_memory_budget` covers model weights and the KV cache. Weights that are not paged (attention,
 embeddings, norms, router, shared experts; all weights on the dense path) are taken off the top; the rest is
-the page pool, shared by expert bit-planes/LUTs and KV blocks. Activations, CUDA-graph pools and the prefill's
-scratch come on top of the budget, unless `activation_reserve` keeps a share of it for them (stats() reports the
-bytes the budget covers, computed, and the device's reserved bytes, measured).
+the page pool, shared by expert bit-planes/LUTs and KV blocks. On CUDA the weights outside the pool are packed into
+one allocation first (`MoEForCausalLM.pack_weights`), so they reserve what the budget counts for them. Activations,
+CUDA-graph pools and the prefill's scratch come on top of the budget, unless `activation_reserve` keeps a share of it
+for them, given in bytes or measured at start-up ("auto": `_profile_reserve`); stats() reports the bytes the budget
+covers, computed, and the device's reserved bytes, measured.
 """
 from __future__ import annotations
 
@@ -130,7 +132,8 @@ class PagingStats:
 
 # activation_reserve="auto" keeps the profile's measured gap and this share more: the profile runs fewer step shapes
 # than a long run does. On the H200 it measured 336 MiB where two replays of engine_bench's batch 1 and 4 reached
-# 389 and 413 MiB above the budget, and 804 MiB where the KV-pressure workload reached 752-911 MiB
+# 389 and 413 MiB above the budget, and 804 MiB where the KV-pressure workload reached 752 MiB; given a reserve of the
+# 804 MiB + 10 %, that workload still peaked 98 MiB above the budget
 # (benchmarks/results/memory_gap-nvidia-h200-20261130-memgap-*-auto.json)
 AUTO_RESERVE_MARGIN = 0.25
 
