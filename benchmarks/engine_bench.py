@@ -82,12 +82,13 @@ def model_config(tiny: bool, scaled: bool = False) -> ModelConfig:
     return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else QWEN15_MOE))
 
 
-def outside_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the weights outside the pool as the engine holds them: the serving layout (`fuse_projections`, whose
-    fused input projection has alignment rows) of the model without its routed experts."""
+def outside_bytes(cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> int:
+    """Bytes of the weights outside the pool as the engine holds them on `device`: the serving layout
+    (`fuse_projections`, whose fused input projection has alignment rows) of the model without its routed experts,
+    packed in one allocation on CUDA (`pack_weights`: each weight 256-byte aligned)."""
     model = random_model(cfg, False, dtype, "meta")
     model.fuse_projections()
-    return param_bytes(model)
+    return model.packed_bytes() if torch.device(device).type == "cuda" else param_bytes(model)
 
 
 def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, device: str, seed: int = 0
@@ -572,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits, heads=args.heads)
-    outside = outside_bytes(cfg, dtype)
+    outside = outside_bytes(cfg, dtype, args.device)
     element = torch.empty((), dtype=dtype).element_size()
     expert_dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * element
     rows: list[dict] = []

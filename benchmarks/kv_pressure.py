@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits, seed=args.seed, heads=args.heads)
-    outside = outside_bytes(cfg, dtype)
+    outside = outside_bytes(cfg, dtype, args.device)
     kv_block = page * cfg.num_hidden_layers
     budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + room * kv_block
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)

@@ -47,18 +47,21 @@ def our_frame(frames: list[dict]) -> str:
 
 
 def attribute(snapshot: dict, start: int = 0, stop: int | None = None) -> tuple[list[dict], dict, int]:
-    """Segments still reserved, each by the last `segment_alloc` event at its address among trace entries
-    [start, stop) of the recorded history, grouped by (pool, allocating frame); and the `segment_free` events there
-    (the allocator gives cached segments back when a cudaMalloc fails, or on empty_cache)."""
+    """Segments still reserved whose last `segment_alloc` event (over the whole recorded history: the allocator may
+    free a segment and allocate one again at its address) is among trace entries [start, stop), grouped by (pool,
+    allocating frame); and the `segment_free` events there (the allocator gives cached segments back when a
+    cudaMalloc fails, on empty_cache, and with a released graph pool)."""
     live = {s["address"]: s for s in snapshot["segments"]}
-    last: dict[int, dict] = {}
-    frees = 0
-    for e in snapshot["device_traces"][0][start:stop]:
+    trace = snapshot["device_traces"][0]
+    stop = len(trace) if stop is None else stop
+    last: dict[int, tuple[int, dict]] = {}
+    for i, e in enumerate(trace):
         if e["action"] == "segment_alloc":
-            last[e["addr"]] = e
+            last[e["addr"]] = (i, e)
         elif e["action"] == "segment_free":
             last.pop(e["addr"], None)
-            frees += 1
+    frees = sum(e["action"] == "segment_free" for e in trace[start:stop])
+    last = {addr: e for addr, (i, e) in last.items() if start <= i < stop}
     groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"segments": 0, "bytes": 0, "allocated_bytes": 0})
     for addr, e in last.items():
         seg = live.get(addr)
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
     dtype = torch.float16
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits)
-    outside = outside_bytes(cfg, dtype)
+    outside = outside_bytes(cfg, dtype, "cuda")
     if args.workload == "bench":
         kv = kv_bytes(cfg, args.batch, args.seq_len, args.block_size, page, args.chunk)
         budget = outside + expert_pool_bytes(weights, args.bits, page) + kv

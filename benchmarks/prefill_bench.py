@@ -114,7 +114,7 @@ def engine_rows(arms: dict, batches: list[int], reps: int) -> list[dict]:
     cfg = eb.model_config(False)
     dtype = torch.float16
     page = eb.page_bytes(cfg, ns.block_size, dtype)
-    outside = eb.outside_bytes(cfg, dtype)
+    outside = eb.outside_bytes(cfg, dtype, ns.device)
     PARENT_BITS[0] = 6
     weights = eb.ap_weights(cfg, PARENT_BITS[0])
     dense = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2

@@ -38,8 +38,8 @@ def fragmented_engine(batch: int, seq_len: int, device: str = "cpu") -> LLM:
     dtype = torch.float16 if device == "cuda" else torch.float32
     page = page_bytes(cfg, 16, dtype)
     model = random_model(cfg, False, dtype, device)
-    budget = outside_bytes(cfg, dtype) + expert_pool_bytes(weights, 4, page) + kv_bytes(cfg, batch, seq_len, 16, page,
-                                                                                      512)
+    budget = (outside_bytes(cfg, dtype, device) + expert_pool_bytes(weights, 4, page)
+              + kv_bytes(cfg, batch, seq_len, 16, page, 512))
     llm = LLM.from_parts(model, weights, None, budget, device, model_name="release-burst", detokenize=False,
                          block_size=16, max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=seq_len + 16,
                          bits=6, paging=True)

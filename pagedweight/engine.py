@@ -211,14 +211,14 @@ class LLM:
         "auto"), then build the engine around the loaded model."""
         opts, cfg = self.options, model.config
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
-        # on CUDA, the weights in one allocation: the bytes the budget counts for them are the bytes they reserve
+        # the weights outside the pool (AP: experts are not parameters, so this is the non-paged rest); on CUDA in
+        # one allocation, whose bytes are what the budget counts for them and what they reserve
         budget = None if gpu_memory_budget is None else resolve_budget(gpu_memory_budget, self.device)
-        packed = model.pack_weights(budget) if self.device.type == "cuda" else 0
+        outside = model.pack_weights(budget) if self.device.type == "cuda" else param_bytes(model)
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
         self.page_bytes = round_up(layer_bytes, PAGE_ALIGN)
-        outside = max(param_bytes(model), packed)  # AP: experts are not parameters, so this is the non-paged rest
         self.weights_outside_bytes = outside
         kv_block = self.page_bytes * cfg.num_hidden_layers
         if budget is None:

@@ -176,7 +176,8 @@ def test_budgets_count_the_weights_outside_the_pool_as_the_engine_holds_them():
     """engine_bench and kv_pressure size their budgets with outside_bytes: the serving layout (fused projections and
     the fused input projection's alignment rows), exactly what the engine's model holds outside the pool. Counted
     from the unfused model, the budget came up short by the alignment rows, and a budget meant to hold every expert at
-    the parent width started them a width lower."""
+    the parent width started them a width lower. On CUDA the engine packs those weights in one allocation, each
+    256-byte aligned, and counts its bytes (`packed_bytes`): the CUDA budgets count those."""
     import torch
 
     from benchmarks.engine_bench import ap_weights, model_config, outside_bytes, random_model
@@ -187,6 +188,7 @@ def test_budgets_count_the_weights_outside_the_pool_as_the_engine_holds_them():
                          detokenize=False)
     assert outside_bytes(cfg, torch.float32) == param_bytes(llm.model)
     assert outside_bytes(cfg, torch.float32) > param_bytes(random_model(cfg, False, torch.float32, "meta"))
+    assert outside_bytes(cfg, torch.float32, "cuda") == llm.model.packed_bytes() > param_bytes(llm.model)
 
 
 def test_engine_bench_observe_every_reaches_pagedweight_only():
@@ -219,3 +221,28 @@ def test_benchmark_checkpoints_carry_residual_heads_unless_told_not_to():
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.planner.features.shape == (llm.planner.tables.n_blocks, 4)  # the observed steps' block features
     assert np.isfinite(llm.planner.signals()[0]).all()
+
+
+def test_memory_gap_attributes_each_live_segment_to_its_last_allocation():
+    """A segment the allocator freed and allocated again at the same address counts once, by its last allocation
+    (the first H200 run counted it per allocation), a freed one not at all, and a graph pool's apart."""
+    from benchmarks.memory_gap import attribute
+
+    frame = lambda name: [{"filename": "/elsewhere/x.py", "line": 1, "name": name}]  # noqa: E731
+    snapshot = {
+        "segments": [{"address": 1, "total_size": 4 << 20, "allocated_size": 0, "segment_pool_id": (0, 0)},
+                     {"address": 2, "total_size": 2 << 20, "allocated_size": 1 << 20, "segment_pool_id": (1, 3)}],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": 1, "size": 4 << 20, "frames": frame("first")},
+            {"action": "segment_free", "addr": 1, "size": 4 << 20, "frames": []},
+            {"action": "segment_alloc", "addr": 1, "size": 4 << 20, "frames": frame("second")},
+            {"action": "segment_alloc", "addr": 2, "size": 2 << 20, "frames": frame("graph")},
+            {"action": "segment_alloc", "addr": 3, "size": 8 << 20, "frames": frame("gone")},
+            {"action": "segment_free", "addr": 3, "size": 8 << 20, "frames": []},
+        ]]}
+    rows, by_pool, frees = attribute(snapshot)
+    assert frees == 2 and by_pool == {"default": 4.0, "graph pool": 2.0}
+    assert [(r["pool"], r["source"], r["segments"]) for r in rows] == [("default", "x.py:1 second", 1),
+                                                                       ("graph pool", "x.py:1 graph", 1)]
+    assert attribute(snapshot, 0, 2)[1] == {}  # that address's live segment is the later allocation's
+    assert attribute(snapshot, 2)[0] == rows and attribute(snapshot, 2)[2] == 1

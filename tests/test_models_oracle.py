@@ -337,7 +337,9 @@ def test_packed_weights_are_views_of_one_allocation(pair):
     with torch.no_grad():
         before = packed(ids)
     names = [n for n, _ in packed.named_parameters()]
+    expected = packed.packed_bytes()
     total = packed.pack_weights()
+    assert total == expected
     params = list(packed.parameters())
     base = params[0].untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == base for p in params), family

@@ -73,15 +73,14 @@ class MoEForCausalLM(nn.Module):
         benchmarks/results/memory_gap-nvidia-h200-20261130-memgap2-4.json); after this the weights reserve their own
         bytes, rounded to the allocator's 2 MiB. The copies go device to device when a second copy fits in `limit`
         bytes (the engine's budget: start-up reserves no more than that) and in the device's free memory, else
-        through host memory (~1 s per 3 GB on the H200 box). Tied weights stay tied (one tensor object, moved once)."""
-        tensors = list({id(t): t for t in itertools.chain(self.parameters(), self.buffers())}.values())
+        through host memory (~1 s per GiB on the H200 box: the 26.7 GiB FP16 Qwen1.5-MoE shape built in 29 s against
+        3 s device to device, engine_bench-nvidia-h200-20261130-s20-packed-host.json and -s20-packed.json). Tied
+        weights stay tied (one tensor object, moved once)."""
+        tensors, offsets = self._packed_layout()
         if not tensors:
             return 0
         device = tensors[0].device
         sizes = [t.numel() * t.element_size() for t in tensors]
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + -(-n // WEIGHT_ALIGN) * WEIGHT_ALIGN)
         total = offsets[-1]
         via_host = device.type == "cuda" and (2 * total > (limit or 2 * total)
                                               or torch.cuda.mem_get_info(device)[0] < total + (256 << 20))
@@ -98,6 +97,19 @@ class MoEForCausalLM(nn.Module):
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the old segments now hold nothing
         return total
+
+    def packed_bytes(self) -> int:
+        """Bytes of the allocation `pack_weights` makes (what the engine counts for these weights on CUDA)."""
+        return self._packed_layout()[1][-1]
+
+    def _packed_layout(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Every distinct parameter and buffer, and where each starts in the packed allocation (the last offset is
+        its size)."""
+        tensors = list({id(t): t for t in itertools.chain(self.parameters(), self.buffers())}.values())
+        offsets = [0]
+        for t in tensors:
+            offsets.append(offsets[-1] + -(-t.numel() * t.element_size() // WEIGHT_ALIGN) * WEIGHT_ALIGN)
+        return tensors, offsets
 
     def use_layer_kernels(self, on: bool = True) -> bool:
         """Turn the fused layer kernels (cuda/layer_kernels.py) on or off: each layer's norms (the residual add fused
