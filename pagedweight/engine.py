@@ -971,7 +971,8 @@ def run(args) -> int:
     print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
     print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool"
-          f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve)"
+          f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve"
+          f"{', measured at start-up' if reserve == 'auto' else ''})"
           + ("" if st["device_peak_reserved_bytes"] is None else
              f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
              "(measured)"))

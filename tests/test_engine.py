@@ -762,7 +762,8 @@ def test_run_command(ap_dir, tmp_path, capsys):
                               "--device", "cpu", "--page-store-dir", str(ap_dir / "store"), "--show", "0",
                               "--gpu-memory-budget", "256MiB", "--activation-reserve", "auto"])
     assert run(auto) == 0
-    assert "requests 2 (length 2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "requests 2 (length 2)" in out and "MiB of activation reserve, measured at start-up" in out
     with pytest.raises(ValueError, match="--activation-reserve"):
         run(parser.parse_args(["run", "--model", str(ap_dir), "--num-prompts", "1", "--activation-reserve", "0.5"]))
     assert parse_budget("2GiB") == 2 << 30 and parse_budget("0.5") == 0.5 and parse_budget("1000") == 1000
