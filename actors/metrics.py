@@ -26,7 +26,8 @@ GAUGES = {
     "device_reserved_bytes": ("device_reserved_bytes", "Bytes torch's caching allocator holds on the engine's GPU "
                                                        "(measured; weights, pool, activations, graph pools)."),
     "device_peak_reserved_bytes": ("device_peak_reserved_bytes", "Peak of device_reserved_bytes since the process "
-                                                                 "started (measured)."),
+                                                                 "started, or since an activation_reserve='auto' "
+                                                                 "profile began (measured)."),
 }
 # cumulative total in LLM.stats() -> (metric name, description)
 COUNTERS = {

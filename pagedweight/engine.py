@@ -789,7 +789,8 @@ class LLM:
             "budget_bytes": (self.weights_outside_bytes + self.pool.bytes_of(self.pool.capacity_pages)
                              + self.options.activation_reserve),
             # measured on CUDA (None elsewhere): what torch's caching allocator holds on the device for this
-            # process, now and at its peak; the gap to budget_bytes is activations, CUDA-graph pools and scratch
+            # process, now and at its peak (since the process started, or since an "auto" reserve's profile began:
+            # it resets the peak); the gap to budget_bytes is activations, CUDA-graph pools and scratch
             "device_reserved_bytes": None,
             "device_peak_reserved_bytes": None,
         }
