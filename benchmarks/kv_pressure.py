@@ -29,6 +29,22 @@ from pagedweight.engine import LLM
 from pagedweight.sampling import SamplingParams
 
 
+# H200 defaults, computed (not measured) from the 2026-11-29 runs: with whole-step graphs a request of ~640 prompt and
+# 16 generated tokens lived ~0.25 s, so 1 arrival/s never overflowed static 6 bits' 128 KV blocks
+# (kv_pressure-nvidia-h200-20261129-home.json: 0 waits). 128 tokens (~1.1 s at ~8 ms a step) at 4/s keep ~4 requests
+# of ~48 blocks each alive: ~200 blocks wanted against 128.
+DEFAULTS = {"h200": dict(num_requests=24, rate=4.0, prompt_len=(256, 1024), gen=128, kv_room_blocks=128, chunk=1024),
+            "tiny": dict(num_requests=10, rate=4.0, prompt_len=(48, 160), gen=12, kv_room_blocks=6, chunk=64)}
+
+
+def budget_and_options(cfg, weights, parent_bits: int, outside: int, page: int, room: int, chunk: int,
+                       longest: int) -> tuple[int, dict]:
+    """The workload's budget (the weights outside the pool, every expert at the parent width with the mover's
+    reserve, and `room` KV blocks) and the engine options of every mode (sequences up to `longest` tokens)."""
+    budget = outside + expert_pool_bytes(weights, parent_bits, page) + room * page * cfg.num_hidden_layers
+    return budget, dict(max_num_seqs=64, max_num_batched_tokens=chunk, max_model_len=longest + 16)
+
+
 def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int
              ) -> list[tuple[float, list[int]]]:
     """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate."""
@@ -221,16 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--paged-runs must be at least 1")
     t_start = time.perf_counter()
     tiny = args.tiny
-    # H200 defaults, computed (not measured) from the 2026-11-29 runs: with whole-step graphs a request of ~640
-    # prompt and 16 generated tokens lived ~0.25 s, so 1 arrival/s never overflowed static 6 bits' 128 KV blocks
-    # (kv_pressure-nvidia-h200-20261129-home.json: 0 waits). 128 tokens (~1.1 s at ~8 ms a step) at 4/s keep ~4
-    # requests of ~48 blocks each alive: ~200 blocks wanted against 128.
-    n = args.num_requests or (10 if tiny else 24)
-    rate = args.rate or 4.0
-    lo, hi = (int(x) for x in (args.prompt_len or ("48,160" if tiny else "256,1024")).split(","))
-    gen = args.gen or (12 if tiny else 128)
-    room = args.kv_room_blocks or (6 if tiny else 128)
-    chunk = args.chunk or (64 if tiny else 1024)
+    d = DEFAULTS["tiny" if tiny else "h200"]
+    n = args.num_requests or d["num_requests"]
+    rate = args.rate or d["rate"]
+    lo, hi = (int(x) for x in args.prompt_len.split(",")) if args.prompt_len else d["prompt_len"]
+    gen = args.gen or d["gen"]
+    room = args.kv_room_blocks or d["kv_room_blocks"]
+    chunk = args.chunk or d["chunk"]
     static = args.static_bits or f"{args.parent_bits},4"
     static_bits = [] if static == "none" else [int(b) for b in static.split(",")]
 
@@ -240,10 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = ap_weights(cfg, args.parent_bits, seed=args.seed, heads=args.heads)
     outside = outside_bytes(cfg, dtype, args.device)
     kv_block = page * cfg.num_hidden_layers
-    budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + room * kv_block
+    budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk, hi + gen)
+    options.update(detokenize=False, block_size=args.block_size)
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)
-    options = dict(detokenize=False, block_size=args.block_size, max_num_seqs=64, max_num_batched_tokens=chunk,
-                   max_model_len=hi + gen + 16)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
     # untimed replays first: the first engine of a process pays one-time costs (kernel modules loaded, cuBLAS

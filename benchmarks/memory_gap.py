@@ -29,12 +29,13 @@ import torch
 from benchmarks.common import write_result
 from benchmarks.engine_bench import (ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
                                      page_bytes, random_model, serve)
-from benchmarks.kv_pressure import drive, workload
+from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
 from pagedweight.engine import LLM, round_up
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / d) for d in ("pagedweight", "cuda", "actors"))
 MIB = 2**20
+PRESSURE = DEFAULTS["h200"]  # kv_pressure's H200 workload
 
 
 def our_frame(frames: list[dict]) -> str:
@@ -104,10 +105,11 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
         budget = outside + expert_pool_bytes(weights, args.bits, page) + kv
         options = dict(max_num_seqs=args.batch, max_num_batched_tokens=args.chunk, max_model_len=args.seq_len + 16,
                        bits=args.bits, paging=False)
-    else:  # kv_pressure's defaults: the parent width and 128 KV blocks of room, 64 sequences, 1,024-token steps
-        budget = outside + expert_pool_bytes(weights, args.parent_bits, page) + 128 * page * cfg.num_hidden_layers
-        options = dict(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024 + 128 + 16,
-                       bits=args.parent_bits, paging=True)
+    else:  # kv_pressure's H200 workload and budget, PagedWeight at the parent width
+        budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page,
+                                             PRESSURE["kv_room_blocks"], PRESSURE["chunk"],
+                                             PRESSURE["prompt_len"][1] + PRESSURE["gen"])
+        options.update(bits=args.parent_bits, paging=True)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -123,7 +125,8 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
         if args.workload == "bench":
             serve(llm, args.batch, args.seq_len - args.gen, args.gen, cfg.vocab_size, seed=replay)
         else:
-            drive(llm, workload(24, 4.0, 256, 1024, cfg.vocab_size, 0), 128)
+            drive(llm, workload(PRESSURE["num_requests"], PRESSURE["rate"], *PRESSURE["prompt_len"], cfg.vocab_size,
+                                0), PRESSURE["gen"])
     torch.cuda.synchronize()
     st = llm.stats()
     snap = torch.cuda.memory._snapshot()
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
            "segments_freed_in_workload": frees,
            "decode_graphs_captured": graphs and graphs.captured, "preemptions": st["preemptions"],
            "sources": sources[:args.top], "setup_sources": setup_sources[:args.top]}
-    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if "sources" not in k}, file=sys.stderr)
+    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if "sources" not in k},
+          file=sys.stderr)
     for r in sources[:args.top] + [{"pool": "(setup)", "source": "", "mib": 0, "segments": 0, "allocated_bytes": 0}] \
             + setup_sources[:args.top]:
         print(f"  {r['pool']:>10} {r['mib']:9.1f} MiB in {r['segments']:4d} segments ({r['allocated_bytes'] / MIB:8.1f}"

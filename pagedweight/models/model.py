@@ -82,7 +82,7 @@ class MoEForCausalLM(nn.Module):
         device = tensors[0].device
         sizes = [t.numel() * t.element_size() for t in tensors]
         total = offsets[-1]
-        via_host = device.type == "cuda" and (2 * total > (limit or 2 * total)
+        via_host = device.type == "cuda" and ((limit is not None and 2 * total > limit)
                                               or torch.cuda.mem_get_info(device)[0] < total + (256 << 20))
         with torch.no_grad():
             if via_host:
