@@ -30,7 +30,7 @@ from benchmarks.common import write_result
 from benchmarks.engine_bench import (ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
                                      page_bytes, random_model, serve)
 from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
-from pagedweight.engine import LLM, round_up
+from pagedweight.engine import LLM, release_cached, round_up
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / d) for d in ("pagedweight", "cuda", "actors"))
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
                                              PRESSURE["prompt_len"][1] + PRESSURE["gen"])
         options.update(bits=args.parent_bits, paging=True)
     gc.collect()
-    torch.cuda.empty_cache()
+    release_cached(torch.device("cuda"))  # each row starts as a fresh process would: no earlier row's cuBLAS workspaces
     torch.cuda.reset_peak_memory_stats()
     free0, _ = torch.cuda.mem_get_info()
     record_segments()

@@ -138,6 +138,19 @@ class PagingStats:
 AUTO_RESERVE_MARGIN = 0.25
 
 
+def release_cached(device: torch.device) -> None:
+    """Give the caching allocator's free segments back to the device, and cuBLAS's workspaces first: torch keeps one
+    (32 MiB on the H200) per handle and stream for the life of the process, allocated through the caching allocator
+    by the first GEMM on that stream (a decode graph's capture stream allocates its own in the graph's pool). Without
+    this, whatever ran GEMMs earlier in the process (an engine built before, a warm-up) hides them from a profile
+    that measures the allocator's growth, and the engine built after it runs over its budget by them: in
+    memory_gap-nvidia-h200-20261201-memgap-*-auto3.json the second engine of each process started with 68 MiB
+    reserved that no allocation of its own made (four cuBLAS workspace blocks of the first engine's GEMMs, two on
+    the default stream and two in its graph pool)."""
+    torch._C._cuda_clearCublasWorkspaces()  # torch's own use: cudagraph_trees.clear_cublass_cache
+    torch.cuda.empty_cache()
+
+
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -294,7 +307,7 @@ class LLM:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # what was cached but free would hide the growth measured below
+            release_cached(self.device)  # what was cached would hide the growth measured below
             base = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
