@@ -65,7 +65,7 @@ def resolve_device(device: str) -> str:
 
 def build_llm(cfg: EngineConfig):
     """Construct the engine, mapping the node's page store when asked (and when running under Ray)."""
-    from pagedweight.engine import LLM
+    from pagedweight.engine import LLM, serving_reserve
 
     options = dict(cfg.engine_options)
     if cfg.expert_impl == "reference":
@@ -78,8 +78,9 @@ def build_llm(cfg: EngineConfig):
         store_dir = ray.get(page_store_for_node(root=cfg.store_root).ensure.remote(cfg.model_dir))
         if store_dir is not None:
             options.setdefault("page_store_dir", store_dir)
-    llm = LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=resolve_device(cfg.device),
-              **options)
+    device = resolve_device(cfg.device)
+    options.setdefault("activation_reserve", serving_reserve(cfg.gpu_memory_budget, device))
+    llm = LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=device, **options)
     if cfg.expert_impl == "reference":
         from pagedweight.cuda.reference import moe_forward_reference
         from pagedweight.runner import APExperts

@@ -151,6 +151,15 @@ def release_cached(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def serving_reserve(gpu_memory_budget: int | float | None, device: str) -> int | str:
+    """The activation reserve of the serving entry points (`pagedweight run`, the engine actor) when none is given:
+    "auto" on CUDA under a budget, so that the budget bounds the process's whole footprint (peaks 35-212 MiB under
+    it in memory_gap-nvidia-h200-20261201-memgap-*-auto4.json, 389-790 MiB over it with 0); 0 elsewhere (no budget
+    to take it from; nothing to measure off CUDA). `LLM` itself defaults to 0: its budget then covers the weights
+    and the pool, which is what the benchmarks' equal-memory comparisons size."""
+    return "auto" if gpu_memory_budget is not None and torch.device(device).type == "cuda" else 0
+
+
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -896,10 +905,11 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
                    help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
                         "(default: every block at full width plus 64 MiB of KV)")
-    p.add_argument("--activation-reserve", default="0", metavar="BYTES|auto",
+    p.add_argument("--activation-reserve", default=None, metavar="BYTES|auto",
                    help="share of the budget kept for activations, CUDA-graph pools and scratch, so that the budget "
                         "bounds it all: auto (measured by profile steps at start-up) or bytes, e.g. 1GiB (the "
-                        "summary's measured peak minus the budget on an earlier run)")
+                        "summary's measured peak minus the budget on an earlier run); default: auto on CUDA under "
+                        "a budget, else 0")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
     src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
@@ -930,8 +940,12 @@ def run(args) -> int:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
-    reserve = "auto" if args.activation_reserve == "auto" else parse_budget(args.activation_reserve,
-                                                                           "--activation-reserve")
+    if args.activation_reserve is None:
+        reserve = serving_reserve(budget, args.device)
+    elif args.activation_reserve == "auto":
+        reserve = "auto"
+    else:
+        reserve = parse_budget(args.activation_reserve, "--activation-reserve")
     if isinstance(reserve, float):
         raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
                          "fraction")
