@@ -252,14 +252,19 @@ class LLM:
                                   + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
                                   for s in weights.specs)
         else:
+            auto = opts.activation_reserve == "auto"
+
             def pool_after(reserve: int) -> int:
                 if budget - outside - reserve < kv_block:
+                    hint = (" The reserve was measured at start-up (activation_reserve='auto'): raise the budget, or "
+                            "give activation_reserve=0 for a budget of the weights and the pool only."
+                            if auto and reserve else "")
                     raise ValueError(f"gpu_memory_budget leaves {budget - outside - reserve} B after {outside} B of "
                                      f"weights and an activation_reserve of {reserve} B: not even one KV block "
-                                     f"({kv_block} B)")
+                                     f"({kv_block} B).{hint}")
                 return budget - outside - reserve
 
-            if opts.activation_reserve == "auto":
+            if auto:
                 self.options = opts = replace(opts, activation_reserve=self._profile_reserve(pool_after(0), weights))
             pool_bytes = pool_after(opts.activation_reserve)
         self._build(pool_bytes, weights)

@@ -277,7 +277,7 @@ def test_activation_reserve_is_taken_from_the_pool(hf_dir):
         LLM(path, budget, block_size=4, activation_reserve=-1)
 
 
-def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir):
+def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypatch):
     """activation_reserve="auto" builds a profile engine (half the pool), runs its largest steps and releases it
     before the real build: afterwards the engine is the one a plain build gives (on this device nothing to measure:
     reserve 0, the same pool, widths and tokens), its step counter starts at 0, the model carries one LM-head hook,
@@ -305,6 +305,9 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir):
         LLM(path, block_size=4, activation_reserve="auto")  # no budget
     with pytest.raises(ValueError, match="activation_reserve"):
         LLM(path, budget, block_size=4, activation_reserve="plenty")
+    monkeypatch.setattr(LLM, "_profile_reserve", lambda self, room, weights: room)  # a gap as large as the room
+    with pytest.raises(ValueError, match="measured at start-up.*activation_reserve=0"):
+        LLM(path, budget, block_size=4, activation_reserve="auto")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="measures the CUDA allocator: PAGEDWEIGHT_TEST_DEVICE=cuda (on the H200)")
