@@ -88,7 +88,7 @@ def outside_bytes(cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> 
     packed in one allocation on CUDA (`pack_weights`: each weight 256-byte aligned)."""
     model = random_model(cfg, False, dtype, "meta")
     model.fuse_projections()
-    return model.packed_bytes() if torch.device(device).type == "cuda" else param_bytes(model)
+    return model.packed_bytes(device) if torch.device(device).type == "cuda" else param_bytes(model)
 
 
 def random_model(cfg: ModelConfig, dense_experts: bool, dtype: torch.dtype, device: str, seed: int = 0

@@ -338,15 +338,36 @@ class LLM:
         return reserve
 
     def _profile_steps(self) -> None:
-        """The largest steps the engine schedules: one prompt as long as the KV cache and max_model_len allow (its
-        chunks of max_num_batched_tokens at the longest context), then max_num_seqs one-token prompts decoding
-        together (their step shape seen a second time: captured where the engine captures decode graphs)."""
-        opts, vocab = self.options, self.config.vocab_size
-        params = SamplingParams(max_tokens=3, ignore_eos=True)
-        blocks = self.kv.num_free_blocks - opts.max_num_seqs - 2  # room for the short prompts' blocks
-        longest = max(1, min(self.max_model_len - params.max_tokens, blocks * opts.block_size))
-        self.generate([[(7 * i + 3) % vocab for i in range(longest)]], params, use_tqdm=False)
-        self.generate([[(11 * i + 5) % vocab] for i in range(opts.max_num_seqs)], params, use_tqdm=False)
+        """The largest steps the engine schedules. First one prompt as long as the KV cache and max_model_len allow,
+        alone: its chunks of max_num_batched_tokens at the longest context. Then the widest decode at the longest
+        block table: such a prompt again beside as many one-token prompts as a step can decode with it, which keep
+        decoding until it decodes too. A decode graph gathers every row padded to the longest table
+        (runner.DecodeGraphs keys (B, blocks)), so this is its largest gather and graph; seen more than once, it is
+        captured where the engine captures graphs. (Decoding one-token prompts alone, as before, missed it: on the
+        H200 the bundled model then served 8 prompts of ~127 tokens with a graph pool 22 MiB larger, session 21.)"""
+        opts, vocab, bs = self.options, self.config.vocab_size, self.options.block_size
+
+        def long_prompt(room_blocks: int, gen: int) -> list[int]:
+            n = max(1, min(self.max_model_len - gen, room_blocks * bs))
+            return [(7 * i + 3) % vocab for i in range(n)]
+
+        self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)], SamplingParams(max_tokens=3, ignore_eos=True),
+                      use_tqdm=False)
+        # as many one-token prompts as fit in half the KV cache (their tokens: the steps until the long prompt decodes,
+        # whose chunks get what the shorts' decodes leave of each step's tokens)
+        free, T = self.kv.num_free_blocks, opts.max_num_batched_tokens
+        shorts = min(opts.max_num_seqs, T) - 1
+
+        def decode_steps(n: int, rows: int) -> int:
+            return min(self.max_model_len - 1, -(-n // (T - rows)) + 8)
+
+        while shorts and shorts * -(-(1 + decode_steps(self.max_model_len, shorts)) // bs) > free // 2:
+            shorts -= 1
+        long_params = SamplingParams(max_tokens=6, ignore_eos=True)  # >= 2 steps of the widest decode
+        room = free - shorts * -(-(1 + decode_steps(self.max_model_len, shorts)) // bs) - 2
+        prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]
+        short_params = SamplingParams(max_tokens=decode_steps(len(prompts[0]), shorts), ignore_eos=True)
+        self.generate(prompts, [long_params] + [short_params] * shorts, use_tqdm=False)
 
     def _release(self, weights: APWeights | None) -> None:
         """Drop everything that holds the pool (the profile's engine), so that its memory is free for the next

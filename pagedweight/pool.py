@@ -31,6 +31,19 @@ FREE, WEIGHT, KV = 0, 1, 2  # what a page holds (PagePool._kind)
 RELOCATION_TRIES = 64  # windows with weight runs tried per compaction (fewest used pages first): bounds host time
 
 
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): a request of at least SEGMENT_OWN_MIN bytes
+# gets a segment of its own, rounded up to SEGMENT_ROUND; smaller ones share 2 MiB or 20 MiB segments
+SEGMENT_ROUND = 2 << 20
+SEGMENT_OWN_MIN = 10 << 20
+
+
+def own_segment_bytes(n: int) -> int:
+    """The request for n bytes (or a little more) that reserves exactly what it asks for on CUDA: a segment of its
+    own, no shared remainder that the budget would not count (the bundled model's 4.7 MiB of packed weights sat in a
+    20 MiB segment, 15 MiB reserved and counted nowhere)."""
+    return -(-max(n, SEGMENT_OWN_MIN) // SEGMENT_ROUND) * SEGMENT_ROUND
+
+
 class PoolExhausted(RuntimeError):
     """No room for the requested pages within the budget (or no contiguous run long enough)."""
 
@@ -84,6 +97,8 @@ class PagePool:
             raise ValueError(f"page_bytes must be a positive multiple of {PAGE_ALIGN}")
         self.device = torch.device(self.device)
         budget = resolve_budget(self.gpu_memory_budget, self.device)
+        if self.device.type == "cuda" and budget >= SEGMENT_OWN_MIN:  # its segment, rounded up, stays within budget
+            budget -= budget % SEGMENT_ROUND
         self.capacity_pages = budget // self.page_bytes
         if self.capacity_pages == 0:
             raise ValueError("budget smaller than one page")

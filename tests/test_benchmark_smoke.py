@@ -188,7 +188,7 @@ def test_budgets_count_the_weights_outside_the_pool_as_the_engine_holds_them():
                          detokenize=False)
     assert outside_bytes(cfg, torch.float32) == param_bytes(llm.model)
     assert outside_bytes(cfg, torch.float32) > param_bytes(random_model(cfg, False, torch.float32, "meta"))
-    assert outside_bytes(cfg, torch.float32, "cuda") == llm.model.packed_bytes() > param_bytes(llm.model)
+    assert outside_bytes(cfg, torch.float32, "cuda") == llm.model.packed_bytes("cuda") > param_bytes(llm.model)
 
 
 def test_engine_bench_observe_every_reaches_pagedweight_only():

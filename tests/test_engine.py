@@ -385,7 +385,8 @@ def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the allocator's segments: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 @pytest.mark.parametrize("limit", [None, 1])  # device to device; through host memory (no second copy fits)
 def test_packed_weights_on_gpu(hf_dir, limit):
-    """Both ways `pack_weights` copies on CUDA leave every weight a view of one device allocation and the logits
+    """Both ways `pack_weights` copies on CUDA leave every weight a view of one device allocation, which has a
+    caching-allocator segment of its own of exactly the bytes it returns (what the engine counts), and the logits
     bit for bit what they were (the engine packs its model this way before sizing the pool)."""
     from pagedweight.models import load_model
 
@@ -394,11 +395,14 @@ def test_packed_weights_on_gpu(hf_dir, limit):
     ids = torch.randint(3, model.config.vocab_size, (2, 11), device=DEVICE)
     with torch.no_grad():
         before = model(ids)
-        model.pack_weights(limit)
+        got = model.pack_weights(limit)
         after = model(ids)
     params = list(model.parameters())
-    assert all(p.is_cuda and p.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr()
-               for p in params)
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.is_cuda and p.untyped_storage().data_ptr() == base for p in params)
+    assert got == model.packed_bytes("cuda") == params[0].untyped_storage().nbytes()
+    segment = [s for s in torch.cuda.memory_snapshot() if s["address"] <= base < s["address"] + s["total_size"]]
+    assert len(segment) == 1 and segment[0]["address"] == base and segment[0]["total_size"] == got, segment
     assert torch.equal(after, before)
 
 

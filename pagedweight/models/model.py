@@ -14,6 +14,7 @@ from torch import nn
 from pagedweight.models.config import ModelConfig
 from pagedweight.models.layers import (MLP, Attention, DecoderLayer, DenseExperts, KVCache, MoEBlock, RMSNorm,
                                        RouterObserver, rope_cos_sin)
+from pagedweight.pool import own_segment_bytes
 
 BlockKey = tuple[int, int, str]  # (layer, expert, "gate_up" | "down")
 BLOCK_KINDS = ("gate_up", "down")
@@ -71,7 +72,8 @@ class MoEForCausalLM(nn.Module):
         allocator's segments with holes where unfused weights were, reserved but only reusable by allocations that
         fit them (on the H200, 337 MiB beyond the weights' bytes for the Qwen1.5-MoE shape:
         benchmarks/results/memory_gap-nvidia-h200-20261130-memgap2-4.json); after this the weights reserve their own
-        bytes, rounded to the allocator's 2 MiB. The copies go device to device when a second copy fits in `limit`
+        bytes (on CUDA the allocation is `own_segment_bytes`: a segment of its own, which a model under 10 MiB
+        would otherwise share with whatever came next, reserved beyond what the budget counts). The copies go device to device when a second copy fits in `limit`
         bytes (the engine's budget: start-up reserves no more than that) and in the device's free memory, else
         through host memory (~1 s per GiB on the H200 box: the 26.7 GiB FP16 Qwen1.5-MoE shape built in 29 s against
         3 s device to device, engine_bench-nvidia-h200-20261130-s20-packed-host.json and -s20-packed.json). Tied
@@ -89,18 +91,20 @@ class MoEForCausalLM(nn.Module):
                 for t in tensors:
                     t.data = t.data.cpu()
                 torch.cuda.empty_cache()
-            arena = torch.empty(total, dtype=torch.uint8, device=device)
+            arena = torch.empty(self.packed_bytes(device), dtype=torch.uint8, device=device)
             for t, off, n in zip(tensors, offsets, sizes):
                 view = arena[off:off + n].view(t.dtype).view(t.shape)
                 view.copy_(t.data)
                 t.data = view
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the old segments now hold nothing
-        return total
+        return arena.numel()
 
-    def packed_bytes(self) -> int:
-        """Bytes of the allocation `pack_weights` makes (what the engine counts for these weights on CUDA)."""
-        return self._packed_layout()[1][-1]
+    def packed_bytes(self, device: torch.device | str = "cpu") -> int:
+        """Bytes of the allocation `pack_weights` makes on `device` (on CUDA what the engine counts for these
+        weights)."""
+        total = self._packed_layout()[1][-1]
+        return own_segment_bytes(total) if torch.device(device).type == "cuda" else total
 
     def _packed_layout(self) -> tuple[list[torch.Tensor], list[int]]:
         """Every distinct parameter and buffer, and where each starts in the packed allocation (the last offset is
