@@ -9,6 +9,9 @@ MODEL ?= models/pw-tiny-moe
 # 41 MiB = the bundled model's non-expert weights (9.8 MB) + its experts at 8 bits (29.4 MB, LUTs included) + room
 # for a few KV blocks: 8 concurrent requests need more KV than that, so expert widths must drop while they run.
 BUDGET ?= 41MiB
+# the budget above is sized for the CPU (fp32). On CUDA the weights are fp16 and the budget must also hold the
+# activation reserve measured at start-up (the serving default there; too small a budget is refused, naming it)
+DEVICE ?= cpu
 
 .PHONY: setup run test
 setup: $(STAMP)
@@ -21,7 +24,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PY) -m pagedweight.cli run --model $(MODEL) --gpu-memory-budget $(BUDGET) --num-prompts 8 --max-tokens 32
+	$(PY) -m pagedweight.cli run --model $(MODEL) --gpu-memory-budget $(BUDGET) --device $(DEVICE) --num-prompts 8 \
+	  --max-tokens 32
 
 test: setup
 	$(PY) -m pytest -q
