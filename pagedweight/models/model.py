@@ -73,11 +73,11 @@ class MoEForCausalLM(nn.Module):
         fit them (on the H200, 337 MiB beyond the weights' bytes for the Qwen1.5-MoE shape:
         benchmarks/results/memory_gap-nvidia-h200-20261130-memgap2-4.json); after this the weights reserve their own
         bytes (on CUDA the allocation is `own_segment_bytes`: a segment of its own, which a model under 10 MiB
-        would otherwise share with whatever came next, reserved beyond what the budget counts). The copies go device to device when a second copy fits in `limit`
-        bytes (the engine's budget: start-up reserves no more than that) and in the device's free memory, else
-        through host memory (~1 s per GiB on the H200 box: the 26.7 GiB FP16 Qwen1.5-MoE shape built in 29 s against
-        3 s device to device, engine_bench-nvidia-h200-20261130-s20-packed-host.json and -s20-packed.json). Tied
-        weights stay tied (one tensor object, moved once)."""
+        would otherwise share with whatever came next, reserved beyond what the budget counts). The copies go device
+        to device when a second copy fits in `limit` bytes (the engine's budget: start-up reserves no more than that)
+        and in the device's free memory, else through host memory (~1 s per GiB on the H200 box: the 26.7 GiB FP16
+        Qwen1.5-MoE shape built in 29 s against 3 s device to device, engine_bench-nvidia-h200-20261130-s20-packed-
+        host.json and -s20-packed.json). Tied weights stay tied (one tensor object, moved once)."""
         tensors, offsets = self._packed_layout()
         if not tensors:
             return 0
