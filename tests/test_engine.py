@@ -310,6 +310,29 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypa
         LLM(path, budget, block_size=4, activation_reserve="auto")
 
 
+def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch):
+    """The profile's steps include a pure decode step of min(max_num_seqs, max_num_batched_tokens) rows whose longest
+    block table is the longest max_model_len allows (a decode graph pads every row to it: its largest gather), and
+    a prefill step of max_num_batched_tokens tokens."""
+    from pagedweight import runner
+
+    steps = []
+    run = runner.ModelRunner.run
+
+    def recorded(self, batch):
+        steps.append((len(batch.seqs), all(n == 1 for n in batch.num_new_tokens),
+                      max(len(seq.block_table) for seq in batch.seqs), batch.num_tokens))
+        return run(self, batch)
+
+    monkeypatch.setattr(runner.ModelRunner, "run", recorded)
+    probe = LLM(BUNDLED, block_size=16)
+    budget = param_bytes(probe.model) + 400 * probe.kv.block_bytes  # the profile's half: room for 1,024 tokens x 2
+    LLM(BUNDLED, budget, block_size=16, max_num_seqs=8, max_num_batched_tokens=64, activation_reserve="auto")
+    widest = max((rows, table) for rows, decode, table, _ in steps if decode)
+    assert widest == (8, -(-probe.max_model_len // 16)), widest
+    assert max(tokens for *_, tokens in steps) == 64
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="measures the CUDA allocator: PAGEDWEIGHT_TEST_DEVICE=cuda (on the H200)")
 def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     """On CUDA the profile measures a gap (its decode graphs' pool at least): the reserve is > 0, the pool that many
