@@ -146,7 +146,10 @@ def release_cached(device: torch.device) -> None:
     that measures the allocator's growth, and the engine built after it runs over its budget by them: in
     memory_gap-nvidia-h200-20261201-memgap-*-auto3.json the second engine of each process started with 68 MiB
     reserved that no allocation of its own made (four cuBLAS workspace blocks of the first engine's GEMMs, two on
-    the default stream and two in its graph pool)."""
+    the default stream and two in its graph pool). Caveat: a CUDA graph captured earlier keeps its workspace's
+    address, and the freed block goes back to that graph's pool, where a later capture into the same pool may place
+    a tensor on it; so build an "auto" engine before, not beside, a live engine that has captured graphs in the same
+    process (the serving entry points build one engine per process)."""
     torch._C._cuda_clearCublasWorkspaces()  # torch's own use: cudagraph_trees.clear_cublass_cache
     torch.cuda.empty_cache()
 
