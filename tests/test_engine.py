@@ -326,7 +326,7 @@ def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch
 
     monkeypatch.setattr(runner.ModelRunner, "run", recorded)
     probe = LLM(BUNDLED, block_size=16)
-    budget = param_bytes(probe.model) + 400 * probe.kv.block_bytes  # the profile's half: room for 1,024 tokens x 2
+    budget = param_bytes(probe.model) + 400 * probe.kv.block_bytes  # the profile gets half: a 1,024-token row and 7 more
     LLM(BUNDLED, budget, block_size=16, max_num_seqs=8, max_num_batched_tokens=64, activation_reserve="auto")
     widest = max((rows, table) for rows, decode, table, _ in steps if decode)
     assert widest == (8, -(-probe.max_model_len // 16)), widest
