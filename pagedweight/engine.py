@@ -130,11 +130,10 @@ class PagingStats:
     overlapped_boundaries: int = 0  # boundaries that ran beside their step's forward instead of before it
 
 
-# activation_reserve="auto" keeps the profile's measured gap and this share more: the profile runs fewer step shapes
-# than a long run does. On the H200 it measured 336 MiB where two replays of engine_bench's batch 1 and 4 reached
-# 389 and 413 MiB above the budget, and 804 MiB where the KV-pressure workload reached 752 MiB; given a reserve of the
-# 804 MiB + 10 %, that workload still peaked 98 MiB above the budget
-# (benchmarks/results/memory_gap-nvidia-h200-20261130-memgap-*-auto.json)
+# activation_reserve="auto" keeps the profile's measured gap and this share more: a run's gap moves from run to run
+# (tens of MiB) and the profile runs fewer step shapes than a long run does. On the H200 the profile measured 406 MiB
+# where engine_bench's batch 4 grew 410 MiB beyond the engine (memory_gap-nvidia-h200-20261201-memgap-4-auto5.json);
+# with this margin every measured workload stayed 35-212 MiB under its budget (…-auto4.json, …-auto5.json)
 AUTO_RESERVE_MARGIN = 0.25
 
 
@@ -308,8 +307,9 @@ class LLM:
         to measure elsewhere: 0). The profile builds the engine with half the pool's `room` (15/16 of it, or all,
         when the experts at the widths they start at and one step of KV need more), so that the profile itself stays
         within the budget while the gap is at most what it left out, runs `_profile_steps`, and releases it.
-        What it cannot see: graphs of decode shapes it did not run (their logits and tables) and the allocator's
-        fragmentation over a long run (benchmarks/memory_gap.py measures both against the reserve)."""
+        What it cannot see: the graphs of the other decode shapes a long run captures into the same pool (their
+        outputs and tables) and the allocator's fragmentation over a long run (benchmarks/memory_gap.py measures both
+        against the reserve)."""
         for pool_bytes in (room // 2, room - room // 16, room):
             try:
                 self._build(pool_bytes, weights)
