@@ -39,7 +39,7 @@ from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
 from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
-from pagedweight.pool import PAGE_ALIGN, PagePool, resolve_budget
+from pagedweight.pool import PAGE_ALIGN, SEGMENT_ROUND, PagePool, resolve_budget
 from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_model, install_ap_experts,
                                 planes_id)
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
@@ -248,11 +248,7 @@ class LLM:
         if budget is None:
             if opts.activation_reserve:
                 raise ValueError("activation_reserve is a share of gpu_memory_budget: give a budget too")
-            pool_bytes = opts.kv_cache_bytes
-            if weights is not None:  # room for every block at the parent width plus the mover's reserve
-                pool_bytes += sum(round_up(s.plane_bytes, self.page_bytes) * weights.parent_bits
-                                  + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes)
-                                  for s in weights.specs)
+            pool_bytes = opts.kv_cache_bytes + self._expert_pool_bytes(weights)
         else:
             auto = opts.activation_reserve == "auto"
 
@@ -301,16 +297,27 @@ class LLM:
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, self.weights_outside_bytes)
 
+    def _expert_pool_bytes(self, weights: APWeights | None) -> int:
+        """Pool bytes of every expert block at the parent width plus the mover's reserve (0 without AP weights)."""
+        if weights is None:
+            return 0
+        return sum(round_up(s.plane_bytes, self.page_bytes) * weights.parent_bits
+                   + 2 * round_up(s.lut_bytes[weights.parent_bits], self.page_bytes) for s in weights.specs)
+
     def _profile_reserve(self, room: int, weights: APWeights | None) -> int:
         """activation_reserve="auto": the bytes the device's caching allocator reserves beyond the weights and the
         pool while the engine runs its largest steps, plus AUTO_RESERVE_MARGIN of them (measured on CUDA; nothing
-        to measure elsewhere: 0). The profile builds the engine with half the pool's `room` (15/16 of it, or all,
-        when the experts at the widths they start at and one step of KV need more), so that the profile itself stays
-        within the budget while the gap is at most what it left out, runs `_profile_steps`, and releases it.
-        What it cannot see: the graphs of the other decode shapes a long run captures into the same pool (their
-        outputs and tables) and the allocator's fragmentation over a long run (benchmarks/memory_gap.py measures both
-        against the reserve)."""
-        for pool_bytes in (room // 2, room - room // 16, room):
+        to measure elsewhere: 0). The profile builds the engine with the pool its steps need (`_profile_pool_bytes`:
+        the experts and KV for its longest prompt and widest decode, whose shapes max_model_len and max_num_seqs
+        bound, not the pool's size), or half the pool's `room` when that is less (15/16 of it, or all, when the
+        experts at the widths they start at and one step of KV need more), so that the profile itself stays within
+        the budget while the gap is at most what it left out, runs `_profile_steps`, and releases it. (Half the room
+        alone was too little on the bundled model: its 230 MiB gap beside 160 MiB of profile pool peaked 74 MiB above
+        a 330 MiB budget at start-up, session 22.) What it cannot see: the graphs of the other decode shapes a long
+        run captures into the same pool (their outputs and tables) and the allocator's fragmentation over a long run
+        (benchmarks/memory_gap.py measures both against the reserve)."""
+        sizes = (min(room // 2, self._profile_pool_bytes(weights)), room // 2, room - room // 16, room)
+        for pool_bytes in dict.fromkeys(sizes):
             try:
                 self._build(pool_bytes, weights)
                 break
@@ -333,6 +340,9 @@ class LLM:
         if cuda:
             torch.cuda.synchronize(self.device)
             gap = torch.cuda.max_memory_reserved(self.device) - base
+            if gap > room - self.pool.bytes_of(self.pool.capacity_pages):
+                logger.warning("activation reserve: the profile peaked {:.1f} MiB above the budget at start-up "
+                               "(measured)", (gap - room + self.pool.bytes_of(self.pool.capacity_pages)) / 2**20)
         self._release(weights)
         reserve = round_up(int(gap * (1 + AUTO_RESERVE_MARGIN)), 2 << 20)
         logger.info("activation reserve: {:.1f} MiB measured in {:.2f} s of profile steps{}, {:.1f} MiB kept",
@@ -356,21 +366,35 @@ class LLM:
 
         self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)], SamplingParams(max_tokens=3, ignore_eos=True),
                       use_tqdm=False)
-        # as many one-token prompts as fit in half the KV cache (their tokens: the steps until the long prompt decodes,
-        # whose chunks get what the shorts' decodes leave of each step's tokens)
-        free, T = self.kv.num_free_blocks, opts.max_num_batched_tokens
-        shorts = min(opts.max_num_seqs, T) - 1
-
-        def decode_steps(n: int, rows: int) -> int:
-            return min(self.max_model_len - 1, -(-n // (T - rows)) + 8)
-
-        while shorts and shorts * -(-(1 + decode_steps(self.max_model_len, shorts)) // bs) > free // 2:
+        # as many one-token prompts as fit in half the KV cache
+        free = self.kv.num_free_blocks
+        shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
+        while shorts and shorts * self._short_blocks(shorts) > free // 2:
             shorts -= 1
         long_params = SamplingParams(max_tokens=6, ignore_eos=True)  # >= 2 steps of the widest decode
-        room = free - shorts * -(-(1 + decode_steps(self.max_model_len, shorts)) // bs) - 2
+        room = free - shorts * self._short_blocks(shorts) - 2
         prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]
-        short_params = SamplingParams(max_tokens=decode_steps(len(prompts[0]), shorts), ignore_eos=True)
+        short_params = SamplingParams(max_tokens=self._decode_steps(len(prompts[0]), shorts), ignore_eos=True)
         self.generate(prompts, [long_params] + [short_params] * shorts, use_tqdm=False)
+
+    def _decode_steps(self, n: int, rows: int) -> int:
+        """Steps the profile's one-token prompts decode beside a long prompt of n tokens: until its chunks (what the
+        `rows` decodes leave of each step's tokens) are done, and a few more."""
+        return min(self.max_model_len - 1, -(-n // (self.options.max_num_batched_tokens - rows)) + 8)
+
+    def _short_blocks(self, rows: int) -> int:
+        """KV blocks of one of the profile's one-token prompts beside a max_model_len prompt."""
+        return -(-(1 + self._decode_steps(self.max_model_len, rows)) // self.options.block_size)
+
+    def _profile_pool_bytes(self, weights: APWeights | None) -> int:
+        """The pool `_profile_steps` needs to reach its largest shapes: the experts at the parent width, and KV for
+        a max_model_len prompt beside every one-token prompt it decodes with (which it keeps within half the KV)."""
+        opts, bs = self.options, self.options.block_size
+        shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
+        blocks = max(2 * shorts * self._short_blocks(shorts) + -(-self.max_model_len // bs) + 3,
+                     -(-opts.max_num_batched_tokens // bs) + 1)  # _setup_weights keeps one step of KV free
+        need = blocks * self.page_bytes * self.config.num_hidden_layers + self._expert_pool_bytes(weights)
+        return round_up(need, SEGMENT_ROUND)  # a CUDA pool rounds its bytes down to whole segments
 
     def _release(self, weights: APWeights | None) -> None:
         """Drop everything that holds the pool (the profile's engine), so that its memory is free for the next
@@ -1027,12 +1051,13 @@ def run(args) -> int:
           f"= {gen / elapsed if elapsed > 0 else 0.0:.1f} tokens/s")
     print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
+    over = (st["device_peak_reserved_bytes"] or 0) - st["budget_bytes"]
     print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool"
           f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve"
           f"{', measured at start-up' if reserve == 'auto' else ''})"
           + ("" if st["device_peak_reserved_bytes"] is None else
              f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
-             "(measured)"))
+             f"(measured), {abs(over) / 2**20:.1f} MiB {'above' if over > 0 else 'within'} the budget"))
     if llm.table is not None:
         print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
               f"{min_width:.2f} at the lowest step, {mean_width(last['committed_width_hist']):.2f} when the last "

@@ -313,32 +313,46 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypa
 def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch):
     """The profile's steps include a pure decode step of min(max_num_seqs, max_num_batched_tokens) rows whose longest
     block table is the longest max_model_len allows (a decode graph pads every row to it: its largest gather), and
-    a prefill step of max_num_batched_tokens tokens."""
+    a prefill step of max_num_batched_tokens tokens; with the budget's room (first) or with the pool those steps
+    need (second: far less than half of a large room, which leaves the gap more of the budget at start-up)."""
     from pagedweight import runner
 
-    steps = []
-    run = runner.ModelRunner.run
+    steps, pools = [], []
+    run, build = runner.ModelRunner.run, LLM._build
 
     def recorded(self, batch):
         steps.append((len(batch.seqs), all(n == 1 for n in batch.num_new_tokens),
                       max(len(seq.block_table) for seq in batch.seqs), batch.num_tokens))
         return run(self, batch)
 
+    def built(self, pool_bytes, weights):
+        pools.append(pool_bytes)
+        return build(self, pool_bytes, weights)
+
     monkeypatch.setattr(runner.ModelRunner, "run", recorded)
+    monkeypatch.setattr(LLM, "_build", built)
     probe = LLM(BUNDLED, block_size=16)
-    budget = param_bytes(probe.model) + 400 * probe.kv.block_bytes  # the profile gets half: a 1,024-token row and 7 more
-    LLM(BUNDLED, budget, block_size=16, max_num_seqs=8, max_num_batched_tokens=64, activation_reserve="auto")
-    widest = max((rows, table) for rows, decode, table, _ in steps if decode)
-    assert widest == (8, -(-probe.max_model_len // 16)), widest
-    assert max(tokens for *_, tokens in steps) == 64
+    longest = -(-probe.max_model_len // 16)
+    # 176 blocks: half the room (88) is less than the steps need (a 64-block row and 7 one-block shorts, the shorts
+    # twice over, in whole 2 MiB), so the profile gets half; 2,000: it gets what its steps need
+    for blocks in (176, 2000):
+        steps.clear(), pools.clear()
+        LLM(BUNDLED, param_bytes(probe.model) + blocks * probe.kv.block_bytes, block_size=16, max_num_seqs=8,
+            max_num_batched_tokens=64, activation_reserve="auto")
+        widest = max((rows, table) for rows, decode, table, _ in steps if decode)
+        assert widest == (8, longest), (blocks, widest)
+        assert max(tokens for *_, tokens in steps) == 64
+        profile_blocks = pools[0] // probe.kv.block_bytes
+        assert (profile_blocks == blocks // 2) if blocks == 176 else (longest < profile_blocks < blocks // 8), pools
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="measures the CUDA allocator: PAGEDWEIGHT_TEST_DEVICE=cuda (on the H200)")
 def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     """On CUDA the profile measures a gap (its decode graphs' pool at least): the reserve is > 0, the pool that many
     whole pages smaller than a plain build's, serving grows the allocator by no more than the reserve, and the engine
-    serves the tokens an engine given that reserve as bytes serves. Static widths: with paging, when a reload's
-    copies finish decides the step it commits at, so two GPU engines' widths, and tokens, may differ.
+    serves the tokens an engine given that reserve as bytes serves; building it (the profile) stays within the
+    budget. Static widths: with paging, when a reload's copies finish decides the step it commits at, so two GPU
+    engines' widths, and tokens, may differ.
     The budget leaves 512 MiB beside the weights and KV: alone in a process the profile measured 76 MiB on the H200
     (64 of them cuBLAS's two workspaces, default and capture stream), so 64 MiB of room was too little; its widest
     decode at the longest table then took it to 228 MiB at 32 sequences (the gather path's padded K/V of 32 x 1,024
@@ -349,7 +363,11 @@ def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 64 * probe.kv.block_bytes + (512 << 20))
     plain = LLM(ap_dir, budget, **extra)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_reserved()
     auto = LLM(ap_dir, budget, activation_reserve="auto", **extra)
+    assert torch.cuda.max_memory_reserved() - before <= budget  # the profile too stays within the budget
     reserve = auto.options.activation_reserve
     assert reserve > 0 and reserve % (2 << 20) == 0
     assert plain.pool.capacity_pages - auto.pool.capacity_pages in (reserve // plain.page_bytes,
