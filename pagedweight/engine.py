@@ -39,7 +39,7 @@ from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
 from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
-from pagedweight.pool import PAGE_ALIGN, SEGMENT_ROUND, PagePool, resolve_budget
+from pagedweight.pool import PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, resolve_budget
 from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_model, install_ap_experts,
                                 planes_id)
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
@@ -260,7 +260,13 @@ class LLM:
                     raise ValueError(f"gpu_memory_budget leaves {budget - outside - reserve} B after {outside} B of "
                                      f"weights and an activation_reserve of {reserve} B: not even one KV block "
                                      f"({kv_block} B).{hint}")
-                return budget - outside - reserve
+                pool = budget - outside - reserve
+                if reserve and self.device.type == "cuda" and pool >= SEGMENT_OWN_MIN:
+                    # the budget bounds the whole footprint: the pool's segment, which the allocator rounds up to
+                    # whole SEGMENT_ROUNDs, stays within it (without a reserve its rounding falls outside the budget
+                    # with the activations, and the pool keeps every page the budget pays for)
+                    pool -= pool % SEGMENT_ROUND
+                return pool
 
             if auto:
                 self.options = opts = replace(opts, activation_reserve=self._profile_reserve(pool_after(0), weights))
@@ -393,8 +399,7 @@ class LLM:
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
         blocks = max(2 * shorts * self._short_blocks(shorts) + -(-self.max_model_len // bs) + 3,
                      -(-opts.max_num_batched_tokens // bs) + 1)  # _setup_weights keeps one step of KV free
-        need = blocks * self.page_bytes * self.config.num_hidden_layers + self._expert_pool_bytes(weights)
-        return round_up(need, SEGMENT_ROUND)  # a CUDA pool rounds its bytes down to whole segments
+        return blocks * self.page_bytes * self.config.num_hidden_layers + self._expert_pool_bytes(weights)
 
     def _release(self, weights: APWeights | None) -> None:
         """Drop everything that holds the pool (the profile's engine), so that its memory is free for the next

@@ -97,8 +97,6 @@ class PagePool:
             raise ValueError(f"page_bytes must be a positive multiple of {PAGE_ALIGN}")
         self.device = torch.device(self.device)
         budget = resolve_budget(self.gpu_memory_budget, self.device)
-        if self.device.type == "cuda" and budget >= SEGMENT_OWN_MIN:  # its segment, rounded up, stays within budget
-            budget -= budget % SEGMENT_ROUND
         self.capacity_pages = budget // self.page_bytes
         if self.capacity_pages == 0:
             raise ValueError("budget smaller than one page")

@@ -259,11 +259,11 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
     import asyncio
 
     from pagedweight.actors.engine_actor import AsyncEngine
-    from pagedweight.engine import LLM, param_bytes
+    from pagedweight.engine import LLM
 
     store = str(tmp_path / "store")
     probe = LLM(ap_model_dir, device="cpu", block_size=16, page_store_dir=store)
-    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
     del probe
     llm = LLM(ap_model_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store)

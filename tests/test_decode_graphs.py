@@ -149,10 +149,8 @@ def test_device_tables_follow_the_kv_cache():
     padded with the first block, after every static step: through preemption (blocks freed and given again under a
     small KV budget), prefill chunks beside decodes, and more requests than slots (slots reassigned). Tokens and
     logits equal the packed steps'."""
-    from pagedweight.engine import param_bytes
-
     probe = LLM(BUNDLED, device=DEVICE, block_size=4)
-    budget = param_bytes(probe.model) + 40 * probe.kv.block_bytes  # 6 requests of 40-60 tokens need ~75 blocks
+    budget = probe.weights_outside_bytes + 40 * probe.kv.block_bytes  # 6 requests of 40-60 tokens need ~75 blocks
     kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
     ref, llm = LLM(BUNDLED, budget, cuda_graphs=False, **kw), LLM(BUNDLED, budget, **kw)
     decode = static_decode(llm, max_num_seqs=4)
@@ -334,11 +332,9 @@ def test_paging_under_pressure(ap_dir):
     """The paging loop (tests/test_engine.py's pressure scenario) with static decode steps: widths drop under KV
     pressure and come back once it is gone, and the planner sees the routing statistics of the real rows. On the CPU everything equals
     the packed run; on CUDA, where commits wait for copies (timing), it finishes every request with graphs replayed."""
-    from pagedweight.engine import param_bytes
-
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
     runs = []
     for static in (False, True):

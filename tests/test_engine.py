@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from pagedweight.apformat import load_ap_model
-from pagedweight.engine import LLM, add_parser, param_bytes, parse_budget, run, serving_reserve
+from pagedweight.engine import LLM, add_parser, parse_budget, run, serving_reserve
 from pagedweight.generate import generate
 from pagedweight.sampling import Sampler, SamplingParams, filter_logits, make_generator
 from pagedweight.scheduler import Scheduler
@@ -260,7 +260,7 @@ def test_activation_reserve_is_taken_from_the_pool(hf_dir):
     in the bytes the budget covers. It needs a budget, and a budget it leaves without one KV block is refused."""
     path, _ = hf_dir
     probe = LLM(path, block_size=4)
-    outside, page = param_bytes(probe.model), probe.page_bytes
+    outside, page = probe.weights_outside_bytes, probe.page_bytes
     budget, reserve = outside + 40 * page + 123, 7 * page + 5
     plain = LLM(path, budget, block_size=4)
     kept = LLM(path, budget, block_size=4, activation_reserve=reserve)
@@ -284,11 +284,11 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypa
     and the experts read the new pool. "auto" needs a budget; any other string is refused."""
     path, _ = hf_dir
     probe = LLM(path, block_size=4)
-    budget = param_bytes(probe.model) + 64 * probe.page_bytes
+    budget = probe.weights_outside_bytes + 64 * probe.page_bytes
     for src, extra in ((path, {}), (ap_dir, dict(page_store_dir=str(ap_dir / "store")))):
         if extra:
             ap_probe = LLM(ap_dir, block_size=4, **extra)
-            budget = (param_bytes(ap_probe.model) + ap_probe.stats()["resident_weight_bytes"]
+            budget = (ap_probe.weights_outside_bytes + ap_probe.stats()["resident_weight_bytes"]
                       + ap_probe.pool.bytes_of(ap_probe.pool.reserve_pages) + 12 * ap_probe.kv.block_bytes)
         plain = LLM(src, budget, block_size=4, max_num_batched_tokens=16, **extra)
         auto = LLM(src, budget, block_size=4, max_num_batched_tokens=16, activation_reserve="auto", **extra)
@@ -337,7 +337,7 @@ def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch
     # twice over, in whole 2 MiB), so the profile gets half; 2,000: it gets what its steps need
     for blocks in (176, 2000):
         steps.clear(), pools.clear()
-        LLM(BUNDLED, param_bytes(probe.model) + blocks * probe.kv.block_bytes, block_size=16, max_num_seqs=8,
+        LLM(BUNDLED, probe.weights_outside_bytes + blocks * probe.kv.block_bytes, block_size=16, max_num_seqs=8,
             max_num_batched_tokens=64, activation_reserve="auto")
         widest = max((rows, table) for rows, decode, table, _ in steps if decode)
         assert widest == (8, longest), (blocks, widest)
@@ -348,11 +348,11 @@ def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="measures the CUDA allocator: PAGEDWEIGHT_TEST_DEVICE=cuda (on the H200)")
 def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
-    """On CUDA the profile measures a gap (its decode graphs' pool at least): the reserve is > 0, the pool that many
-    whole pages smaller than a plain build's, serving grows the allocator by no more than the reserve, and the engine
-    serves the tokens an engine given that reserve as bytes serves; building it (the profile) stays within the
-    budget. Static widths: with paging, when a reload's copies finish decides the step it commits at, so two GPU
-    engines' widths, and tokens, may differ.
+    """On CUDA the profile measures a gap (its decode graphs' pool at least): the reserve is > 0, the pool that much
+    smaller than a plain build's (in whole 2 MiB: its allocator segment stays within the budget), serving grows the
+    allocator by no more than the reserve, and the engine serves the tokens an engine given that reserve as bytes
+    serves; building it (the profile) stays within the budget. Static widths: with paging, when a reload's copies
+    finish decides the step it commits at, so two GPU engines' widths, and tokens, may differ.
     The budget leaves 512 MiB beside the weights and KV: alone in a process the profile measured 76 MiB on the H200
     (64 of them cuBLAS's two workspaces, default and capture stream), so 64 MiB of room was too little; its widest
     decode at the longest table then took it to 228 MiB at 32 sequences (the gather path's padded K/V of 32 x 1,024
@@ -360,7 +360,7 @@ def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     extra = dict(device=DEVICE, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, bits=6, paging=False,
                  page_store_dir=str(ap_dir / "store"))
     probe = LLM(ap_dir, **extra)
-    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 64 * probe.kv.block_bytes + (512 << 20))
     plain = LLM(ap_dir, budget, **extra)
     torch.cuda.empty_cache()
@@ -370,8 +370,9 @@ def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     assert torch.cuda.max_memory_reserved() - before <= budget  # the profile too stays within the budget
     reserve = auto.options.activation_reserve
     assert reserve > 0 and reserve % (2 << 20) == 0
-    assert plain.pool.capacity_pages - auto.pool.capacity_pages in (reserve // plain.page_bytes,
-                                                                    -(-reserve // plain.page_bytes))
+    room = budget - auto.weights_outside_bytes - reserve  # the pool's segment in whole 2 MiB, within the budget
+    assert auto.pool.capacity_pages == room // (2 << 20) * (2 << 20) // plain.page_bytes
+    assert plain.pool.capacity_pages == (budget - plain.weights_outside_bytes) // plain.page_bytes
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_reserved()
@@ -508,7 +509,7 @@ def _pressure_run(ap_dir, dtype: str | None):
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store, dtype=dtype)
     weights_8 = probe.stats()["resident_weight_bytes"]
-    budget = (param_bytes(probe.model) + weights_8 + probe.pool.bytes_of(probe.pool.reserve_pages)
+    budget = (probe.weights_outside_bytes + weights_8 + probe.pool.bytes_of(probe.pool.reserve_pages)
               + 8 * probe.kv.block_bytes)
     # no cap on reload starts (tested on its own below) and a reload window of one step: reloads beside the running
     # requests fragment the pool the way the GPU run did, so this scenario also covers weight-run relocation
@@ -599,7 +600,7 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
     boundaries, not reload_dwell_steps steps later (an idle server takes no steps)."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     assert llm.step_idle() is False and llm.stats()["reload_triggers"] == 0  # nothing lowered: nothing to do
@@ -637,7 +638,7 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     the cap is off and the widths come all the way back."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (param_bytes(probe.model) + probe.stats()["resident_weight_bytes"]
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
               + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
     # a one-step reload window and a small hysteresis: the KV the short requests give back is reloaded at once
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
@@ -785,7 +786,7 @@ def test_router_observer_stays_installed_and_folds_only_observed_steps(ap_dir):
 def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     probe = LLM(ap_dir, device=DEVICE, block_size=4, bits=3, paging=False, page_store_dir=str(ap_dir / "store"))
     weights_3 = probe.stats()["resident_weight_bytes"]
-    outside, kv_block = param_bytes(probe.model), probe.kv.block_bytes
+    outside, kv_block = probe.weights_outside_bytes, probe.kv.block_bytes
     reserve = probe.pool.bytes_of(probe.pool.reserve_pages)
     budget = outside + weights_3 + reserve + 24 * kv_block  # even at 3 bits only 24 blocks: 4 x 15 needed
     llm = LLM(ap_dir, budget, DEVICE, block_size=4, bits=3, max_num_batched_tokens=16,

@@ -102,14 +102,14 @@ def test_offloads_are_not_paced_and_cancel_frees_a_half_issued_reload():
 
 
 def test_engine_option_reaches_the_mover_and_paced_widths_return(ap_dir):
-    from pagedweight.engine import LLM, param_bytes
+    from pagedweight.engine import LLM
 
     store = str(ap_dir / "store")
     unpaced = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store, reload_bytes_per_step=0)
     assert unpaced.mover.pace is None
     auto = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store)
     assert auto.mover.pace.bytes_per_step is None and auto.mover.pace_cap() >= 1 << 20
-    budget = (param_bytes(auto.model) + auto.stats()["resident_weight_bytes"]
+    budget = (auto.weights_outside_bytes + auto.stats()["resident_weight_bytes"]
               + auto.pool.bytes_of(auto.pool.reserve_pages) + 8 * auto.kv.block_bytes)
     llm = LLM(ap_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store,
               reload_bytes_per_step=16 << 10)
