@@ -10,7 +10,8 @@ MODEL ?= models/pw-tiny-moe
 # for a few KV blocks: 8 concurrent requests need more KV than that, so expert widths must drop while they run.
 BUDGET ?= 41MiB
 # the budget above is sized for the CPU (fp32). On CUDA the weights are fp16 and the budget must also hold the
-# activation reserve measured at start-up (the serving default there; too small a budget is refused, naming it)
+# activation reserve measured at start-up (the serving default there; too small a budget is refused, naming it):
+# `make run DEVICE=cuda BUDGET=320MiB` on the H200 (README)
 DEVICE ?= cpu
 
 .PHONY: setup run test

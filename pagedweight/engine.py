@@ -39,7 +39,8 @@ from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
 from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
-from pagedweight.pool import PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, resolve_budget
+from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted,
+                              resolve_budget)
 from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_model, install_ap_experts,
                                 planes_id)
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
@@ -135,6 +136,8 @@ class PagingStats:
 # where engine_bench's batch 4 grew 410 MiB beyond the engine (memory_gap-nvidia-h200-20261201-memgap-4-auto5.json);
 # with this margin every measured workload stayed 35-212 MiB under its budget (…-auto4.json, …-auto5.json)
 AUTO_RESERVE_MARGIN = 0.25
+RESERVE_HINT = (" The reserve was measured at start-up (activation_reserve='auto'): raise the budget, or give "
+                "activation_reserve=0 for a budget of the weights and the pool only.")
 
 
 def release_cached(device: torch.device) -> None:
@@ -234,6 +237,7 @@ class LLM:
         """Size the pool (the budget less the weights outside it and the activation reserve, measured first when
         "auto"), then build the engine around the loaded model."""
         opts, cfg = self.options, model.config
+        self._reserve_measured = False  # activation_reserve="auto" (errors then say how to get out of it)
         model.fuse_projections()  # serving layout: fewer GEMM launches per decode step, the same weight bytes
         # the weights outside the pool (AP: experts are not parameters, so this is the non-paged rest); on CUDA in
         # one allocation, whose bytes are what the budget counts for them and what they reserve
@@ -254,12 +258,9 @@ class LLM:
 
             def pool_after(reserve: int) -> int:
                 if budget - outside - reserve < kv_block:
-                    hint = (" The reserve was measured at start-up (activation_reserve='auto'): raise the budget, or "
-                            "give activation_reserve=0 for a budget of the weights and the pool only."
-                            if auto and reserve else "")
                     raise ValueError(f"gpu_memory_budget leaves {budget - outside - reserve} B after {outside} B of "
                                      f"weights and an activation_reserve of {reserve} B: not even one KV block "
-                                     f"({kv_block} B).{hint}")
+                                     f"({kv_block} B).{RESERVE_HINT if auto and reserve else ''}")
                 pool = budget - outside - reserve
                 if reserve and self.device.type == "cuda" and pool >= SEGMENT_OWN_MIN:
                     # the budget bounds the whole footprint: the pool's segment, which the allocator rounds up to
@@ -270,6 +271,7 @@ class LLM:
 
             if auto:
                 self.options = opts = replace(opts, activation_reserve=self._profile_reserve(pool_after(0), weights))
+                self._reserve_measured = True
             pool_bytes = pool_after(opts.activation_reserve)
         self._build(pool_bytes, weights)
 
@@ -428,8 +430,12 @@ class LLM:
         if self.device.type == "cuda" and hasattr(weights.store, "pin"):
             weights.store.pin()  # reloads copy from page-locked memory, without a second host copy
         pace = opts.reload_bytes_per_step
-        self.mover = PageMover(self.table, weights.store,
-                               pace=None if pace == 0 else ReloadPace(bytes_per_step=pace))
+        try:
+            self.mover = PageMover(self.table, weights.store,
+                                   pace=None if pace == 0 else ReloadPace(bytes_per_step=pace))
+        except PoolExhausted as e:  # its reserve (the largest LUT) does not fit
+            raise self._too_small(f"the page mover's reserve of LUT pages does not fit in the pool of "
+                                  f"{self.pool.bytes_of(self.pool.capacity_pages)} B") from e
         n = len(weights.specs)
         mem = np.zeros((n, P + 1))
         supported = np.zeros((n, P + 1), dtype=bool)
@@ -441,9 +447,8 @@ class LLM:
         fits = [b for b in range(weights.seed_bits, home + 1) if mem[:, b].sum() <= room]
         if not fits or (not opts.paging and fits[-1] != home):
             low = weights.seed_bits if opts.paging else home
-            raise ValueError(f"gpu_memory_budget too small: experts at {low} bits and one step of KV need "
-                             f"{int(mem[:, low].sum() + min_kv)} B of pool, "
-                             f"{self.pool.bytes_of(self.pool.free_pages)} B available")
+            raise self._too_small(f"experts at {low} bits and one step of KV need {int(mem[:, low].sum() + min_kv)} "
+                                  f"B of pool, {self.pool.bytes_of(self.pool.free_pages)} B available")
         start = fits[-1]
         for i in range(n):
             if not self.mover.request(i, start):
@@ -467,6 +472,12 @@ class LLM:
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
         self.router_stats.active = False  # installed as every layer's observer, folding only on observed steps
         self._first_mlp = self.model.layers[0]._modules["mlp"]  # its observer says what every layer's is
+
+    def _too_small(self, what: str) -> ValueError:
+        """The error of a budget whose pool cannot hold the engine; under a measured reserve, with the ways out."""
+        reserve = self.options.activation_reserve
+        hint = f" beside an activation_reserve of {reserve} B.{RESERVE_HINT}" if self._reserve_measured else ""
+        return ValueError(f"gpu_memory_budget too small: {what}{hint}")
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

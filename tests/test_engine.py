@@ -278,7 +278,7 @@ def test_activation_reserve_is_taken_from_the_pool(hf_dir):
 
 
 def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypatch):
-    """activation_reserve="auto" builds a profile engine (half the pool), runs its largest steps and releases it
+    """activation_reserve="auto" builds a profile engine (the pool its steps need, at most half the room), runs its largest steps and releases it
     before the real build: afterwards the engine is the one a plain build gives (on this device nothing to measure:
     reserve 0, the same pool, widths and tokens), its step counter starts at 0, the model carries one LM-head hook,
     and the experts read the new pool. "auto" needs a budget; any other string is refused."""
@@ -308,6 +308,16 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypa
     monkeypatch.setattr(LLM, "_profile_reserve", lambda self, room, weights: room)  # a gap as large as the room
     with pytest.raises(ValueError, match="measured at start-up.*activation_reserve=0"):
         LLM(path, budget, block_size=4, activation_reserve="auto")
+    # reserves that leave KV blocks but not the mover's reserve, or not the experts: the same way out
+    lut = ap_probe.pool.bytes_of(ap_probe.pool.reserve_pages)
+    for left, what in ((2 * ap_probe.kv.block_bytes, "mover's reserve"),
+                       (lut + 2 * ap_probe.kv.block_bytes, "experts at 3 bits")):
+        monkeypatch.setattr(LLM, "_profile_reserve", lambda self, room, weights: room - left)
+        with pytest.raises(ValueError, match=f"too small: .*{what}.*activation_reserve of .*measured at start-up"):
+            LLM(ap_dir, budget, block_size=4, activation_reserve="auto", **extra)
+        with pytest.raises(ValueError, match=f"{what}.*B( of pool, \\d+ B available)?$"):  # given as bytes: no hint
+            LLM(ap_dir, budget, block_size=4,
+                activation_reserve=budget - ap_probe.weights_outside_bytes - left, **extra)
 
 
 def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch):
