@@ -546,8 +546,7 @@ def _external_stream(handle: int):
 
 def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool_words: torch.Tensor,
                 pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor, lut_off: torch.Tensor,
-                D: int, F: int, P: int, lut_width: int | None = None, buffers: PrefillBuffers | None = None
-                ) -> torch.Tensor:
+                D: int, F: int, P: int, lut_width: int | None = None) -> torch.Tensor:
     """Routed experts of one layer on T tokens (SPEC.md "Fused MoE kernel contract"); returns [T, D] in
     hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
 
@@ -558,7 +557,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     T, k = topk_ids.shape
     if T > DECODE_MAX_T:
         return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F,
-                        P if lut_width is None else lut_width, buffers)
+                        P if lut_width is None else lut_width)
     E = q.shape[0]
     if E > MAX_EXPERTS or not MIN_WIDTH <= P <= MAX_WIDTH:
         raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts and widths {MIN_WIDTH}..{MAX_WIDTH}")
@@ -723,47 +722,18 @@ def _has_grouped_kernel(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
     """Expert j's rows of `a` times b[j] ([n, K, N]), in a's dtype. Given device end offsets `offs`, `a` is [rows, K]
-    in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100; it takes no `out`). Else `a` is
-    [n, maxc, K], each expert's rows zero-padded to the group's largest: one bmm (into `out` when given), exact in
-    fp16, where torch's grouped GEMM would sync and loop mm per expert (fp16 has no grouped kernel; ~120 launches per
-    Qwen1.5 layer were host-bound). The scratch is fp16 under fp32 activations, hence the cast."""
+    in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100). Else `a` is [n, maxc, K], each
+    expert's rows zero-padded to the group's largest: one bmm, exact in fp16, where torch's grouped GEMM would sync
+    and loop mm per expert (fp16 has no grouped kernel; ~120 launches per Qwen1.5 layer were host-bound). The
+    scratch is fp16 under fp32 activations, hence the cast."""
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
-    return torch.bmm(a, b if b.dtype == a.dtype else b.to(a.dtype), out=out)
+    return torch.bmm(a, b if b.dtype == a.dtype else b.to(a.dtype))
 
 
-class PrefillBuffers:
-    """One device allocation that `_prefill`'s per-call tensors are views of, each in a region sized by the bound of a
-    call of T tokens (T * (k + G) padded rows, G experts per group); reallocated only when a call's bounds exceed it.
-    Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no cached
-    free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at the
-    prefill's combine held 452-478 MiB beyond the engine's budget, most of its activation gap
-    (memory_gap-nvidia-h200-20261201-memgap-pressure-s22.json). An engine's layers share one (they run one after
-    another on one stream), so its first prefill of max_num_batched_tokens tokens (the "auto" reserve's profile runs
-    one) allocates it for good."""
-
-    def __init__(self) -> None:
-        self.data: torch.Tensor | None = None
-
-    def take(self, device: torch.device, parts: list[tuple[tuple[int, ...], int, torch.dtype]]) -> list[torch.Tensor]:
-        """A tensor of each (shape, bound elements, dtype), at the start of its own 256-byte aligned region of `bound`
-        elements."""
-        offsets, total = [], 0
-        for _, bound, dtype in parts:
-            offsets.append(total)
-            total += -(-bound * dtype.itemsize // 256) * 256
-        if self.data is None or self.data.numel() < total or self.data.device != device:
-            self.data = None  # back to the caching allocator before the larger one is asked for
-            self.data = torch.empty(total, dtype=torch.uint8, device=device)
-        return [self.data[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for o, (shape, _, dtype) in zip(offsets, parts)]
-
-
-def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width,
-             buffers: PrefillBuffers | None = None):
+def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
     groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
     launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
@@ -784,18 +754,7 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)
-    # per-call tensors in `buffers`: the rows (padded: at most T*k + G*T, the groups sorted by count), a padded
-    # group's rows (at most G*T) through gate_up, activation and down, the weighted rows in fp32, the output
-    rows, bound = len(plan.token), T * k + (0 if grouped else G * T)
-    grow, gbound = max(n * width for _, n, _, _, width in plan.groups), 0 if grouped else G * T
-    ht, f32 = hidden.dtype, torch.float32
-    xp, x, gu, act, yg, yw, out = (buffers or PrefillBuffers()).take(dev, [
-        ((T + 1, D), (T + 1) * D, ht), ((rows, D), bound * D, ht), ((grow, 2 * F), gbound * 2 * F, ht),
-        ((grow, F), gbound * F, ht), ((grow, D), gbound * D, ht), ((rows, D), bound * D, f32),
-        ((T + 1, D), (T + 1) * D, f32)])
-    xp[:T].copy_(hidden)
-    xp[T].zero_()
-    torch.index_select(xp, 0, token, out=x)  # padding rows read the zero row T
+    x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
     scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
     w_gu, w_d = scratch_views(scratch, D, F)
     w_gu, w_d = w_gu[:, :D], w_d[:, :F]  # a group's are its first n slots: all of them but in the last group
@@ -806,21 +765,14 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     # consecutive), through torch's C++ methods (split_with_sizes, chunk; Tensor.split and len() are Python wrappers)
     xs = x.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
     offs = ends.split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
-    yws = yw.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
-    w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
-    ws = w.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
     full = w_gu.shape[0]
-    for (s0, n, _, _, width), a, off, wr, ywr in zip(plan.groups, xs, offs, ws, yws):
+    ys = []
+    for (s0, n, _, _, width), a, off in zip(plan.groups, xs, offs):
         dequantize(s0, n)
         wg, wd = (w_gu, w_d) if n == full else (w_gu[:n], w_d[:n])
-        if grouped:
-            gate, up = _grouped_mm(a, wg, off).chunk(2, dim=-1)
-            y = _grouped_mm(tf.silu(gate) * up, wd, off)
-        else:  # into the buffers: n experts of `width` rows each
-            r = n * width
-            gate, up = _grouped_mm(a.view(n, width, D), wg, None, gu[:r].view(n, width, 2 * F)).chunk(2, dim=-1)
-            h = torch.mul(tf.silu(gate, inplace=True), up, out=act[:r].view(n, width, F))
-            y = _grouped_mm(h, wd, None, yg[:r].view(n, width, D))
-        torch.mul(y.view(-1, D), wr, out=ywr)  # in fp32
-    out.zero_().index_add_(0, token, yw)
-    return out[:T].to(hidden.dtype, copy=True)  # a copy: the buffers serve the next call
+        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).chunk(2, dim=-1)
+        ys.append(_grouped_mm(tf.silu(gate) * up, wd, off).view(-1, D))
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]
+    w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
+    out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y * w)  # y * w: in fp32
+    return out[:T].to(hidden.dtype)

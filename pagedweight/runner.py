@@ -13,7 +13,6 @@ twin elsewhere. Both see the same pool bytes and the same device tables.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
@@ -94,11 +93,10 @@ def build_ap_model(ap: APCheckpoint, dtype: torch.dtype, device: torch.device) -
 
 
 def moe_function(device: torch.device) -> Callable[..., torch.Tensor]:
-    """The fused kernel on CUDA, its torch reference twin anywhere else. The kernel's prefill path gets buffers of
-    its own (`PrefillBuffers`), which every layer shares and which go with the layers' experts."""
+    """The fused kernel on CUDA, its torch reference twin anywhere else."""
     if device.type == "cuda":
-        from pagedweight.cuda.moe_kernels import PrefillBuffers, moe_forward
-        return functools.partial(moe_forward, buffers=PrefillBuffers())
+        from pagedweight.cuda.moe_kernels import moe_forward
+        return moe_forward
     from pagedweight.cuda.reference import moe_forward_reference
     return moe_forward_reference
 
