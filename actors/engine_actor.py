@@ -42,8 +42,8 @@ class EngineConfig:
     store_root: str = "/dev/shm"  # where the node's page store writes the planes (a tmpfs: shared pages)
     # push routing mass to the cluster planner this often; None = never, math.inf = only on `sync_routing`
     routing_sync_s: float | None = 5.0
-    # "auto": the fused Numba kernel on CUDA, its torch twin elsewhere; "reference": the torch twin everywhere
-    # (no kernel compile: for runs about actor plumbing, where ~1 min of first-compile would dominate)
+    # the engine's expert_impl (EngineOptions) unless engine_options give one: "reference" runs the fused kernel's
+    # torch twin on CUDA too (no kernel compile: for runs about actor plumbing)
     expert_impl: str = "auto"
 
     def __post_init__(self) -> None:
@@ -68,10 +68,7 @@ def build_llm(cfg: EngineConfig):
     from pagedweight.engine import LLM, serving_reserve
 
     options = dict(cfg.engine_options)
-    if cfg.expert_impl == "reference":
-        # the twin reads routing on the host (.tolist(), nonzero): no CUDA graph can hold it, and a failed capture
-        # leaves the graph pool recording, which breaks every later capture (seen on the H200: all Serve requests 500)
-        options["cuda_graphs"] = False
+    options.setdefault("expert_impl", cfg.expert_impl)  # in place from the start: the "auto" reserve profiles it
     if cfg.use_page_store and ray.is_initialized():
         from pagedweight.actors.page_store_actor import page_store_for_node
 
@@ -80,15 +77,7 @@ def build_llm(cfg: EngineConfig):
             options.setdefault("page_store_dir", store_dir)
     device = resolve_device(cfg.device)
     options.setdefault("activation_reserve", serving_reserve(cfg.gpu_memory_budget, device))
-    llm = LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=device, **options)
-    if cfg.expert_impl == "reference":
-        from pagedweight.cuda.reference import moe_forward_reference
-        from pagedweight.runner import APExperts
-
-        for module in llm.model.modules():  # the same pool and tables, read through the twin
-            if isinstance(module, APExperts):
-                module.fn = moe_forward_reference
-    return llm
+    return LLM(cfg.model_dir, gpu_memory_budget=cfg.gpu_memory_budget, device=device, **options)
 
 
 def make_engine(cfg: EngineConfig, engine_id: str) -> "AsyncEngine":

@@ -95,6 +95,10 @@ class EngineOptions:
     # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32, one query head per KV
     # head; False or otherwise: gather + SDPA)
     decode_attention_kernel: bool = True
+    # "auto": AP experts through the fused Numba kernel on CUDA, its torch twin elsewhere; "reference": the twin
+    # everywhere (no kernel compile: for runs about plumbing, where the first compile would dominate). The twin reads
+    # the routing on the host, which no CUDA graph can hold, so "reference" turns cuda_graphs off
+    expert_impl: str = "auto"
     # on CUDA (fp16/fp32): the whole-step decode graphs run each layer's norms, RoPE, routing and shared-expert
     # elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
     layer_kernels: bool = True
@@ -224,6 +228,10 @@ class LLM:
             raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
         if self.options.compact_every_steps < 0:
             raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
+        if self.options.expert_impl not in ("auto", "reference"):
+            raise ValueError(f"expert_impl {self.options.expert_impl!r}: use 'auto' or 'reference'")
+        if self.options.expert_impl == "reference":
+            self.options = replace(self.options, cuda_graphs=False)
         reserve = self.options.activation_reserve
         if reserve != "auto" and (not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0):
             raise ValueError(f"activation_reserve must be an int of bytes >= 0 or 'auto', got {reserve!r}")
@@ -457,7 +465,8 @@ class LLM:
             torch.cuda.synchronize(self.device)  # every copy fence done: the first boundary commits them all
         self.mover.boundary()
         self._initial_bytes = self.mover.stats.bytes_copied
-        install_ap_experts(model, self.table, self.pool, graphs=opts.cuda_graphs and self.device.type == "cuda")
+        install_ap_experts(model, self.table, self.pool, graphs=opts.cuda_graphs and self.device.type == "cuda",
+                           reference=opts.expert_impl == "reference")
         logger.info("experts: {} blocks at {} bits ({} B resident), home width {}, paging {}", n, start,
                     self.table.resident_weight_bytes(), home, "on" if opts.paging else "off")
         if not opts.paging:

@@ -92,9 +92,9 @@ def build_ap_model(ap: APCheckpoint, dtype: torch.dtype, device: torch.device) -
     return model.eval()
 
 
-def moe_function(device: torch.device) -> Callable[..., torch.Tensor]:
-    """The fused kernel on CUDA, its torch reference twin anywhere else."""
-    if device.type == "cuda":
+def moe_function(device: torch.device, reference: bool = False) -> Callable[..., torch.Tensor]:
+    """The fused kernel on CUDA, its torch reference twin anywhere else (or when asked for)."""
+    if device.type == "cuda" and not reference:
         from pagedweight.cuda.moe_kernels import moe_forward
         return moe_forward
     from pagedweight.cuda.reference import moe_forward_reference
@@ -237,11 +237,12 @@ def capture(graph: torch.cuda.CUDAGraph, pool: GraphPool | None, fn: Callable[[]
         return None
 
 
-def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool, graphs: bool | None = None
-                       ) -> None:
-    """Swap every layer's dense experts for pool readers (the dense expert weights are dropped).
-    `graphs` (default: on for CUDA) replays decode steps' MoE launches from CUDA graphs."""
-    cfg, fn = model.config, moe_function(pool.device)
+def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool, graphs: bool | None = None,
+                       reference: bool = False) -> None:
+    """Swap every layer's dense experts for pool readers (the dense expert weights are dropped), through the fused
+    kernel on CUDA unless `reference` (the torch twin). `graphs` (default: on for CUDA) replays decode steps' MoE
+    launches from CUDA graphs."""
+    cfg, fn = model.config, moe_function(pool.device, reference)
     graphs = pool.device.type == "cuda" if graphs is None else graphs
     graph_pool = GraphPool() if graphs else None
     for layer in range(cfg.num_hidden_layers):

@@ -436,6 +436,28 @@ def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
     llm.table.check()
 
 
+def test_reference_experts_are_installed_by_the_build(ap_dir):
+    """expert_impl="reference" gives every layer the kernel's torch twin from the first build on (an "auto" reserve's
+    profile then measures the twin, not a kernel it never runs; the Serve/Ray engine actor used to swap it in after
+    the build), turns CUDA graphs off (the twin reads routing on the host) and, where "auto" is the twin too (the
+    CPU), serves the same tokens. Other values are refused."""
+    from pagedweight.cuda.reference import moe_forward_reference
+    from pagedweight.runner import APExperts, moe_function
+
+    store = str(ap_dir / "store")
+    twin = LLM(ap_dir, device=DEVICE, block_size=4, page_store_dir=store, expert_impl="reference")
+    assert twin.options.cuda_graphs is False
+    experts = [m for m in twin.model.modules() if isinstance(m, APExperts)]
+    assert len(experts) == 4 and all(m.fn is moe_forward_reference for m in experts)
+    assert moe_function(torch.device("cuda"), reference=True) is moe_forward_reference  # no CUDA needed to pick it
+    if DEVICE == "cpu":
+        auto = LLM(ap_dir, device=DEVICE, block_size=4, page_store_dir=store)
+        assert [o.token_ids for o in twin.generate(PROMPTS, greedy(8), use_tqdm=False)] == \
+            [o.token_ids for o in auto.generate(PROMPTS, greedy(8), use_tqdm=False)]
+    with pytest.raises(ValueError, match="expert_impl 'fast'"):
+        LLM(ap_dir, device=DEVICE, block_size=4, page_store_dir=store, expert_impl="fast")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the allocator's segments: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 @pytest.mark.parametrize("limit", [None, 1])  # device to device; through host memory (no second copy fits)
 def test_packed_weights_on_gpu(hf_dir, limit):
