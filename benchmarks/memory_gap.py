@@ -121,6 +121,7 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
                          block_size=args.block_size, activation_reserve=reserve, **options)
     torch.cuda.synchronize()
     reserved_built, allocated_built = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    startup_peak = torch.cuda.max_memory_reserved()  # the build's peak ("auto": since its profile began, which resets it)
     built = len(torch.cuda.memory._snapshot()["device_traces"][0])  # history entries of the build
     for replay in range(2):
         if args.workload == "bench":
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
            "reserved_after_setup_mib": reserved_built / MIB, "peak_reserved_mib": peak / MIB,
            "peak_over_budget_mib": (peak - st["budget_bytes"]) / MIB,
            "reserved_after_setup_over_budget_mib": (reserved_built - st["budget_bytes"]) / MIB,
+           "startup_peak_over_budget_mib": (startup_peak - st["budget_bytes"]) / MIB,
            "allocated_after_setup_over_budget_mib": (allocated_built - st["budget_bytes"]) / MIB,
            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
            "device_used_by_process_mib": (free0 - free1) / MIB,  # mem_get_info: includes memory torch does not see
