@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
                          block_size=args.block_size, activation_reserve=reserve, **options)
     torch.cuda.synchronize()
     reserved_built, allocated_built = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-    startup_peak = torch.cuda.max_memory_reserved()  # the build's peak ("auto": since its profile began, which resets it)
+    startup_peak = torch.cuda.max_memory_reserved()  # the build's peak ("auto": since its profile reset it)
     built = len(torch.cuda.memory._snapshot()["device_traces"][0])  # history entries of the build
     for replay in range(2):
         if args.workload == "bench":

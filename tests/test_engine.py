@@ -278,10 +278,11 @@ def test_activation_reserve_is_taken_from_the_pool(hf_dir):
 
 
 def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypatch):
-    """activation_reserve="auto" builds a profile engine (the pool its steps need, at most half the room), runs its largest steps and releases it
-    before the real build: afterwards the engine is the one a plain build gives (on this device nothing to measure:
-    reserve 0, the same pool, widths and tokens), its step counter starts at 0, the model carries one LM-head hook,
-    and the experts read the new pool. "auto" needs a budget; any other string is refused."""
+    """activation_reserve="auto" builds a profile engine (the pool its steps need, at most half the room), runs its
+    largest steps and releases it before the real build: afterwards the engine is the one a plain build gives (on
+    this device nothing to measure: reserve 0, the same pool, widths and tokens), its step counter starts at 0, the
+    model carries one LM-head hook, and the experts read the new pool. "auto" needs a budget; any other string is
+    refused."""
     path, _ = hf_dir
     probe = LLM(path, block_size=4)
     budget = probe.weights_outside_bytes + 64 * probe.page_bytes
