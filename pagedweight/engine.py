@@ -262,13 +262,11 @@ class LLM:
                 raise ValueError("activation_reserve is a share of gpu_memory_budget: give a budget too")
             pool_bytes = opts.kv_cache_bytes + self._expert_pool_bytes(weights)
         else:
-            auto = opts.activation_reserve == "auto"
-
             def pool_after(reserve: int) -> int:
                 if budget - outside - reserve < kv_block:
                     raise ValueError(f"gpu_memory_budget leaves {budget - outside - reserve} B after {outside} B of "
                                      f"weights and an activation_reserve of {reserve} B: not even one KV block "
-                                     f"({kv_block} B).{RESERVE_HINT if auto and reserve else ''}")
+                                     f"({kv_block} B).{RESERVE_HINT if self._reserve_measured and reserve else ''}")
                 pool = budget - outside - reserve
                 if reserve and self.device.type == "cuda" and pool >= SEGMENT_OWN_MIN:
                     # the budget bounds the whole footprint: the pool's segment, which the allocator rounds up to
@@ -277,7 +275,7 @@ class LLM:
                     pool -= pool % SEGMENT_ROUND
                 return pool
 
-            if auto:
+            if opts.activation_reserve == "auto":
                 self.options = opts = replace(opts, activation_reserve=self._profile_reserve(pool_after(0), weights))
                 self._reserve_measured = True
             pool_bytes = pool_after(opts.activation_reserve)
@@ -485,7 +483,8 @@ class LLM:
     def _too_small(self, what: str) -> ValueError:
         """The error of a budget whose pool cannot hold the engine; under a measured reserve, with the ways out."""
         reserve = self.options.activation_reserve
-        hint = f" beside an activation_reserve of {reserve} B.{RESERVE_HINT}" if self._reserve_measured else ""
+        measured = self._reserve_measured and reserve
+        hint = f" beside an activation_reserve of {reserve} B.{RESERVE_HINT}" if measured else ""
         return ValueError(f"gpu_memory_budget too small: {what}{hint}")
 
     # ---- requests ----
