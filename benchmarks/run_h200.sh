@@ -8,9 +8,10 @@
 # what it measured; engine_bench and kv_pressure also stop starting configurations past --time-budget-s.
 # Logs go to $OUT/h200.log.
 # The kernels' compile (~110 s on a cold cache) can be skipped on a later call: SAVE_NUMBA_CACHE=1 returns the cache
-# as $OUT/numba-cache.tar; unpack it into build/ here and name build/numba-cache in the next call's carry (with
-# NUMBA_CACHE_DIR=$PWD/build/numba-cache). Numba keys each cached kernel on its source file's mtime and size, which
-# the copy to the device keeps: enginetest took 58 s instead of 168 s (h200-nvidia-h200-20261201-s22.log, calls 2-3).
+# as $OUT/numba-cache.tgz (gzip: the plain tar outgrew the 16 MiB a returned file may have); unpack it into build/
+# here and name build/numba-cache in the next call's carry (with NUMBA_CACHE_DIR=$PWD/build/numba-cache). Numba keys
+# each cached kernel on its source file's mtime and size, which the copy to the device keeps: enginetest took 58 s
+# instead of 168 s (h200-nvidia-h200-20261201-s22.log, calls 2-3).
 set -u
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-cache}
 # Without an installed wheel, map the folders the way pyproject's package-dir does.
@@ -88,7 +89,7 @@ for s in "${steps[@]}"; do case $s in
            ray stop --force >>"$log" 2>&1 ;;
   *) echo "unknown step $s" | tee -a "$log" ;;
 esac; done
-[ -n "${SAVE_NUMBA_CACHE:-}" ] && tar -C "$(dirname "$NUMBA_CACHE_DIR")" -cf "$OUT/numba-cache.tar" "$(basename "$NUMBA_CACHE_DIR")"
+[ -n "${SAVE_NUMBA_CACHE:-}" ] && tar -C "$(dirname "$NUMBA_CACHE_DIR")" -czf "$OUT/numba-cache.tgz" "$(basename "$NUMBA_CACHE_DIR")"
 grep -E "^(==|rc=)|passed|failed|Error|error" "$log" | tail -40
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -16,11 +16,11 @@ over every sequence's context (before session 16) cost a [T, S_total] host-built
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
-derives everything from device tensors (no host data, no page id baked in). On CUDA the paged decode attention
-kernel (cuda/attention_kernels.py) reads each row's keys in place up to its length; elsewhere (and for bf16)
-attention reads whole gathered blocks under a length mask. Masked keys are still read there, so every block is
-zeroed when allocated: a page that held weight planes may hold NaN bit patterns, and a masked NaN value still
-poisons softmax(...) @ V.
+derives everything from device tensors (no host data, no page id baked in). In both kinds of step, on CUDA, the
+paged decode attention kernel (cuda/attention_kernels.py) reads each decode row's keys in place up to its length;
+elsewhere (and for bf16 or grouped-query heads) attention reads whole gathered blocks under a length mask. Masked
+keys are still read there, so every block is zeroed when allocated: a page that held weight planes may hold NaN bit
+patterns, and a masked NaN value still poisons softmax(...) @ V.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class DecodeRows:
 
     rows: torch.Tensor  # [B] their rows in the packed step
     tables: torch.Tensor  # [B, L, M] pool KV block of each of the row's logical blocks (padded with its last)
-    mask: torch.Tensor  # bool [B, 1, 1, M * block_size], key position < the row's length
+    lengths: torch.Tensor  # [B] keys each row sees: the kernel's bound
+    mask: torch.Tensor | None  # bool [B, 1, 1, M * block_size], key position < the row's length: SDPA's (no kernel)
 
 
 @dataclass
@@ -77,9 +78,9 @@ class DecodeLayout:
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16,
                  decode_kernel: bool = True) -> None:
-        """`decode_kernel`: on CUDA, static decode steps attend with the paged decode attention kernel (keys read
-        in place, split over the context) where it supports the dtype and head size; otherwise they gather each
-        row's blocks and run SDPA under a length mask."""
+        """`decode_kernel`: on CUDA, decode rows (static decode steps and the one-token rows of packed steps) attend
+        with the paged decode attention kernel (keys read in place, split over the context) where it supports the
+        dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask."""
         self.num_layers = cfg.num_hidden_layers
         self.block_size = block_size
         self.pool = pool
@@ -99,7 +100,7 @@ class PagedKVCache:
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
         self._ids = itertools.count()
         self.layout: StepLayout | DecodeLayout | None = None
-        self._kernels = None  # cuda/attention_kernels.py when static decode steps use it
+        self._kernels = None  # cuda/attention_kernels.py when decode rows use it
         # grouped-query models keep gather + SDPA: the kernel reads a KV head once per query head, 2-9x slower
         # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4)
         if decode_kernel and pool.device.type == "cuda" and cfg.num_key_value_heads == cfg.num_attention_heads:
@@ -186,8 +187,8 @@ class PagedKVCache:
 
         Index arrays are built in numpy and reach the device as one int64 copy. A sequence of several new tokens (a
         prefill chunk) gets its context's pages and slots; a one-token row gets its block table (padded to the
-        step's longest with its last block, which holds finite bytes) and its length, from which the device builds
-        the length mask.
+        step's longest with its last block, which holds finite bytes) and its length (the kernel's bound; without the
+        kernel the device builds the length mask from it).
         """
         bs, L = self.block_size, self.num_layers
         w_pages, w_slot, c_pages, c_slot, chunks, d_rows, d_tables, d_lens = ([] for _ in range(8))
@@ -226,7 +227,8 @@ class PagedKVCache:
         if b:
             off = L * (t + s) + t + s
             rows, tables, lengths = dev[off:].split([b, b * L * m, b])
-            decode = DecodeRows(rows, tables.view(b, L, m), self._length_mask(m, lengths))
+            decode = DecodeRows(rows, tables.view(b, L, m), lengths,
+                                None if self._kernels is not None else self._length_mask(m, lengths))
         self.layout = StepLayout(write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
                                  ctx_pages=ctx_pages, ctx_slots=ctx_slots, chunks=chunks, decode=decode)
 
@@ -267,9 +269,12 @@ class PagedKVCache:
             out[:, :, r0:r1] = self._attend_chunk(lay, layer, q[:, :, r0:r1], c0, c1, scale)
         if lay.decode is not None:
             d = lay.decode
-            qd = q[0].index_select(1, d.rows).transpose(0, 1)[:, :, None]  # [B, H, 1, hd]
-            od = gathered_decode_attention(qd, self.view, d.tables[:, layer], d.mask, scale)
-            out[0].index_copy_(1, d.rows, od[:, :, 0].transpose(0, 1))
+            qd = q[0].index_select(1, d.rows).transpose(0, 1)  # [B, H, hd]
+            if self._kernels is not None:  # keys read in place: no gathered copy, whose size follows the step
+                od = self._kernels.paged_decode_attention(qd, self.view, d.tables[:, layer], d.lengths, scale)
+            else:
+                od = gathered_decode_attention(qd[:, :, None], self.view, d.tables[:, layer], d.mask, scale)[:, :, 0]
+            out[0].index_copy_(1, d.rows, od.transpose(0, 1))
         return out
 
     def _attend_chunk(self, lay: StepLayout, layer: int, q: torch.Tensor, c0: int, c1: int, scale: float

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from pagedweight import kv_cache
 from pagedweight.apformat import load_ap_model
 from pagedweight.engine import LLM, add_parser, parse_budget, run, serving_reserve
 from pagedweight.generate import generate
@@ -503,6 +505,52 @@ def test_cuda_graph_decode_equals_eager(ap_dir):
     assert experts and all(m._graphs for m in experts)
     assert eager.runner.decode is None
     assert not any(m._graphs for m in eager.model.modules() if isinstance(m, APExperts))
+
+
+def test_packed_steps_decode_rows_read_keys_in_place(monkeypatch):
+    """On a model whose query and KV heads are one to one, the one-token rows of packed steps (beside prefill chunks
+    under a 16-token budget; without graphs decode-only steps are packed too) attend through the paged kernel,
+    never the gathered copy, and generate the tokens of an engine that gathers (fp32). On CUDA the engine picks the
+    kernel itself; on the CPU its torch twin stands in, which checks the rows' wiring."""
+    from pagedweight.cuda.reference import paged_decode_attention_reference
+    from pagedweight.kv_cache import PagedKVCache
+    from pagedweight.models import ModelConfig, build_model
+
+    cfg = ModelConfig(family="olmoe", vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_experts=4, top_k=2, norm_topk_prob=False, num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
+                      qk_norm="full", bos_token_id=1, eos_token_ids=(2,))
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (21, 7, 34, 12)]
+    calls = {"kernel": 0, "gathered": 0, "mixed_steps": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def recorded_prepare(self, seqs, num_new_tokens):
+        prepare(self, seqs, num_new_tokens)
+        calls["mixed_steps"] += bool(self.layout.chunks and self.layout.decode is not None)
+
+    prepare = PagedKVCache.prepare
+    monkeypatch.setattr(PagedKVCache, "prepare", recorded_prepare)
+    monkeypatch.setattr(kv_cache, "gathered_decode_attention", counted("gathered", kv_cache.gathered_decode_attention))
+    tokens, seen = {}, {}
+    for use in (True, False):
+        llm = LLM.from_parts(build_model(cfg, seed=0, std=0.3).to(DEVICE), None, device=DEVICE, dtype="float32",
+                             detokenize=False, cuda_graphs=False, block_size=4, max_num_batched_tokens=16,
+                             decode_attention_kernel=use)
+        if use:
+            assert (llm.kv._kernels is not None) == (DEVICE == "cuda")
+            fn = llm.kv._kernels.paged_decode_attention if DEVICE == "cuda" else paged_decode_attention_reference
+            llm.kv._kernels = types.SimpleNamespace(paged_decode_attention=counted("kernel", fn))
+        tokens[use] = [o.token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+        seen[use] = dict(calls)
+        calls.update(kernel=0, gathered=0, mixed_steps=0)
+    assert seen[True]["kernel"] > 0 and seen[True]["gathered"] == 0 and seen[True]["mixed_steps"] > 0, seen
+    assert seen[False]["kernel"] == 0 and seen[False]["gathered"] > 0, seen
+    assert tokens[True] == tokens[False]
 
 
 def _mean_width(llm: LLM) -> float:
