@@ -44,7 +44,7 @@ for s in "${steps[@]}"; do case $s in
   enginetest) step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 tests/test_kernels_sim.py \
-                -k "ap_ or pressure or preempts or cuda_graph or graph or on_gpu" ;;
+                -k "ap_ or pressure or preempts or cuda_graph or graph or on_gpu or in_place" ;;
   # torch.profiler tables of the chunked prefill (host and device time per op: is a prefill step host-bound?); run
   # after enginetest, whose compile fills the Numba cache
   prefillprof) step "${PREFILLPROF_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 4 --skip-fp16 \
