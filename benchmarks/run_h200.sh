@@ -49,6 +49,10 @@ for s in "${steps[@]}"; do case $s in
   # after enginetest, whose compile fills the Numba cache
   prefillprof) step "${PREFILLPROF_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 4 --skip-fp16 \
                  --torch-profile "$OUT/prefill_profile.txt" --torch-profile-phase prefill --label prefillprof ;;
+  # PrefillBuffers' _prefill against an older moe_kernels.py's (PREFILLAB_OLD: a file carried as untracked, e.g.
+  # `git show 92c46cd:cuda/moe_kernels.py > scratch/old_moe_kernels.py`): layer-call time and output distance
+  prefillab) step "${PREFILLAB_LIMIT:-120}" python3 -m benchmarks.prefill_buffers_ab --old "${PREFILLAB_OLD:?}" \
+               --label "${PREFILLAB_LABEL:-prefillab}" ;;
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;

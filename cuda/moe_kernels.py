@@ -546,7 +546,8 @@ def _external_stream(handle: int):
 
 def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool_words: torch.Tensor,
                 pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor, lut_off: torch.Tensor,
-                D: int, F: int, P: int, lut_width: int | None = None) -> torch.Tensor:
+                D: int, F: int, P: int, lut_width: int | None = None, buffers: PrefillBuffers | None = None
+                ) -> torch.Tensor:
     """Routed experts of one layer on T tokens (SPEC.md "Fused MoE kernel contract"); returns [T, D] in
     hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
 
@@ -557,7 +558,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     T, k = topk_ids.shape
     if T > DECODE_MAX_T:
         return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F,
-                        P if lut_width is None else lut_width)
+                        P if lut_width is None else lut_width, buffers)
     E = q.shape[0]
     if E > MAX_EXPERTS or not MIN_WIDTH <= P <= MAX_WIDTH:
         raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts and widths {MIN_WIDTH}..{MAX_WIDTH}")
@@ -722,18 +723,52 @@ def _has_grouped_kernel(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Expert j's rows of `a` times b[j] ([n, K, N]), in a's dtype. Given device end offsets `offs`, `a` is [rows, K]
-    in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100). Else `a` is [n, maxc, K], each
-    expert's rows zero-padded to the group's largest: one bmm, exact in fp16, where torch's grouped GEMM would sync
-    and loop mm per expert (fp16 has no grouped kernel; ~120 launches per Qwen1.5 layer were host-bound). The
-    scratch is fp16 under fp32 activations, hence the cast."""
+    in consecutive runs: torch's grouped GEMM (CUTLASS for bf16 on sm90/sm100; it takes no `out`). Else `a` is
+    [n, maxc, K], each expert's rows zero-padded to the group's largest: one bmm (into `out` when given), exact in
+    fp16, where torch's grouped GEMM would sync and loop mm per expert (fp16 has no grouped kernel; ~120 launches per
+    Qwen1.5 layer were host-bound). The scratch is fp16 under fp32 activations, hence the cast."""
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
-    return torch.bmm(a, b if b.dtype == a.dtype else b.to(a.dtype))
+    return torch.bmm(a, b if b.dtype == a.dtype else b.to(a.dtype), out=out)
 
 
-def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width):
+class PrefillBuffers:
+    """One device allocation that `_prefill`'s per-call tensors are views of, the dequantize scratch included, each in a
+    region sized by the bound of a call of T tokens (T * (k + G) padded rows, G experts per group: whatever the
+    routing). Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no
+    cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at
+    the prefill's combine held 452-478 MiB beyond the engine's budget
+    (memory_gap-nvidia-h200-20261201-memgap-pressure-s22.json). An engine's layers share one (they run one after
+    another on one stream), bounded for at least `tokens` (the engine's max_num_batched_tokens), so its first prefill
+    allocates it for good; grown from a smaller first call instead, the auto reserve ran 56 MiB over under
+    kv_pressure (…-s23-buffers-kv.json). Measured on the Qwen1.5 shape (…-s23-buffers-tok.json against
+    …-s23-kv.json): peak above the budget with no reserve 389 -> 371 MiB (batch 1), 413 -> 391 (batch 4), 812 -> 620
+    (kv_pressure); the auto reserve 508 / 508 / 958 -> 460 / 464 / 750 MiB, each run within its budget; a layer call
+    as fast (prefill_buffers_ab-nvidia-h200-20261201-s23-prefillab.json)."""
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens = tokens
+        self.data: torch.Tensor | None = None
+
+    def take(self, device: torch.device, parts: list[tuple[tuple[int, ...], int, torch.dtype]]) -> list[torch.Tensor]:
+        """A tensor of each (shape, bound elements, dtype), at the start of its own 256-byte aligned region of `bound`
+        elements."""
+        offsets, total = [], 0
+        for _, bound, dtype in parts:
+            offsets.append(total)
+            total += -(-bound * dtype.itemsize // 256) * 256
+        if self.data is None or self.data.numel() < total or self.data.device != device:
+            self.data = None  # back to the caching allocator before the larger one is asked for
+            self.data = torch.empty(total, dtype=torch.uint8, device=device)
+        return [self.data[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for o, (shape, _, dtype) in zip(offsets, parts)]
+
+
+def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width,
+             buffers: PrefillBuffers | None = None):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
     groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
     launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
@@ -754,8 +789,21 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)
-    x = tf.pad(hidden, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row T
-    scratch = prefill_scratch(min(G, len(plan.slots)), D, F, wdt, dev)
+    # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most T*k + G*T, the
+    # groups sorted by count) through the gather, gate_up, activation, down and the fp32 weighting; the scratch
+    sizes = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
+    buffers = buffers or PrefillBuffers()
+    tb = max(T, buffers.tokens)  # the token count the regions are bounded for
+    rows, bound, ht, f32 = len(plan.token), tb * k + (0 if grouped else G * tb), hidden.dtype, torch.float32
+    pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
+    slot_elems = sum(_slot_elems(D, F))
+    xp, x, gu, act, y, yw, out, scratch = buffers.take(dev, [
+        ((T + 1, D), (tb + 1) * D, ht), ((rows, D), bound * D, ht), ((pad_rows, 2 * F), pad_bound * 2 * F, ht),
+        ((pad_rows, F), pad_bound * F, ht), ((rows, D), bound * D, ht), ((rows, D), bound * D, f32),
+        ((T + 1, D), (tb + 1) * D, f32), ((min(G, len(plan.slots)) * slot_elems,), G * slot_elems, wdt)])
+    xp[:T].copy_(hidden)
+    xp[T].zero_()
+    torch.index_select(xp, 0, token, out=x)  # padding rows read the zero row T
     w_gu, w_d = scratch_views(scratch, D, F)
     w_gu, w_d = w_gu[:, :D], w_d[:, :F]  # a group's are its first n slots: all of them but in the last group
     dequantize = _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slots, D, F, lut_width, scratch)
@@ -763,16 +811,23 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     # 20261130-s18-lut.json; ~10 torch calls per group: prefill_host_profile-nvidia-h200-20261130-s18-prepared.txt),
     # so the per-group views come from one split each, not a slice per group (the groups' rows and slots are
     # consecutive), through torch's C++ methods (split_with_sizes, chunk; Tensor.split and len() are Python wrappers)
-    xs = x.split_with_sizes([r1 - r0 for _, _, r0, r1, _ in plan.groups])
-    offs = ends.split_with_sizes([n for _, n, *_ in plan.groups]) if grouped else [None] * len(xs)
+    xs, ys = x.split_with_sizes(sizes), y.split_with_sizes(sizes)
+    if grouped:
+        offs = ends.split_with_sizes([n for _, n, *_ in plan.groups])
+        gus = acts = [None] * len(xs)
+    else:
+        offs, gus, acts = [None] * len(xs), gu.split_with_sizes(sizes), act.split_with_sizes(sizes)
     full = w_gu.shape[0]
-    ys = []
-    for (s0, n, _, _, width), a, off in zip(plan.groups, xs, offs):
+    for (s0, n, _, _, width), a, off, gr, ar, yr in zip(plan.groups, xs, offs, gus, acts, ys):
         dequantize(s0, n)
         wg, wd = (w_gu, w_d) if n == full else (w_gu[:n], w_d[:n])
-        gate, up = _grouped_mm(a if grouped else a.view(n, width, D), wg, off).chunk(2, dim=-1)
-        ys.append(_grouped_mm(tf.silu(gate) * up, wd, off).view(-1, D))
-    y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        if grouped:
+            gate, up = _grouped_mm(a, wg, off).chunk(2, dim=-1)
+            yr.copy_(_grouped_mm(tf.silu(gate) * up, wd, off))
+        else:  # n experts of `width` rows each, every product in its rows of the buffers
+            gate, up = _grouped_mm(a.view(n, width, D), wg, None, gr.view(n, width, 2 * F)).chunk(2, dim=-1)
+            h = torch.mul(tf.silu(gate, inplace=True), up, out=ar.view(n, width, F))
+            _grouped_mm(h, wd, None, yr.view(n, width, D))
     w = topk_weights.reshape(-1).float().index_select(0, pair).unsqueeze(1)
-    out = torch.zeros(T + 1, D, dtype=torch.float32, device=dev).index_add_(0, token, y * w)  # y * w: in fp32
-    return out[:T].to(hidden.dtype)
+    out.zero_().index_add_(0, token, torch.mul(y, w, out=yw))  # y * w: in fp32
+    return out[:T].to(hidden.dtype, copy=True)  # a copy: the buffers serve the next call

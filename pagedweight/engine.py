@@ -464,7 +464,7 @@ class LLM:
         self.mover.boundary()
         self._initial_bytes = self.mover.stats.bytes_copied
         install_ap_experts(model, self.table, self.pool, graphs=opts.cuda_graphs and self.device.type == "cuda",
-                           reference=opts.expert_impl == "reference")
+                           reference=opts.expert_impl == "reference", max_tokens=opts.max_num_batched_tokens)
         logger.info("experts: {} blocks at {} bits ({} B resident), home width {}, paging {}", n, start,
                     self.table.resident_weight_bytes(), home, "on" if opts.paging else "off")
         if not opts.paging:

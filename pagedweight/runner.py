@@ -13,6 +13,7 @@ twin elsewhere. Both see the same pool bytes and the same device tables.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
@@ -92,11 +93,13 @@ def build_ap_model(ap: APCheckpoint, dtype: torch.dtype, device: torch.device) -
     return model.eval()
 
 
-def moe_function(device: torch.device, reference: bool = False) -> Callable[..., torch.Tensor]:
-    """The fused kernel on CUDA, its torch reference twin anywhere else (or when asked for)."""
+def moe_function(device: torch.device, reference: bool = False, max_tokens: int = 0) -> Callable[..., torch.Tensor]:
+    """The fused kernel on CUDA, its torch reference twin anywhere else (or when asked for). The kernel's prefill path
+    gets buffers of its own (`PrefillBuffers`, sized for calls of up to `max_tokens` tokens), which every layer shares
+    and which go with the layers' experts."""
     if device.type == "cuda" and not reference:
-        from pagedweight.cuda.moe_kernels import moe_forward
-        return moe_forward
+        from pagedweight.cuda.moe_kernels import PrefillBuffers, moe_forward
+        return functools.partial(moe_forward, buffers=PrefillBuffers(max_tokens))
     from pagedweight.cuda.reference import moe_forward_reference
     return moe_forward_reference
 
@@ -238,11 +241,11 @@ def capture(graph: torch.cuda.CUDAGraph, pool: GraphPool | None, fn: Callable[[]
 
 
 def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: PagePool, graphs: bool | None = None,
-                       reference: bool = False) -> None:
+                       reference: bool = False, max_tokens: int = 0) -> None:
     """Swap every layer's dense experts for pool readers (the dense expert weights are dropped), through the fused
     kernel on CUDA unless `reference` (the torch twin). `graphs` (default: on for CUDA) replays decode steps' MoE
-    launches from CUDA graphs."""
-    cfg, fn = model.config, moe_function(pool.device, reference)
+    launches from CUDA graphs. `max_tokens`: the most tokens of one step (sizes the prefill's buffers)."""
+    cfg, fn = model.config, moe_function(pool.device, reference, max_tokens)
     graphs = pool.device.type == "cuda" if graphs is None else graphs
     graph_pool = GraphPool() if graphs else None
     for layer in range(cfg.num_hidden_layers):

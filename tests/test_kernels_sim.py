@@ -87,6 +87,19 @@ CHILD = textwrap.dedent(r"""
         results[f"skew_{str(dtype).split('.')[-1]}"] = dict(
             check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
             G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist())
+    # PrefillBuffers shared by calls, as an engine's layers share one: each output equals that of a call without
+    # (its own buffers), and stays so after the next call reuses them; buffers sized for 80 tokens allocate that bound
+    # at a first call of 72 and keep the allocation through a call of 80 (other routing)
+    buffers, outs = mk.PrefillBuffers(tokens=80), []
+    qd, po, lo = moe.tables(torch.randint(3, 7, (moe.E, 2), generator=g))
+    for n in (72, 80):
+        w = torch.rand(n, 2, generator=g)
+        args = (torch.randn(n, moe.D, generator=g).to(torch.float16), ids[torch.randperm(T, generator=g)[:n]],
+                w / w.sum(1, keepdim=True), moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P)
+        outs.append((moe_forward(*args, buffers=buffers), moe_forward(*args)))
+        if n == 72:
+            first = buffers.data.data_ptr()
+    results["buffers"] = dict(equal=all(torch.equal(a, b) for a, b in outs), kept=buffers.data.data_ptr() == first)
     # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
     # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
     moe = moes[8]
@@ -148,6 +161,10 @@ def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> No
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r
+
+
+def test_prefill_buffers_shared_by_calls(sim_results: dict) -> None:
+    assert sim_results["buffers"] == dict(equal=True, kept=True)
 
 
 def test_bf16_rounding_matches_torch(sim_results: dict) -> None:
