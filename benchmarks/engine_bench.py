@@ -78,8 +78,17 @@ SCALED_PAGES = dict(QWEN15_MOE, vocab_size=2048, hidden_size=512, moe_intermedia
               num_key_value_heads=1, head_dim=16, shared_expert_intermediate_size=512, max_position_embeddings=4096)
 
 
-def model_config(tiny: bool, scaled: bool = False) -> ModelConfig:
-    return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else QWEN15_MOE))
+# Qwen3-30B-A3B's shape: grouped-query attention (32 query heads over 4 KV heads), so decode rows take the gather
+# path (kv_cache.py), and 128 experts of which 8 are routed; no shared expert.
+QWEN3_MOE = dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, moe_intermediate_size=768,
+                 num_hidden_layers=48, num_experts=128, top_k=8, norm_topk_prob=True, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                 qk_norm="head")
+SHAPES = {"qwen1.5-moe": QWEN15_MOE, "qwen3-moe": QWEN3_MOE}
+
+
+def model_config(tiny: bool, scaled: bool = False, shape: str = "qwen1.5-moe") -> ModelConfig:
+    return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else SHAPES[shape]))
 
 
 def outside_bytes(cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> int:
@@ -520,6 +529,7 @@ def config_name(kind: str, b: int | None, home: int | None, parent: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen1.5-moe", help="the full-size model shape")
     p.add_argument("--observe-every", type=int, default=None, metavar="N",
                    help="PagedWeight reads routing statistics every N-th step (default: the engine's); a large N "
                         "separates the observed steps' cost from the rest of PagedWeight's per-step cost")
@@ -569,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = model_config(args.tiny, args.scaled)
+    cfg = model_config(args.tiny, args.scaled, args.shape)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits, heads=args.heads)
@@ -582,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token.update({f"ap{b}": weight_bytes_per_token(cfg, outside, element, weights, b)
                       for b in range(weights.seed_bits, weights.parent_bits + 1)})
     shape = "tiny" if args.tiny else "Qwen1.5-MoE block count, scaled dims (SCALED_PAGES)" if args.scaled else \
-        "Qwen1.5-MoE-A2.7B shape"
+        {"qwen1.5-moe": "Qwen1.5-MoE-A2.7B shape", "qwen3-moe": "Qwen3-30B-A3B shape"}[args.shape]
     extra = {"model": f"{shape}, random planes", "page_bytes": page,
              "weight_bytes_per_token_computed": per_token,
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},

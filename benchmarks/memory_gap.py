@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.engine_bench import (ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
+from benchmarks.engine_bench import (SHAPES, ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
                                      page_bytes, random_model, serve)
 from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
 from pagedweight.engine import LLM, release_cached, round_up
@@ -96,7 +96,7 @@ def record_segments() -> None:
 def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict:
     """Build the engine (the workload's budget + `more`, activation_reserve = `reserve`), replay the workload twice
     (the first captures the graphs it needs), and report the memory."""
-    cfg = model_config(False)
+    cfg = model_config(False, shape=args.shape)
     dtype = torch.float16
     page = page_bytes(cfg, args.block_size, dtype)
     weights = ap_weights(cfg, args.parent_bits)
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=("bench", "pressure"), default="bench",
                    help="bench: engine_bench's batch at uniform --bits; pressure: kv_pressure's arrivals, paging on")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen1.5-moe", help="the model shape (engine_bench.SHAPES)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--parent-bits", type=int, default=6)
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         # workload's KV; the larger pool changes nothing the workload allocates beside it
         rows.append(run(args, gap, gap) if mode == "measured" else run(args, "auto", 2 * gap))
         rows[-1]["peak_within_budget"] = rows[-1]["peak_over_budget_mib"] <= 0
-    print(write_result("memory_gap", rows, out_dir=args.out_dir, label=args.label or args.workload))
+    print(write_result("memory_gap", rows, out_dir=args.out_dir, label=args.label or args.workload,
+                       extra={"shape": args.shape}))
     return 0
 
 

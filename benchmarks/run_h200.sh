@@ -63,12 +63,13 @@ for s in "${steps[@]}"; do case $s in
   # host time before each step's launch and the graph's GPU time, per engine and observation-cycle place
   marks) step "${MARKS_LIMIT:-150}" python3 -m benchmarks.launch_marks --rounds 0 --paired-chunk 4 --bits 3,4 \
            --batches 1,4 --gen 64 --paged-home match --time-budget-s 110 --label "${MARKS_LABEL:-marks}" ${MARKS_ARGS:-} ;;
+  # MEMGAP_ARGS="--shape qwen3-moe": the grouped-query shape (its decode rows take the gather path)
   # where the memory above the budget goes (allocator segments by source and pool), then the same workload at budget
   # + that gap with activation_reserve = the gap, and with "auto": engine_bench's batch 1 and 4 at 4 bits, and
   # kv_pressure's arrivals
   memgap) for w in "--batch 1" "--batch 4" "--workload pressure"; do
             step "${MEMGAP_LIMIT:-200}" python3 -m benchmarks.memory_gap $w --reserve "${MEMGAP_RESERVE:-measured,auto}" \
-              --label "memgap-${w##* }${MEMGAP_LABEL:-}"
+              --label "memgap-${w##* }${MEMGAP_LABEL:-}" ${MEMGAP_ARGS:-}
           done ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
