@@ -84,11 +84,11 @@ QWEN3_MOE = dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, moe_in
                  num_hidden_layers=48, num_experts=128, top_k=8, norm_topk_prob=True, num_attention_heads=32,
                  num_key_value_heads=4, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=8192,
                  qk_norm="head")
-SHAPES = {"qwen1.5-moe": QWEN15_MOE, "qwen3-moe": QWEN3_MOE}
+SHAPES = {"qwen1.5-moe": ("Qwen1.5-MoE-A2.7B", QWEN15_MOE), "qwen3-moe": ("Qwen3-30B-A3B", QWEN3_MOE)}
 
 
 def model_config(tiny: bool, scaled: bool = False, shape: str = "qwen1.5-moe") -> ModelConfig:
-    return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else SHAPES[shape]))
+    return ModelConfig(**(TINY if tiny else SCALED_PAGES if scaled else SHAPES[shape][1]))
 
 
 def outside_bytes(cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> int:
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token.update({f"ap{b}": weight_bytes_per_token(cfg, outside, element, weights, b)
                       for b in range(weights.seed_bits, weights.parent_bits + 1)})
     shape = "tiny" if args.tiny else "Qwen1.5-MoE block count, scaled dims (SCALED_PAGES)" if args.scaled else \
-        {"qwen1.5-moe": "Qwen1.5-MoE-A2.7B shape", "qwen3-moe": "Qwen3-30B-A3B shape"}[args.shape]
+        f"{SHAPES[args.shape][0]} shape"
     extra = {"model": f"{shape}, random planes", "page_bytes": page,
              "weight_bytes_per_token_computed": per_token,
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
