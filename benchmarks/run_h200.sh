@@ -67,9 +67,11 @@ for s in "${steps[@]}"; do case $s in
   # where the memory above the budget goes (allocator segments by source and pool), then the same workload at budget
   # + that gap with activation_reserve = the gap, and with "auto": engine_bench's batch 1 and 4 at 4 bits, and
   # kv_pressure's arrivals
-  memgap) for w in "--batch 1" "--batch 4" "--workload pressure"; do
-            step "${MEMGAP_LIMIT:-200}" python3 -m benchmarks.memory_gap $w --reserve "${MEMGAP_RESERVE:-measured,auto}" \
-              --label "memgap-${w##* }${MEMGAP_LABEL:-}" ${MEMGAP_ARGS:-}
+  # MEMGAP_WORKLOADS: which of the three (batch sizes and/or "pressure"), e.g. "4 pressure"
+  memgap) for w in ${MEMGAP_WORKLOADS:-1 4 pressure}; do
+            [ "$w" = pressure ] && a="--workload pressure" || a="--batch $w"
+            step "${MEMGAP_LIMIT:-200}" python3 -m benchmarks.memory_gap $a --reserve "${MEMGAP_RESERVE:-measured,auto}" \
+              --label "memgap-$w${MEMGAP_LABEL:-}" ${MEMGAP_ARGS:-}
           done ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
