@@ -784,17 +784,19 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     dev = hidden.device
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
-    G = min(prefill_group(D, F), GROUPED_MAX)
+    G = min(prefill_group(D, F), GROUPED_MAX, q.shape[0])  # a group never holds more than the layer's experts
     plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True)
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)
     # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most T*k + G*T, the
-    # groups sorted by count) through the gather, gate_up, activation, down and the fp32 weighting; the scratch
+    # groups sorted by count, and at most E*T, no expert having more than T rows) through the gather, gate_up,
+    # activation, down and the fp32 weighting; the scratch
     sizes = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
     buffers = buffers or PrefillBuffers()
     tb = max(T, buffers.tokens)  # the token count the regions are bounded for
-    rows, bound, ht, f32 = len(plan.token), tb * k + (0 if grouped else G * tb), hidden.dtype, torch.float32
+    rows, ht, f32 = len(plan.token), hidden.dtype, torch.float32
+    bound = tb * (k if grouped else min(k + G, q.shape[0]))
     pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
     slot_elems = sum(_slot_elems(D, F))
     xp, x, gu, act, y, yw, out, scratch = buffers.take(dev, [

@@ -74,6 +74,7 @@ CHILD = textwrap.dedent(r"""
     # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
     # raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
     moe = build_synthetic_moe(E=8, D=80, F=40, P=6, seed_bits=3, seed=3)
+    default_scratch = mk.PREFILL_SCRATCH_BYTES
     mk.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
     T = 80
     first = [0] * 70 + [4] * 10
@@ -100,6 +101,15 @@ CHILD = textwrap.dedent(r"""
         if n == 72:
             first = buffers.data.data_ptr()
     results["buffers"] = dict(equal=all(torch.equal(a, b) for a, b in outs), kept=buffers.data.data_ptr() == first)
+    # a layer of fewer experts than the scratch holds (as the bundled model's 16 small experts, where the default
+    # scratch holds 1,023): its regions are bounded by E * T padded rows and E scratch slots, not G * T and G
+    mk.PREFILL_SCRATCH_BYTES = default_scratch
+    small = mk.PrefillBuffers(tokens=T)
+    moe_forward(*args, buffers=small)
+    E, D, F, rows = moe.E, moe.D, moe.F, moe.E * T
+    parts = [(T + 1) * D * 2, rows * D * 2, rows * 2 * F * 2, rows * F * 2, rows * D * 2, rows * D * 4,
+             (T + 1) * D * 4, E * sum(mk._slot_elems(D, F)) * 2]  # fp16 rows, fp32 weighting and output, scratch
+    results["bounded"] = dict(bytes=small.data.numel(), want=sum(-(-n // 256) * 256 for n in parts))
     # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
     # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
     moe = moes[8]
@@ -165,6 +175,11 @@ def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> No
 
 def test_prefill_buffers_shared_by_calls(sim_results: dict) -> None:
     assert sim_results["buffers"] == dict(equal=True, kept=True)
+
+
+def test_prefill_buffers_bounded_by_the_layers_experts(sim_results: dict) -> None:
+    r = sim_results["bounded"]
+    assert r["bytes"] == r["want"], r
 
 
 def test_bf16_rounding_matches_torch(sim_results: dict) -> None:
