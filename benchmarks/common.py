@@ -71,6 +71,23 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
     return path
 
 
+def old_functions(path: str, names: list[str], namespace: dict) -> dict:
+    """`namespace` with the top-level functions `names` of an older copy of a module (an A/B benchmark's old arm,
+    e.g. `git show REV:path > FILE`) defined over it, and the old file's other functions that the new module no
+    longer has (helpers they call): they see the new module's other names. Raises SystemExit when the file lacks one
+    of `names`."""
+    import ast
+
+    ns, found = dict(namespace), set()
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.FunctionDef) and (node.name in names or node.name not in namespace):
+            exec(compile(ast.Module([node], []), path, "exec"), ns)
+            found.add(node.name)
+    if missing := set(names) - found:
+        raise SystemExit(f"{path} defines no {sorted(missing)}")
+    return ns
+
+
 def failed_row(exc: BaseException, **keys) -> dict:
     """Row for a configuration that raised: logged with its traceback, then the traceback's frames are cleared,
     since they hold that configuration's engine (its whole memory pool) and would inflate the next one's peak."""

@@ -9,14 +9,13 @@ order, so exact equality is not expected of either).
 from __future__ import annotations
 
 import argparse
-import ast
 import statistics
 import time
 
 import torch
 
 import pagedweight.cuda.moe_kernels as mk
-from benchmarks.common import write_result
+from benchmarks.common import old_functions, write_result
 from benchmarks.moe_kernel_bench import SHAPES, routing
 from pagedweight.cuda.synthetic import build_synthetic_moe
 from pagedweight.runner import lut_width as lut_class
@@ -33,13 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
-    ns = dict(vars(mk))
-    for node in ast.parse(open(args.old).read()).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "_prefill":
-            exec(compile(ast.Module([node], []), args.old, "exec"), ns)
-    if ns["_prefill"] is mk._prefill:
-        raise SystemExit(f"{args.old} defines no _prefill")
-    old, buffers = ns["_prefill"], mk.PrefillBuffers()
+    old, buffers = old_functions(args.old, ["_prefill"], vars(mk))["_prefill"], mk.PrefillBuffers()
     arms = {"old": old, "new": lambda *a: mk._prefill(*a, buffers=buffers)}
     E, D, F, k = SHAPES["qwen1.5-moe-a2.7b"]
     moe = build_synthetic_moe(E, D, F, 8, 3, device="cuda", seed=21, shuffle=False)
