@@ -298,11 +298,20 @@ class PagedKVCache:
         return gathered_decode_attention(q, self.view, pages, lay.mask, scale)
 
 
+GATHER_BYTES = 64 << 20  # the most that one gathered copy of decode rows' K and V may take
+
+
 def gathered_decode_attention(q: torch.Tensor, view: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor,
                               scale: float) -> torch.Tensor:
     """The torch decode path: q [B, H, 1, hd] over each row's M blocks of `view` [blocks, 2, bs, Hkv, hd], gathered
-    whole per K and V (one copy each), under the length mask [B, 1, 1, M * bs]."""
+    whole per K and V (one copy each), under the length mask [B, 1, 1, M * bs]. Rows go in slices whose copy stays
+    within GATHER_BYTES (a slice of one row at the least): the copy of every row at once grows with the batch times
+    its longest table, 512 MiB a layer for 32 rows of 4,096 keys of 8 KV heads of 128 in fp16 (computed)."""
     b, m = pages.shape
     _, _, bs, hkv, hd = view.shape
+    rows = max(1, GATHER_BYTES // (2 * m * bs * hkv * hd * view.element_size()))
+    if rows < b:
+        return torch.cat([gathered_decode_attention(q[i:i + rows], view, pages[i:i + rows], mask[i:i + rows], scale)
+                          for i in range(0, b, rows)])
     k_all, v_all = (view[:, j][pages].view(b, m * bs, hkv, hd).transpose(1, 2) for j in (0, 1))
     return sdpa(q, k_all, v_all, mask, scale)

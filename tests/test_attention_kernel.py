@@ -163,6 +163,27 @@ def test_twin_matches_sdpa_on_gathered_keys(i: int) -> None:
     torch.testing.assert_close(got.to(q.dtype).float(), want, rtol=0, atol=tol(dtype))
 
 
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_gathered_decode_attention_in_slices_matches_the_twin(i: int, monkeypatch) -> None:
+    """The engine's torch decode path (kv_cache.gathered_decode_attention: rows gathered whole, SDPA under the length
+    mask) against the twin, whole and with GATHER_BYTES so small that every row is a slice of its own."""
+    from pagedweight import kv_cache
+
+    ns: dict = {}
+    exec(BUILD, ns)
+    B, H, Hkv, hd, bs, M, dtype = CASES[i]
+    q, _, clean, tables, lengths = ns["build"](*CASES[i], seed=i)
+    want = paged_decode_attention_reference(q, clean, tables, lengths, hd ** -0.5).float()
+    mask = (torch.arange(M * bs)[None, :] < lengths[:, None])[:, None, None, :]
+    calls, sdpa = [], kv_cache.sdpa
+    monkeypatch.setattr(kv_cache, "sdpa", lambda q, *a: calls.append(q.shape[0]) or sdpa(q, *a))
+    for limit in (kv_cache.GATHER_BYTES, 1):
+        monkeypatch.setattr(kv_cache, "GATHER_BYTES", limit)
+        got = kv_cache.gathered_decode_attention(q[:, :, None], clean, tables, mask, hd ** -0.5)[:, :, 0]
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=tol(dtype))
+    assert calls == [B] + [1] * B  # whole, then a slice per row
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 def test_store_kv_on_gpu() -> None:
     ns: dict = {}
