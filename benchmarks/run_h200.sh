@@ -53,6 +53,10 @@ for s in "${steps[@]}"; do case $s in
   # `git show 92c46cd:cuda/moe_kernels.py > scratch/old_moe_kernels.py`): layer-call time and output distance
   prefillab) step "${PREFILLAB_LIMIT:-120}" python3 -m benchmarks.prefill_buffers_ab --old "${PREFILLAB_OLD:?}" \
                --label "${PREFILLAB_LABEL:-prefillab}" ;;
+  # layers.sdpa against an older layers.py's (SDPAAB_OLD, carried as an untracked file like PREFILLAB_OLD): time, peak
+  # memory a call adds and output distance, on decode rows of grouped heads and prefill chunks after their context
+  sdpaab) step "${SDPAAB_LIMIT:-150}" python3 -m benchmarks.sdpa_ab --old "${SDPAAB_OLD:?}" \
+            --label "${SDPAAB_LABEL:-sdpaab}" ;;
   # ENGINE_PROFILE=1 adds a cProfile host-time breakdown (it slows the host: not for the committed figures)
   engine) step "${ENGINE_LIMIT:-200}" python3 -m benchmarks.engine_bench ${ENGINE_ARGS:---bits 4,3,6,5 --time-budget-s 150} \
             ${ENGINE_PROFILE:+--profile "$OUT/engine_profile.txt"} ;;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 
 import numpy as np
 import pytest
@@ -147,6 +148,30 @@ def test_attention_bench_quick_on_cpu(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert row["method"] == "sdpa" and row["context"] == 64 and row["max_abs_err_vs_twin"] < 1e-5
     assert row["kv_bytes"] == 2 * 64 * 2 * 64 * 4  # K and V of 64 keys, 2 KV heads of 64 dims, float32
+
+
+def test_sdpa_ab_runs_on_cpu_against_an_old_copy(tmp_path, monkeypatch):
+    """sdpa_ab on the CPU's smoke cases, its old arm an older layers.py whose sdpa builds its causal mask with a
+    helper the module no longer has (`old_functions` defines it too): the arms agree."""
+    from benchmarks import sdpa_ab
+
+    old = tmp_path / "old_layers.py"
+    old.write_text(textwrap.dedent("""
+        def mask_of(t, s, device):
+            return torch.arange(s, device=device)[None, :] <= torch.arange(s - t, s, device=device)[:, None]
+
+        def sdpa(q, k, v, mask, scale):
+            if mask is None and q.shape[2] > 1:
+                mask = mask_of(q.shape[2], k.shape[2], q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+    """))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert sdpa_ab.main(["--old", str(old), "--device", "cpu"]) == 0
+    (path,) = tmp_path.glob("sdpa_ab-*.json")
+    record = json.loads(path.read_text())
+    assert record["complete"] and [r["case"] for r in record["rows"]] == list(sdpa_ab.SMOKE)
+    assert all(r["rel_new_vs_old"] < 2e-3 for r in record["rows"]), record["rows"]
 
 
 def test_output_cost_times_every_kind(tmp_path):

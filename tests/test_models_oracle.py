@@ -352,3 +352,34 @@ def test_packed_weights_are_views_of_one_allocation(pair):
     assert packed.lm_head.weight is packed.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(packed(ids), before)
+
+
+@pytest.mark.parametrize("b, h, hkv, t, s, masked", [
+    (3, 8, 2, 1, 37, True),  # grouped decode rows under a length mask: folded queries
+    (2, 4, 4, 1, 20, True),  # equal heads, masked
+    (1, 8, 2, 9, 40, False),  # a chunk after its context: causal mask, folded per group member
+    (1, 4, 4, 9, 40, False),
+    (1, 8, 2, 12, 12, False),  # a first chunk: SDPA's own causal
+    (2, 8, 1, 1, 15, False),  # one query over every key, one KV head
+])
+@pytest.mark.parametrize("slices", [False, True])
+def test_sdpa_matches_an_explicit_masked_softmax(b, h, hkv, t, s, masked, slices, monkeypatch):
+    """`sdpa` against softmax(q k^T * scale + mask) v in float64 with K/V repeated per query head: queries are the
+    last t of s positions, causally, or (masked) one query per row over its first lengths[row] keys. `slices`: a
+    folded chunk's mask within so few bytes that every query is a slice of its own."""
+    from pagedweight.models import layers
+
+    if slices:
+        monkeypatch.setattr(layers, "FOLDED_MASK_BYTES", 1)
+    g = torch.Generator().manual_seed(b * 100 + h * 10 + t)
+    q, k, v = (torch.randn(b, n, m, 16, generator=g) for n, m in ((h, t), (hkv, s), (hkv, s)))
+    lengths = torch.randint(1, s + 1, (b,), generator=g)
+    keys = torch.arange(s)
+    allowed = (keys[None, None, :] < lengths[:, None, None]) if masked else \
+        (keys[None, :] <= torch.arange(s - t, s)[:, None])[None].expand(b, t, s)  # [b, t, s]
+    mask = allowed[:, None, :1, :] if masked else None  # [b, 1, 1, s], t == 1
+    got = layers.sdpa(q, k, v, mask, 0.25)
+    kr, vr = (x.double().repeat_interleave(h // hkv, dim=1) for x in (k, v))
+    scores = (q.double() @ kr.transpose(-1, -2) * 0.25).masked_fill(~allowed[:, None], float("-inf"))
+    want = scores.softmax(-1) @ vr
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

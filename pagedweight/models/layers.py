@@ -28,17 +28,42 @@ class KVCache(Protocol):
         ...
 
 
+FOLDED_MASK_BYTES = 64 << 20  # the most one slice of a chunk's folded mask may take (bool, and SDPA's copy of it)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
          ) -> torch.Tensor:
-    """Attention of q [B, H, T, hd] over keys [B, Hkv, S, hd]; mask None means the T queries are the last T of
-    the S positions, causally. When keys are exactly the queries' positions `is_causal` keeps SDPA on its fused
-    kernels; otherwise the causal mask is built."""
-    t = q.shape[2]
-    plain_causal = mask is None and t > 1 and k.shape[2] == t
-    if mask is None and t > 1 and not plain_causal:
-        mask = causal_mask(t, k.shape[2], q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    """Attention of q [B, H, T, hd] over keys [B, Hkv, S, hd] under a head-independent mask (broadcast to
+    [B, 1, T, S]); mask None means the T queries are the last T of the S positions, causally. When keys are exactly
+    the queries' positions `is_causal` keeps SDPA on its fused kernels; otherwise the causal mask is built.
+
+    Grouped heads (Hkv < H) under a mask are folded: a KV head's G = H / Hkv query heads become G * T queries of one
+    head, so SDPA sees equal heads. Why: with cuDNN's SDPA off (runner.py) no fused CUDA kernel takes a mask with
+    grouped heads (flash takes no mask, the memory-efficient kernel no grouped heads), and the math kernel repeats K
+    and V per query head beside fp32 scores: 300 MiB a call for a chunk of 512 queries over 2,016 keys on
+    Qwen3-30B-A3B's 32 / 4 heads, and it grows with rows x keys (benchmarks/sdpa_ab.py). A chunk's mask is repeated
+    per group member, in slices of its queries whose copy stays within FOLDED_MASK_BYTES."""
+    b, h, t, hd = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if mask is None and t > 1 and s > t:
+        mask = causal_mask(t, s, q.device)
+    if mask is None or hkv == h:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale,
+                                              enable_gqa=hkv != h)
+    g = h // hkv  # query head i reads KV head i // g, as SDPA's enable_gqa has it
+    if t == 1:  # one query per row: the mask [B, 1, 1, S] broadcasts over the G queries of a KV head
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, hd), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, h, 1, hd)
+    mask = mask.reshape(-1, 1, t, s)
+    rows = max(1, FOLDED_MASK_BYTES // (g * s * (1 + q.element_size())))
+    outs = []
+    for t0 in range(0, t, rows):
+        n = min(rows, t - t0)
+        folded = mask[:, :, None, t0:t0 + n].expand(-1, -1, g, -1, -1).reshape(-1, 1, g * n, s)
+        out = F.scaled_dot_product_attention(q[:, :, t0:t0 + n].reshape(b, hkv, g * n, hd), k, v, attn_mask=folded,
+                                             scale=scale)
+        outs.append(out.reshape(b, h, n, hd))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class RMSNorm(nn.Module):
