@@ -737,7 +737,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out
 
 class PrefillBuffers:
     """One device allocation that `_prefill`'s per-call tensors are views of, the dequantize scratch included, each in a
-    region sized by the bound of a call of T tokens (T * (k + G) padded rows, G experts per group: whatever the
+    region sized by the bound of a call of T tokens (T * min(k + G, E) padded rows, G experts per group: whatever the
     routing). Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no
     cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at
     the prefill's combine held 452-478 MiB beyond the engine's budget
