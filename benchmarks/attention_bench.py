@@ -4,7 +4,9 @@ One query per row against `ctx` keys in pool pages laid out as the engine lays t
 bytes, each row's blocks scattered over the pool). On CUDA each method is captured in a CUDA graph and replayed, so
 the time per call is device time (CUDA events over the replays), not Numba's host launch cost; the row carries the
 K/V bytes a call must read and the rate that implies. Every row also gives the largest difference to the float32
-torch twin. On the CPU only the torch path runs (the kernel needs CUDA): a check that the script works.
+torch twin. On the CPU only the torch path runs (the kernel needs CUDA): a check that the script works. cuDNN's SDPA
+is off, as the engine's runner has it (before session 24 it was on here, and grouped heads' SDPA rows timed cuDNN,
+which takes their mask, where the engine then ran the math kernel).
 
     python -m benchmarks.attention_bench                      # H200: Qwen1.5 and GQA shapes, batch 1-16, 512-8192 keys
     python -m benchmarks.attention_bench --device cpu --quick
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if cuda else torch.float32
     methods = {"sdpa": None}
     if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine's runner has it
         from pagedweight.cuda.attention_kernels import paged_decode_attention
         methods = {"kernel": paged_decode_attention, "sdpa": None}
     rows: list[dict] = []
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, file=sys.stderr)
                     rows.append(row)
     print(write_result("attention_bench", rows, out_dir=args.out_dir, label=args.label,
-                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters}))
+                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters,
+                              "cudnn_sdp": False if cuda else None}))
     return 0
 
 

@@ -102,7 +102,8 @@ class PagedKVCache:
         self.layout: StepLayout | DecodeLayout | None = None
         self._kernels = None  # cuda/attention_kernels.py when decode rows use it
         # grouped-query models keep gather + SDPA: the kernel reads a KV head once per query head, 2-9x slower
-        # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4)
+        # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4; that SDPA was cuDNN's, which the engine
+        # turns off: against the engine's folded SDPA, models/layers.py, not yet measured)
         if decode_kernel and pool.device.type == "cuda" and cfg.num_key_value_heads == cfg.num_attention_heads:
             from pagedweight.cuda import attention_kernels
             if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
