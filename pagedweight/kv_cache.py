@@ -288,8 +288,8 @@ class PagedKVCache:
 
     def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
-        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16) each row's
-        M blocks are gathered whole, per K and V (one copy each), for SDPA under the length mask."""
+        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16, grouped heads)
+        each row's M blocks are gathered, per K and V, for SDPA under the length mask (`gathered_decode_attention`)."""
         pages = lay.tables[:, layer]  # [B, M]
         if self._kernels is not None:
             self._kernels.store_kv(k, v, self.view, lay.write_pages[layer], lay.write_slots, lay.src_rows)
