@@ -10,16 +10,18 @@ Layer (Qwen1.5-MoE expert shapes, synthetic planes at 4 bits, fp16): one routed-
 idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped model, fp16 dense experts and uniform
 4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
 `--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace; `--old-names`: with
-FILE's versions of those helpers too), given the parent width where the new arm gets the runner's LUT width (4 bits:
-`runner.lut_width`), as the revisions before 2badfdb passed it. Both arms run the same dense experts (session 16's
-A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense experts' loop: that file records
-it).
+FILE's versions of those helpers too); `--old-parent-width`: given the parent width where the new arm gets the
+runner's LUT width (4 bits: `runner.lut_width`), as the revisions before 2badfdb passed it. At the layer level each
+arm that takes them has its own `PrefillBuffers`, as an engine's layers share one, and the rows carry how far each
+arm's output is from the old arm's first (the old arm's own: run to run). Both arms run the same dense experts
+(session 16's A/B, prefill_bench-nvidia-h200-20261130-s16-prefill-ab.json, also swapped the dense experts' loop: that
+file records it).
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import cProfile
+import inspect
 import pstats
 import statistics
 import sys
@@ -29,7 +31,7 @@ import torch
 
 import pagedweight.cuda.moe_kernels as mk
 from benchmarks import engine_bench as eb
-from benchmarks.common import write_result
+from benchmarks.common import old_functions, write_result
 from benchmarks.moe_kernel_bench import SHAPES, routing
 from pagedweight.cuda.synthetic import build_synthetic_moe
 from pagedweight.runner import lut_width as lut_class
@@ -37,22 +39,18 @@ from pagedweight.runner import lut_width as lut_class
 PROMPT, GEN = 2016, 2  # engine_bench's prompt (2048 - 32 generated) and the fewest tokens that finish after a decode
 
 
-def load_old(path: str, names: list[str]) -> dict:
-    """The arms' `_prefill`: FILE's runs in the current module's namespace, with FILE's definitions of `names` (a
-    function or class; `_prefill` always), the current module's other helpers and, beside them, FILE's functions
-    that the module no longer has (a helper since renamed)."""
-    ns = dict(vars(mk))
-    for node in ast.parse(open(path).read()).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (
-                node.name == "_prefill" or node.name in names
-                or isinstance(node, ast.FunctionDef) and node.name not in ns):
-            exec(compile(ast.Module([node], []), path, "exec"), ns)
-    old = ns["_prefill"]
-    if old is mk._prefill:
-        raise SystemExit(f"{path} defines no _prefill")
+def load_old(path: str, names: list[str], parent_width: bool) -> dict:
+    """The arms' `_prefill`: FILE's (`old_functions`: with FILE's `names` too) and the current one. The old arm takes
+    the current call's arguments: the parent width in place of the LUT width when `parent_width`, no buffers when
+    FILE's `_prefill` takes none (before 917ff2d)."""
+    old = old_functions(path, ["_prefill", *names], vars(mk))["_prefill"]
+    takes_buffers = "buffers" in inspect.signature(old).parameters
 
-    def old_arm(*args):  # an older moe_forward passed `_prefill` the parent width P, the current one the LUT width
-        return old(*args[:-1], PARENT_BITS[0])
+    def old_arm(*args):
+        head, buffers = args[:11], args[11:]  # hidden ... lut_width, then the buffers when given
+        if parent_width:
+            head = head[:-1] + (PARENT_BITS[0],)
+        return old(*head, *(buffers if takes_buffers else ()))
     return {"old": old_arm, "new": mk._prefill}
 
 
@@ -68,42 +66,45 @@ def layer_rows(arms: dict, tokens: list[int], reps: int, profile: str | None = N
     moe = build_synthetic_moe(E, D, F, 8, 3, device="cuda", seed=21, shuffle=False)
     q, po, lo = moe.tables(torch.full((E, 2), 4))
     gen = torch.Generator(device="cuda").manual_seed(9)
-    rows = []
+    rows, buffers = [], {a: mk.PrefillBuffers() for a in arms}
     for T in tokens:
         ids, w = routing(T, E, k, gen)
         h = torch.randn(T, D, generator=gen, device="cuda").half()
         PARENT_BITS[0] = 8
         args = (h, ids, w, moe.pool_words, moe.pool_halves, q, po, lo, D, F, lut_class(4))  # as the runner passes
+        calls = {a: lambda a=a: arms[a](*args, buffers[a]) for a in arms}
+        base = calls["old" if "old" in arms else "new"]()
+        rel = {a: float((calls[a]().float() - base.float()).norm() / base.float().norm()) for a in arms}
         samples: dict[str, dict[str, list[float]]] = {a: {"gpu": [], "host": []} for a in arms}
         for rep in range(-1, reps):  # rep -1 warms both arms up (allocator, compile)
             for arm in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
-                use(arms, arm)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
                 start.record()
                 for _ in range(5):
-                    mk._prefill(*args)
+                    calls[arm]()
                 end.record()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                mk._prefill(*args)
+                calls[arm]()
                 host = (time.perf_counter() - t0) * 1e6
                 torch.cuda.synchronize()
                 if rep >= 0:
                     samples[arm]["gpu"].append(start.elapsed_time(end) * 1e3 / 5)
                     samples[arm]["host"].append(host)
         if profile and T == tokens[0]:  # where the new arm's host time goes (cProfile slows it: not a timing)
-            use(arms, "new")
             prof = cProfile.Profile()
             torch.cuda.synchronize()
-            prof.runcall(lambda: [mk._prefill(*args) for _ in range(20)])
+            prof.runcall(lambda: [calls["new"]() for _ in range(20)])
             with open(profile, "w") as f:
                 f.write(f"# cProfile of 20 calls of _prefill, qwen1.5-moe-a2.7b T={T} fp16 4 bits, by tottime\n")
                 pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
         for arm, s in samples.items():
             rows.append(dict(level="layer", arm=arm, shape="qwen1.5-moe-a2.7b", T=T, bits=4, dtype="float16",
                              us_per_call_back_to_back=statistics.median(s["gpu"]),
-                             host_us_per_call=statistics.median(s["host"]), samples=s))
+                             host_us_per_call=statistics.median(s["host"]), rel_vs_old=rel[arm],
+                             buffers_mib=buffers[arm].data.numel() / 2**20 if buffers[arm].data is not None else None,
+                             samples=s))
             print(rows[-1]["arm"], T, round(rows[-1]["us_per_call_back_to_back"]),
                   round(rows[-1]["host_us_per_call"]), flush=True)
     return rows
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", default=None, metavar="FILE", help="an older moe_kernels.py whose _prefill is the A arm")
     p.add_argument("--old-names", default="", help="comma list: FILE's functions or classes the A arm also takes "
                    "(e.g. _dequantizer,_PreparedLaunch)")
+    p.add_argument("--old-parent-width", action="store_true",
+                   help="FILE's _prefill takes the parent width where the current takes the LUT width (before 2badfdb)")
     p.add_argument("--tokens", default="512,2048", help="layer level: tokens per call")
     p.add_argument("--batches", default="1,4", help="engine level: prompts per batch")
     p.add_argument("--reps", type=int, default=4)
@@ -155,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, metavar="FILE", help="cProfile of the new arm's layer call (first T)")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
-    arms = load_old(args.old, args.old_names.split(",")) if args.old else {"new": mk._prefill}
+    arms = load_old(args.old, [n for n in args.old_names.split(",") if n], args.old_parent_width) if args.old \
+        else {"new": mk._prefill}
     rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps, args.profile)
-    extra = {"old_file": args.old, "old_names": args.old_names, "complete": False}
+    extra = {"old_file": args.old, "old_names": args.old_names, "old_parent_width": args.old_parent_width,
+             "complete": False}
     write_result("prefill_bench", rows, label=args.label, extra=extra)
     if not args.skip_engine:
         rows += engine_rows(arms, [int(b) for b in args.batches.split(",")], args.reps)

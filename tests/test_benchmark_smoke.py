@@ -271,3 +271,27 @@ def test_memory_gap_attributes_each_live_segment_to_its_last_allocation():
                                                                        ("graph pool", "x.py:1 graph", 1)]
     assert attribute(snapshot, 0, 2)[1] == {}  # that address's live segment is the later allocation's
     assert attribute(snapshot, 2)[0] == rows and attribute(snapshot, 2)[2] == 1
+
+
+@pytest.mark.parametrize("takes_buffers", [False, True])
+@pytest.mark.parametrize("parent_width", [False, True])
+def test_prefill_bench_old_arm_takes_the_current_call(tmp_path, takes_buffers, parent_width):
+    """prefill_bench's old arm, given the current `_prefill` call (11 arguments, then the arm's buffers): the LUT
+    width swapped for the parent width when asked, the buffers passed on only to an old `_prefill` that takes them,
+    and an old class named in --old-names defined over the kernel module for it."""
+    from benchmarks import prefill_bench
+
+    extra = ", buffers=None" if takes_buffers else ""
+    old = tmp_path / "old_moe_kernels.py"
+    old.write_text(textwrap.dedent(f"""
+        class Helper:
+            tag = "old"
+
+        def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F,
+                     lut_width{extra}):
+            return Helper.tag, lut_width, {"buffers" if takes_buffers else "None"}
+    """))
+    arms = prefill_bench.load_old(str(old), ["Helper"], parent_width)
+    prefill_bench.PARENT_BITS[0] = 6
+    got = arms["old"](*range(10), 4, "bufs")
+    assert got == ("old", 6 if parent_width else 4, "bufs" if takes_buffers else None)
