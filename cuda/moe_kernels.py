@@ -600,6 +600,10 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 PREFILL_SCRATCH_BYTES = 128 << 20  # dequantized blocks in flight during prefill (outside the pool's budget)
 GROUPED_MAX = 1023  # torch._grouped_mm takes fewer than 1024 groups
+# a padded group ends where its rows would pass 1.5x its pairs (`expert_rows`'s slack): a call's padded rows, and so
+# the prefill's buffers, are then bounded by 1.5 * T * k, where groups of up to G slots alone bound them by T * (k + G)
+# (6T rows where 11T on Qwen1.5, 12T where 21T on Qwen3), at the price of a group more here and there
+PAD_SLACK = 0.5
 
 
 def dequant_shared_bytes(P: int) -> int:
@@ -737,7 +741,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out
 
 class PrefillBuffers:
     """One device allocation that `_prefill`'s per-call tensors are views of, the dequantize scratch included, each in a
-    region sized by the bound of a call of T tokens (T * min(k + G, E) padded rows, G experts per group: whatever the
+    region sized by the bound of a call of T tokens (min(1.5 * T * k, E * T) padded rows: PAD_SLACK; whatever the
     routing). Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no
     cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at
     the prefill's combine held 452-478 MiB beyond the engine's budget
@@ -785,18 +789,18 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
     G = min(prefill_group(D, F), GROUPED_MAX, q.shape[0])  # a group never holds more than the layer's experts
-    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True)
+    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True, slack=PAD_SLACK)
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)
-    # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most T*k + G*T, the
-    # groups sorted by count, and at most E*T, no expert having more than T rows) through the gather, gate_up,
-    # activation, down and the fp32 weighting; the scratch
+    # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most (1 + PAD_SLACK) *
+    # T*k, each group's padding within the slack, and at most E*T, no expert having more than T rows) through the
+    # gather, gate_up, activation, down and the fp32 weighting; the scratch
     sizes = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
     buffers = buffers or PrefillBuffers()
     tb = max(T, buffers.tokens)  # the token count the regions are bounded for
     rows, ht, f32 = len(plan.token), hidden.dtype, torch.float32
-    bound = tb * (k if grouped else min(k + G, q.shape[0]))
+    bound = tb * k if grouped else min(int((1 + PAD_SLACK) * tb * k), tb * q.shape[0])
     pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
     slot_elems = sum(_slot_elems(D, F))
     xp, x, gu, act, y, yw, out, scratch = buffers.take(dev, [

@@ -27,6 +27,7 @@ CHILD = textwrap.dedent(r"""
                                               prefill_scratch, scratch_views)
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
+    from pagedweight.models.layers import expert_rows
 
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
@@ -68,7 +69,8 @@ CHILD = textwrap.dedent(r"""
         w = torch.rand(T, k, generator=g)
         results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
     # Skewed prefill over several groups: scratch for 4 experts, 6 of 8 routed (2 and 6 never) with 70/3/50/10 | 1/26
-    # pairs, so groups [0, 1, 3, 4] (maxc 70) and a partial [5, 7] (maxc 26, its largest expert last). Tokens and
+    # pairs, so slots 0, 3, 7, 4, 1, 5 (most pairs first), in groups of 3, 1 and 2 (PAD_SLACK: groups of 4 and 2
+    # would pad 280 rows for 156 pairs, past 1.5x; 210 rows for 146 fit, then 10 + 3 would pad 20 for 13). Tokens and
     # each token's two choices shuffled, so the sorted order is not the token order. A pair given the wrong slot
     # uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two pairs given one padded
     # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
@@ -87,7 +89,8 @@ CHILD = textwrap.dedent(r"""
         w = torch.rand(T, 2, generator=g)
         results[f"skew_{str(dtype).split('.')[-1]}"] = dict(
             check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
-            G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist())
+            G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist(),
+            groups=[n for _, n, *_ in expert_rows(ids.numpy(), moe.E, 4, True, True, mk.PAD_SLACK).groups])
     # PrefillBuffers shared by calls, as an engine's layers share one: each output equals that of a call without
     # (its own buffers), and stays so after the next call reuses them; buffers sized for 80 tokens allocate that bound
     # at a first call of 72 and keep the allocation through a call of 80 (other routing)
@@ -102,11 +105,12 @@ CHILD = textwrap.dedent(r"""
             first = buffers.data.data_ptr()
     results["buffers"] = dict(equal=all(torch.equal(a, b) for a, b in outs), kept=buffers.data.data_ptr() == first)
     # a layer of fewer experts than the scratch holds (as the bundled model's 16 small experts, where the default
-    # scratch holds 1,023): its regions are bounded by E * T padded rows and E scratch slots, not G * T and G
+    # scratch holds 1,023): its regions are bounded by 1.5 * T * k padded rows (PAD_SLACK; at most E * T) and E
+    # scratch slots, not T * (k + G) rows and G slots
     mk.PREFILL_SCRATCH_BYTES = default_scratch
     small = mk.PrefillBuffers(tokens=T)
     moe_forward(*args, buffers=small)
-    E, D, F, rows = moe.E, moe.D, moe.F, moe.E * T
+    E, D, F, rows = moe.E, moe.D, moe.F, min(int(1.5 * T * 2), moe.E * T)
     parts = [(T + 1) * D * 2, rows * D * 2, rows * 2 * F * 2, rows * F * 2, rows * D * 2, rows * D * 4,
              (T + 1) * D * 4, E * sum(mk._slot_elems(D, F)) * 2]  # fp16 rows, fp32 weighting and output, scratch
     results["bounded"] = dict(bytes=small.data.numel(), want=sum(-(-n // 256) * 256 for n in parts))
@@ -167,7 +171,7 @@ def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> None:
     r = sim_results[f"skew_{dtype}"]
-    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26], r  # two groups, the second partial
+    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26] and r["groups"] == [3, 1, 2], r
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r

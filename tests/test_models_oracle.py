@@ -244,14 +244,18 @@ def test_dense_experts_gathered_and_grouped_agree(n):
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 30), st.integers(2, 10), st.integers(1, 4), st.integers(1, 5), st.booleans(), st.booleans(),
-       st.randoms(use_true_random=False))
-def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k, max_group, pad, routed_only, rnd):
+       st.sampled_from([None, 0.0, 0.5, 2.0]), st.floats(0, 3), st.randoms(use_true_random=False))
+def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k, max_group, pad, routed_only, slack,
+                                                               skew, rnd):
     """The prefill layout: every (token, choice) pair on exactly one row, inside its expert's slot; the other rows
     are padding (token T) inside padded slots only; groups hold at most max_group slots, padded slots `width` rows,
-    unpadded ones their pairs' rows closed by `ends`; routed_only lists the routed experts, most pairs first."""
+    unpadded ones their pairs' rows closed by `ends`; routed_only lists the routed experts, most pairs first. With a
+    slack, each padded group's rows are within (1 + slack) times its pairs, so a call's within (1 + slack) * T * k,
+    under routing skewed towards low ids (a popularity term) as well as uniform."""
     k = min(k, num_experts)
-    ids = np.array([rnd.sample(range(num_experts), k) for _ in range(t)])
-    plan = expert_rows(ids, num_experts, max_group, pad, routed_only)
+    popularity = [(e + 1.0) ** -skew for e in range(num_experts)]
+    ids = np.array([_weighted_sample(rnd, popularity, k) for _ in range(t)])
+    plan = expert_rows(ids, num_experts, max_group, pad, routed_only, slack)
     real = plan.token < t
     assert sorted(plan.pair[real].tolist()) == list(range(t * k))
     assert (plan.token[real] == plan.pair[real] // k).all() and (plan.token[~real] == t).all()
@@ -276,7 +280,19 @@ def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k
             assert (ids.reshape(-1)[plan.pair[rows[real[rows]]]] == plan.slots[s]).all()
             assert pad or real[rows].all()
         assert r1 == (r0 + n * width if pad else r0 + plan.ends[s0 + n - 1])
+        if pad and slack is not None:
+            assert r1 - r0 <= (1 + slack) * real[r0:r1].sum()
     assert covered.all()
+    if pad and slack is not None:
+        assert len(plan.token) <= (1 + slack) * t * k
+
+
+def _weighted_sample(rnd, weights: list[float], k: int) -> list[int]:
+    """k distinct indices drawn one after another with probability proportional to their weights."""
+    left, out = list(range(len(weights))), []
+    for _ in range(k):
+        out.append(left.pop(rnd.choices(range(len(left)), [weights[i] for i in left])[0]))
+    return out
 
 
 def test_gathered_decode_has_no_sync_and_ops_independent_of_experts():
