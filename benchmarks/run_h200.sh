@@ -50,9 +50,10 @@ for s in "${steps[@]}"; do case $s in
   prefillprof) step "${PREFILLPROF_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 4 --skip-fp16 \
                  --torch-profile "$OUT/prefill_profile.txt" --torch-profile-phase prefill --label prefillprof ;;
   # the layer-level prefill A/B against an older moe_kernels.py's _prefill (PREFILLAB_OLD: a file carried as untracked,
-  # e.g. `git show main:cuda/moe_kernels.py > scratch/old_moe_kernels.py`): layer-call time, output distance, buffers
-  prefillab) step "${PREFILLAB_LIMIT:-120}" python3 -m benchmarks.prefill_bench --old "${PREFILLAB_OLD:?}" --skip-engine \
-               --tokens 512,128,2048 --reps 6 --label "${PREFILLAB_LABEL:-prefillab}" ;;
+  # e.g. `git show main:cuda/moe_kernels.py > scratch/old_moe_kernels.py`): layer-call time, output distance, buffers;
+  # PREFILLAB_ARGS="--tokens 512" (no --skip-engine) adds the engine's time to the first tokens (give it ~300 s)
+  prefillab) step "${PREFILLAB_LIMIT:-120}" python3 -m benchmarks.prefill_bench --old "${PREFILLAB_OLD:?}" \
+               ${PREFILLAB_ARGS:---skip-engine --tokens 512,128,2048} --reps 6 --label "${PREFILLAB_LABEL:-prefillab}" ;;
   # layers.sdpa against an older layers.py's (SDPAAB_OLD, carried as an untracked file like PREFILLAB_OLD): time, peak
   # memory a call adds and output distance, on decode rows of grouped heads and prefill chunks after their context
   sdpaab) step "${SDPAAB_LIMIT:-150}" python3 -m benchmarks.sdpa_ab --old "${SDPAAB_OLD:?}" \

@@ -250,8 +250,8 @@ def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k
     """The prefill layout: every (token, choice) pair on exactly one row, inside its expert's slot; the other rows
     are padding (token T) inside padded slots only; groups hold at most max_group slots, padded slots `width` rows,
     unpadded ones their pairs' rows closed by `ends`; routed_only lists the routed experts, most pairs first. With a
-    slack, each padded group's rows are within (1 + slack) times its pairs, so a call's within (1 + slack) * T * k,
-    under routing skewed towards low ids (a popularity term) as well as uniform."""
+    slack, a call's padded rows are within (1 + slack) * T * k, under routing skewed towards low ids (a popularity
+    term) as well as uniform."""
     k = min(k, num_experts)
     popularity = [(e + 1.0) ** -skew for e in range(num_experts)]
     ids = np.array([_weighted_sample(rnd, popularity, k) for _ in range(t)])
@@ -280,8 +280,6 @@ def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k
             assert (ids.reshape(-1)[plan.pair[rows[real[rows]]]] == plan.slots[s]).all()
             assert pad or real[rows].all()
         assert r1 == (r0 + n * width if pad else r0 + plan.ends[s0 + n - 1])
-        if pad and slack is not None:
-            assert r1 - r0 <= (1 + slack) * real[r0:r1].sum()
     assert covered.all()
     if pad and slack is not None:
         assert len(plan.token) <= (1 + slack) * t * k

@@ -246,31 +246,26 @@ class ExpertRows:
         return flat.split([len(p) for p in parts])
 
 
-def group_starts(counts: np.ndarray, max_group: int, slack: float | None) -> np.ndarray:
-    """First slot of each group of up to max_group consecutive slots of these pair counts. With a slack, padded groups
-    are cut short wherever one's rows (its slots times its largest count) would pass (1 + slack) times its pairs, so
-    that a call's padded rows are at most (1 + slack) * T * k whatever the routing: a group of one slot never pads."""
-    first = np.arange(0, len(counts), max_group)
-    if slack is None or len(counts) == 0:
-        return first
-    slots = np.diff(first, append=len(counts))
-    if (slots * np.maximum.reduceat(counts, first) <= (1 + slack) * np.add.reduceat(counts, first)).all():
-        return first  # the usual case, one check
+def slack_group_starts(counts: np.ndarray, max_group: int, slack: float) -> np.ndarray:
+    """First slot of each group of up to max_group consecutive slots of these pair counts, each group cut short where
+    its padded rows (its slots times its largest count) would pass (1 + slack) times its pairs: a group of one slot
+    never pads, so all groups' rows are at most (1 + slack) times all pairs, whatever the routing."""
     starts, s = [], 0
-    while s < len(counts):  # each group the longest run from s within the slack (~10 groups of a layer)
+    while s < len(counts):  # each group the longest run from s within the slack (~10 groups in a layer)
         c = counts[s:s + max_group]
         fits = np.arange(1, len(c) + 1) * np.maximum.accumulate(c) <= (1 + slack) * np.cumsum(c)
         starts.append(s)
         s += len(c) if fits.all() else max(int(np.argmin(fits)), 1)
-    return np.array(starts)
+    return np.array(starts, dtype=np.int64)
 
 
 def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool,
                 slack: float | None = None) -> ExpertRows:
     """The layout of routing ids [T, k]. routed_only: the slots are the routed experts, most pairs first (a padded
     group then pads little); else every expert in id order, so that a group's weights are a slice of stacked
-    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack: padded groups end
-    where their padding would pass it (`group_starts`)."""
+    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack: where groups of
+    max_group slots would pad to more than (1 + slack) * T * k rows in all, they end where their padding would pass
+    it (`slack_group_starts`), which bounds the rows by that."""
     t, k = ids.shape
     flat = ids.reshape(-1).astype(np.int64)
     counts = np.bincount(flat, minlength=num_experts)
@@ -281,10 +276,13 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     # which was most of this function's host time at 2,048 tokens)
     order = np.argsort(rank.astype(np.min_scalar_type(len(slots)))[flat], kind="stable")
     c = counts[slots]
-    first = group_starts(c, max_group, slack if pad else None)  # each group's first slot
-    sizes = np.diff(first, append=len(slots))
-    group_of = np.repeat(np.arange(len(first)), sizes)
+    first = np.arange(0, len(slots), max_group)  # each group's first slot
+    group_of = np.arange(len(slots)) // max_group
     rows = np.maximum.reduceat(c, first)[group_of] if pad else c
+    if pad and slack is not None and rows.sum() > (1 + slack) * len(flat):  # one sum in the usual case
+        first = slack_group_starts(c, max_group, slack)
+        group_of = np.repeat(np.arange(len(first)), np.diff(first, append=len(slots)))
+        rows = np.maximum.reduceat(c, first)[group_of]
     end = np.cumsum(rows)
     base = end - rows  # each slot's first row
     start = np.cumsum(c) - c  # each slot's first pair in `order`
@@ -294,8 +292,10 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     pair = np.zeros(int(end[-1]), dtype=np.int64)
     token[row_of], pair[row_of] = order // k, order
     groups = []
-    for s0, n in zip(first.tolist(), sizes.tolist()):  # plain ints: they size kernel grids, which take no numpy ints
-        r0, r1 = int(base[s0]), int(end[s0 + n - 1])
+    starts = first.tolist()  # plain ints: they size kernel grids, which take no numpy integers
+    for s0, s1 in zip(starts, starts[1:] + [len(slots)]):
+        n = s1 - s0
+        r0, r1 = int(base[s0]), int(end[s1 - 1])
         if r1 > r0:
             groups.append((s0, n, r0, r1, int(rows[s0]) if pad else 0))
     return ExpertRows(slots, groups, token, pair, base + c - base[first][group_of])
