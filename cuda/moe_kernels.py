@@ -600,10 +600,11 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 PREFILL_SCRATCH_BYTES = 128 << 20  # dequantized blocks in flight during prefill (outside the pool's budget)
 GROUPED_MAX = 1023  # torch._grouped_mm takes fewer than 1024 groups
-# a padded group ends where its rows would pass 1.5x its pairs (`expert_rows`'s slack): a call's padded rows, and so
-# the prefill's buffers, are then bounded by 1.5 * T * k, where groups of up to G slots alone bound them by T * (k + G)
-# (6T rows where 11T on Qwen1.5, 12T where 21T on Qwen3), at the price of a group more here and there
-PAD_SLACK = 0.5
+# a call's padded rows, and so the prefill's buffers, are bounded by (1 + PAD_SLACK) * T * k: where groups of up to G
+# slots would pad more, `expert_rows` splits them; alone they bound the rows by T * (k + G). 1.0: 8T rows where 11T on
+# Qwen1.5, 16T where 21T on Qwen3. Each split costs ~0.2 ms of a Qwen1.5 layer call: on the engine's routing 0.5 split
+# 17 % more groups and took 13 % longer, 1.0 split none (prefill_bench-nvidia-h200-20261201-s25-skew.json)
+PAD_SLACK = 1.0
 
 
 def dequant_shared_bytes(P: int) -> int:
@@ -741,7 +742,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out
 
 class PrefillBuffers:
     """One device allocation that `_prefill`'s per-call tensors are views of, the dequantize scratch included, each in a
-    region sized by the bound of a call of T tokens (min(1.5 * T * k, E * T) padded rows: PAD_SLACK; whatever the
+    region sized by the bound of a call of T tokens (min((1 + PAD_SLACK) * T * k, E * T) padded rows, whatever the
     routing). Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no
     cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at
     the prefill's combine held 452-478 MiB beyond the engine's budget

@@ -69,12 +69,12 @@ CHILD = textwrap.dedent(r"""
         w = torch.rand(T, k, generator=g)
         results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
     # Skewed prefill over several groups: scratch for 4 experts, 6 of 8 routed (2 and 6 never) with 70/3/50/10 | 1/26
-    # pairs, so slots 0, 3, 7, 4, 1, 5 (most pairs first), in groups of 3, 1 and 2 (PAD_SLACK: groups of 4 and 2
-    # would pad 280 rows for 156 pairs, past 1.5x; 210 rows for 146 fit, then 10 + 3 would pad 20 for 13). Tokens and
-    # each token's two choices shuffled, so the sorted order is not the token order. A pair given the wrong slot
-    # uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two pairs given one padded
-    # row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not made group-local
-    # raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
+    # pairs, so slots 0, 3, 7, 4, 1, 5 (most pairs first), in groups of 4 and 2, or under a PAD_SLACK of 0.5 (groups
+    # of 4 and 2 pad 286 rows, past 1.5 * 160) split where that saves most (88 rows): 2 (width 70), 2 (26), 2 (3),
+    # 198 rows. Tokens and each token's two choices shuffled, so the sorted order is not the token order. A pair
+    # given the wrong slot uses another expert's weights (one such pair: rel_kernel 0.07 in bf16, 0.16 in fp16), two
+    # pairs given one padded row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not
+    # made group-local raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
     moe = build_synthetic_moe(E=8, D=80, F=40, P=6, seed_bits=3, seed=3)
     default_scratch = mk.PREFILL_SCRATCH_BYTES
     mk.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
@@ -84,13 +84,17 @@ CHILD = textwrap.dedent(r"""
     ids = torch.tensor([first, second], dtype=torch.int32).t()
     swap = torch.rand(T, generator=g) < 0.5
     ids = torch.where(swap[:, None], ids.flip(1), ids)[torch.randperm(T, generator=g)].contiguous()
-    for dtype in (torch.float16, torch.bfloat16):
-        q = torch.randint(3, 7, (moe.E, 2), generator=g)
-        w = torch.rand(T, 2, generator=g)
-        results[f"skew_{str(dtype).split('.')[-1]}"] = dict(
-            check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
-            G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist(),
-            groups=[n for _, n, *_ in expert_rows(ids.numpy(), moe.E, 4, True, True, mk.PAD_SLACK).groups])
+    default_slack = mk.PAD_SLACK
+    for slack in (default_slack, 0.5):
+        mk.PAD_SLACK = slack
+        for dtype in (torch.float16, torch.bfloat16):
+            q = torch.randint(3, 7, (moe.E, 2), generator=g)
+            w = torch.rand(T, 2, generator=g)
+            results[f"skew_{str(dtype).split('.')[-1]}_{slack}"] = dict(
+                check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
+                G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist(),
+                groups=[n for _, n, *_ in expert_rows(ids.numpy(), moe.E, 4, True, True, slack).groups])
+    mk.PAD_SLACK = default_slack
     # PrefillBuffers shared by calls, as an engine's layers share one: each output equals that of a call without
     # (its own buffers), and stays so after the next call reuses them; buffers sized for 80 tokens allocate that bound
     # at a first call of 72 and keep the allocation through a call of 80 (other routing)
@@ -105,12 +109,12 @@ CHILD = textwrap.dedent(r"""
             first = buffers.data.data_ptr()
     results["buffers"] = dict(equal=all(torch.equal(a, b) for a, b in outs), kept=buffers.data.data_ptr() == first)
     # a layer of fewer experts than the scratch holds (as the bundled model's 16 small experts, where the default
-    # scratch holds 1,023): its regions are bounded by 1.5 * T * k padded rows (PAD_SLACK; at most E * T) and E
+    # scratch holds 1,023): its regions are bounded by (1 + PAD_SLACK) * T * k padded rows (at most E * T) and E
     # scratch slots, not T * (k + G) rows and G slots
     mk.PREFILL_SCRATCH_BYTES = default_scratch
     small = mk.PrefillBuffers(tokens=T)
     moe_forward(*args, buffers=small)
-    E, D, F, rows = moe.E, moe.D, moe.F, min(int(1.5 * T * 2), moe.E * T)
+    E, D, F, rows = moe.E, moe.D, moe.F, min(int((1 + mk.PAD_SLACK) * T * 2), moe.E * T)
     parts = [(T + 1) * D * 2, rows * D * 2, rows * 2 * F * 2, rows * F * 2, rows * D * 2, rows * D * 4,
              (T + 1) * D * 4, E * sum(mk._slot_elems(D, F)) * 2]  # fp16 rows, fp32 weighting and output, scratch
     results["bounded"] = dict(bytes=small.data.numel(), want=sum(-(-n // 256) * 256 for n in parts))
@@ -169,9 +173,10 @@ def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> 
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str) -> None:
-    r = sim_results[f"skew_{dtype}"]
-    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26] and r["groups"] == [3, 1, 2], r
+@pytest.mark.parametrize("slack, groups", [(1.0, [4, 2]), (0.5, [2, 2, 2])])
+def test_prefill_skewed_routing_over_groups(sim_results: dict, dtype: str, slack: float, groups: list[int]) -> None:
+    r = sim_results[f"skew_{dtype}_{slack}"]
+    assert r["G"] == 4 and r["counts"] == [70, 3, 0, 50, 10, 1, 0, 26] and r["groups"] == groups, r
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
     assert r["rel_twin"] <= 1e-2, r
     assert r["rel_kernel"] <= 1e-2, r

@@ -246,26 +246,33 @@ class ExpertRows:
         return flat.split([len(p) for p in parts])
 
 
-def slack_group_starts(counts: np.ndarray, max_group: int, slack: float) -> np.ndarray:
-    """First slot of each group of up to max_group consecutive slots of these pair counts, each group cut short where
-    its padded rows (its slots times its largest count) would pass (1 + slack) times its pairs: a group of one slot
-    never pads, so all groups' rows are at most (1 + slack) times all pairs, whatever the routing."""
-    starts, s = [], 0
-    while s < len(counts):  # each group the longest run from s within the slack (~10 groups in a layer)
-        c = counts[s:s + max_group]
-        fits = np.arange(1, len(c) + 1) * np.maximum.accumulate(c) <= (1 + slack) * np.cumsum(c)
-        starts.append(s)
-        s += len(c) if fits.all() else max(int(np.argmin(fits)), 1)
-    return np.array(starts, dtype=np.int64)
+def split_groups(counts: np.ndarray, first: np.ndarray, bound: float) -> np.ndarray:
+    """Group starts over pair counts sorted most first (a group pads to its first count): starting from `first`, the
+    group split that saves the most padded rows is made until all rows are within `bound` (>= the pairs; a group of
+    one slot never pads). Few splits where a per-group limit on padding split every small group at the tail too."""
+    starts = np.zeros(len(counts), dtype=bool)
+    starts[first] = True
+    idx = np.arange(len(counts))
+    while True:
+        st = np.flatnonzero(starts)
+        sizes = np.diff(st, append=len(counts))
+        if counts[st] @ sizes <= bound:
+            return st
+        gid = np.cumsum(starts) - 1
+        saved = (st + sizes)[gid] - idx  # slots from each slot to its group's end ...
+        saved *= counts[st][gid] - counts  # ... times the rows each would stop padding
+        starts[int(np.argmax(saved))] = True
 
 
 def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool,
                 slack: float | None = None) -> ExpertRows:
     """The layout of routing ids [T, k]. routed_only: the slots are the routed experts, most pairs first (a padded
     group then pads little); else every expert in id order, so that a group's weights are a slice of stacked
-    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack: where groups of
-    max_group slots would pad to more than (1 + slack) * T * k rows in all, they end where their padding would pass
-    it (`slack_group_starts`), which bounds the rows by that."""
+    [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack (routed_only): where
+    groups of max_group slots would pad to more than (1 + slack) * T * k rows in all, groups are split where that
+    saves most until they do not (`split_groups`)."""
+    if slack is not None and not routed_only:
+        raise ValueError("a slack splits groups of counts sorted most first: routed_only=True")
     t, k = ids.shape
     flat = ids.reshape(-1).astype(np.int64)
     counts = np.bincount(flat, minlength=num_experts)
@@ -280,7 +287,7 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     group_of = np.arange(len(slots)) // max_group
     rows = np.maximum.reduceat(c, first)[group_of] if pad else c
     if pad and slack is not None and rows.sum() > (1 + slack) * len(flat):  # one sum in the usual case
-        first = slack_group_starts(c, max_group, slack)
+        first = split_groups(c, first, (1 + slack) * len(flat))
         group_of = np.repeat(np.arange(len(first)), np.diff(first, append=len(slots)))
         rows = np.maximum.reduceat(c, first)[group_of]
     end = np.cumsum(rows)
