@@ -74,13 +74,15 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
 def old_functions(path: str, names: list[str], namespace: dict) -> dict:
     """`namespace` with the top-level functions or classes `names` of an older copy of a module (an A/B benchmark's
     old arm, e.g. `git show REV:path > FILE`) defined over it, and the old file's other functions that the new module
-    no longer has (helpers they call): they see the new module's other names. Raises SystemExit when the file lacks
-    one of `names`."""
+    no longer has (helpers they call) and its constants (upper-case names assigned at the top): they see the new
+    module's other names. Raises SystemExit when the file lacks one of `names`."""
     import ast
 
     ns, found = dict(namespace), set()
     for node in ast.parse(Path(path).read_text()).body:
-        if isinstance(node, ast.FunctionDef) and node.name not in namespace or \
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
+            exec(compile(ast.Module([node], []), path, "exec"), ns)
+        elif isinstance(node, ast.FunctionDef) and node.name not in namespace or \
                 isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
             exec(compile(ast.Module([node], []), path, "exec"), ns)
             found.add(node.name)

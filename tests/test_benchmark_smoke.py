@@ -174,6 +174,19 @@ def test_sdpa_ab_runs_on_cpu_against_an_old_copy(tmp_path, monkeypatch):
     assert all(r["rel_new_vs_old"] < 2e-3 for r in record["rows"]), record["rows"]
 
 
+def test_old_functions_see_the_old_files_constants(tmp_path):
+    """An old arm's function sees its own file's constants and helpers, the new module's other names; the new
+    module's namespace is left as it was."""
+    from benchmarks.common import old_functions
+
+    old = tmp_path / "old.py"
+    old.write_text("SLACK = 0.5\nlower = 1\n\ndef helper():\n    return 10\n\n"
+                   "def f():\n    return SLACK + helper() + SHARED + lower\n")
+    new = {"SLACK": 1.0, "SHARED": 100, "lower": 2, "f": None}
+    assert old_functions(str(old), ["f"], new)["f"]() == 0.5 + 10 + 100 + 2
+    assert new == {"SLACK": 1.0, "SHARED": 100, "lower": 2, "f": None}
+
+
 def test_output_cost_times_every_kind(tmp_path):
     from benchmarks import output_cost
 
