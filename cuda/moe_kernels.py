@@ -602,8 +602,10 @@ PREFILL_SCRATCH_BYTES = 128 << 20  # dequantized blocks in flight during prefill
 GROUPED_MAX = 1023  # torch._grouped_mm takes fewer than 1024 groups
 # a call's padded rows, and so the prefill's buffers, are bounded by (1 + PAD_SLACK) * T * k: where groups of up to G
 # slots would pad more, `expert_rows` splits them; alone they bound the rows by T * (k + G). 1.0: 8T rows where 11T on
-# Qwen1.5, 16T where 21T on Qwen3. Each split costs ~0.2 ms of a Qwen1.5 layer call: on the engine's routing 0.5 split
-# 17 % more groups and took 13 % longer, 1.0 split none (prefill_bench-nvidia-h200-20261201-s25-skew.json)
+# Qwen1.5 (buffers at 512 tokens 255 -> 219 MiB), 16T where 21T on Qwen3. A split saves padded rows but adds a group
+# to a host-bound loop: on routing as uneven as the engine's (`prefill_bench --skew 2.5`) a layer call at 512 tokens
+# took 1,325 us at 0.5, 1,231 at 1.0 and 1,350 unbounded, at 2,048 tokens 2,138 / 2,261 / 2,514 us
+# (prefill_bench-nvidia-h200-20261201-s25-skew-half.json, ...-s25-skew.json); on uniform routing within 1.3 %
 PAD_SLACK = 1.0
 
 
