@@ -18,9 +18,9 @@ A decode step can also run at static shapes (what a CUDA graph captures, runner.
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
 derives everything from device tensors (no host data, no page id baked in). In both kinds of step, on CUDA, the
 paged decode attention kernel (cuda/attention_kernels.py) reads each decode row's keys in place up to its length;
-elsewhere (and for bf16 or grouped-query heads) attention reads whole gathered blocks under a length mask. Masked
-keys are still read there, so every block is zeroed when allocated: a page that held weight planes may hold NaN bit
-patterns, and a masked NaN value still poisons softmax(...) @ V.
+elsewhere (and for bf16) attention reads whole gathered blocks under a length mask. Masked keys are still read
+there, so every block is zeroed when allocated: a page that held weight planes may hold NaN bit patterns, and a
+masked NaN value still poisons softmax(...) @ V.
 """
 from __future__ import annotations
 
@@ -101,10 +101,11 @@ class PagedKVCache:
         self._ids = itertools.count()
         self.layout: StepLayout | DecodeLayout | None = None
         self._kernels = None  # cuda/attention_kernels.py when decode rows use it
-        # grouped-query models keep gather + SDPA: the kernel reads a KV head once per query head, 2-9x slower
-        # there (attention_bench-nvidia-h200-20261129-v3.json, gqa-32x4; that SDPA was cuDNN's, which the engine
-        # turns off: against the engine's folded SDPA, models/layers.py, not yet measured)
-        if decode_kernel and pool.device.type == "cuda" and cfg.num_key_value_heads == cfg.num_attention_heads:
+        # grouped query heads too: against the gather + SDPA the engine runs (cuDNN's SDPA off, heads folded:
+        # models/layers.py) the kernel took 0.05-0.9x the time with 8, 4 or 2 query heads per KV head at 1-16 rows of
+        # 512-8,192 keys, but for 32/4 heads at 16 rows of 512 and 2,048 keys (1.15x, 1.27x) (attention_bench-nvidia-
+        # h200-20261201-s25-nocudnn.json; before session 24 that benchmark's SDPA was cuDNN's, 2-9x faster there)
+        if decode_kernel and pool.device.type == "cuda":
             from pagedweight.cuda import attention_kernels
             if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
                 self._kernels = attention_kernels
@@ -288,8 +289,8 @@ class PagedKVCache:
 
     def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
-        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16, grouped heads)
-        each row's M blocks are gathered, per K and V, for SDPA under the length mask (`gathered_decode_attention`)."""
+        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16) each row's M
+        blocks are gathered, per K and V, for SDPA under the length mask (`gathered_decode_attention`)."""
         pages = lay.tables[:, layer]  # [B, M]
         if self._kernels is not None:
             self._kernels.store_kv(k, v, self.view, lay.write_pages[layer], lay.write_slots, lay.src_rows)

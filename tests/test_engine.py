@@ -507,9 +507,10 @@ def test_cuda_graph_decode_equals_eager(ap_dir):
     assert not any(m._graphs for m in eager.model.modules() if isinstance(m, APExperts))
 
 
-def test_packed_steps_decode_rows_read_keys_in_place(monkeypatch):
-    """On a model whose query and KV heads are one to one, the one-token rows of packed steps (beside prefill chunks
-    under a 16-token budget; without graphs decode-only steps are packed too) attend through the paged kernel,
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_steps_decode_rows_read_keys_in_place(monkeypatch, kv_heads):
+    """With query and KV heads one to one or grouped two to one, the one-token rows of packed steps (beside prefill
+    chunks under a 16-token budget; without graphs decode-only steps are packed too) attend through the paged kernel,
     never the gathered copy, and generate the tokens of an engine that gathers (fp32). On CUDA the engine picks the
     kernel itself; on the CPU its torch twin stands in, which checks the rows' wiring."""
     from pagedweight.cuda.reference import paged_decode_attention_reference
@@ -517,9 +518,9 @@ def test_packed_steps_decode_rows_read_keys_in_place(monkeypatch):
     from pagedweight.models import ModelConfig, build_model
 
     cfg = ModelConfig(family="olmoe", vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                      num_experts=4, top_k=2, norm_topk_prob=False, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
-                      qk_norm="full", bos_token_id=1, eos_token_ids=(2,))
+                      num_experts=4, top_k=2, norm_topk_prob=False, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=128, qk_norm="full", bos_token_id=1, eos_token_ids=(2,))
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (21, 7, 34, 12)]
     calls = {"kernel": 0, "gathered": 0, "mixed_steps": 0}
 
