@@ -64,8 +64,8 @@ def use(arms: dict, arm: str) -> None:
 def skewed_routing(T: int, E: int, k: int, skew: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing whose experts' popularity falls as (rank + 1) ** -skew, ranks shuffled: each token's k experts
     drawn without replacement in proportion (Gumbel top-k); 0 = moe_kernel_bench's uniform routing. The engine's
-    random Qwen1.5-shaped model routed its 512-token chunks to 20-56 experts, padded to 1.4-1.9x the pairs in
-    groups of 7 (a probe of session 25); a skew of 2.5 routes them to 38-47, padded to 1.9-2.0x (20 draws)."""
+    random Qwen1.5-shaped model routes unevenly (its deeper layers' chunks to a few dozen experts); a skew of 2.5
+    routes a 512-token call to 38-47 of the 60 experts, padded to 1.9-2.0x the pairs in groups of 7 (20 draws)."""
     if skew == 0:
         return routing(T, E, k, gen)
     pop = (torch.arange(E, device="cuda") + 1.0).pow(-skew)[torch.randperm(E, generator=gen, device="cuda")]
