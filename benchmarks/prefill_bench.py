@@ -70,7 +70,7 @@ def skewed_routing(T: int, E: int, k: int, skew: float, gen: torch.Generator) ->
         return routing(T, E, k, gen)
     pop = (torch.arange(E, device="cuda") + 1.0).pow(-skew)[torch.randperm(E, generator=gen, device="cuda")]
     u = torch.rand(T, E, generator=gen, device="cuda").clamp_min(1e-20)
-    w, ids = (pop.log() - (-u.log()).log()).topk(k, dim=1)
+    _, ids = (pop.log() - (-u.log()).log()).topk(k, dim=1)
     return ids.to(torch.int32), torch.softmax(torch.rand(T, k, generator=gen, device="cuda") * 4, dim=1)
 
 

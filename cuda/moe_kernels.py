@@ -797,7 +797,7 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     if grouped:
         ends = ends.to(torch.int32)
     # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most (1 + PAD_SLACK) *
-    # T*k, each group's padding within the slack, and at most E*T, no expert having more than T rows) through the
+    # T*k, groups split where they would pad more, and at most E*T, no expert having more than T rows) through the
     # gather, gate_up, activation, down and the fp32 weighting; the scratch
     sizes = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
     buffers = buffers or PrefillBuffers()

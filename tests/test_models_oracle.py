@@ -286,6 +286,13 @@ def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k
         assert len(plan.token) <= (1 + slack) * t * k
 
 
+def test_expert_rows_refuses_a_slack_it_cannot_meet():
+    ids = np.array([[0, 1], [0, 2]])
+    for slack, routed_only in ((-0.5, True), (0.5, False)):
+        with pytest.raises(ValueError, match="slack >= 0"):
+            expert_rows(ids, 3, 2, True, routed_only, slack)
+
+
 def _weighted_sample(rnd, weights: list[float], k: int) -> list[int]:
     """k distinct indices drawn one after another with probability proportional to their weights."""
     left, out = list(range(len(weights))), []

@@ -271,8 +271,8 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack (routed_only): where
     groups of max_group slots would pad to more than (1 + slack) * T * k rows in all, groups are split where that
     saves most until they do not (`split_groups`)."""
-    if slack is not None and not routed_only:
-        raise ValueError("a slack splits groups of counts sorted most first: routed_only=True")
+    if slack is not None and (slack < 0 or not routed_only):
+        raise ValueError(f"a slack >= 0 splits groups of counts sorted most first (routed_only=True); got {slack}")
     t, k = ids.shape
     flat = ids.reshape(-1).astype(np.int64)
     counts = np.bincount(flat, minlength=num_experts)
