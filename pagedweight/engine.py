@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
+import json
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -956,8 +957,6 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
 
 def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
     """Prompts from a file (one per line; JSONL lines with a "prompt" field) or N slices of data/eval.txt."""
-    import json
-
     if path:
         lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
         return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
@@ -1008,6 +1007,8 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
                    help="where converted AP checkpoints are kept")
     p.add_argument("--show", type=int, default=2, metavar="N", help="print the first N completions")
+    p.add_argument("--summary-json", default=None, metavar="FILE",
+                   help="also write the summary's figures to FILE as JSON (for scripts and benchmarks)")
     return p
 
 
@@ -1061,31 +1062,53 @@ def run(args) -> int:
         if not llm.step_idle():
             break
     st = llm.stats()
-    gen = sum(o.completion_tokens for o in done.values())
     reasons: dict[str, int] = {}
     for o in done.values():
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
     for rid in map(str, range(min(args.show, len(prompts)))):
         print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
+    gen = sum(o.completion_tokens for o in done.values())
+    # measured: time, blocks, widths, the device's peak reserved bytes; computed: the bytes the budget covers
+    summary = {
+        "model": llm.model_name, "device": str(llm.device), "gpu_memory_budget": budget,
+        "budget_bytes": st["budget_bytes"],  # what the budget covers (weights + pool + reserve), computed
+        "activation_reserve_bytes": llm.options.activation_reserve, "reserve_measured": reserve == "auto",
+        "requests": len(done), "finish_reasons": reasons,
+        "prompt_tokens": sum(o.prompt_tokens for o in done.values()), "generated_tokens": gen,
+        "elapsed_s": elapsed, "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
+        "kv_total_blocks": st["kv_total_blocks"], "kv_free_blocks_at_start": start_stats["kv_free_blocks"],
+        "kv_free_blocks_min": min_free, "preemptions": st["preemptions"],
+        "device_peak_reserved_bytes": st["device_peak_reserved_bytes"],
+    }
+    if llm.table is not None:
+        summary.update(
+            mean_width_start=mean_width(start_stats["committed_width_hist"]), mean_width_min=min_width,
+            mean_width_last_request=mean_width(last["committed_width_hist"]),
+            mean_width_idle=mean_width(st["committed_width_hist"]), offload_triggers=st["offload_triggers"],
+            reload_triggers=st["reload_triggers"], bytes_offloaded=st["bytes_offloaded"],
+            bytes_reloaded=st["bytes_reloaded"])
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
 
+    MiB = 2**20
     print("--- summary ---")
     print(f"model {llm.model_name} on {llm.device}, budget {budget if budget is not None else 'unbounded'}")
     print(f"requests {len(done)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}), "
-          f"prompt tokens {sum(o.prompt_tokens for o in done.values())}, generated {gen} in {elapsed:.2f} s "
-          f"= {gen / elapsed if elapsed > 0 else 0.0:.1f} tokens/s")
+          f"prompt tokens {summary['prompt_tokens']}, generated {gen} in {elapsed:.2f} s "
+          f"= {summary['tokens_per_s']:.1f} tokens/s")
     print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
           f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
     over = (st["device_peak_reserved_bytes"] or 0) - st["budget_bytes"]
-    print(f"memory: {st['budget_bytes'] / 2**20:.1f} MiB under the budget (weights outside the pool + the pool"
-          f" + {llm.options.activation_reserve / 2**20:.1f} MiB of activation reserve"
+    print(f"memory: {st['budget_bytes'] / MiB:.1f} MiB under the budget (weights outside the pool + the pool"
+          f" + {llm.options.activation_reserve / MiB:.1f} MiB of activation reserve"
           f"{', measured at start-up' if reserve == 'auto' else ''})"
           + ("" if st["device_peak_reserved_bytes"] is None else
-             f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / 2**20:.1f} MiB "
-             f"(measured), {abs(over) / 2**20:.1f} MiB {'above' if over > 0 else 'within'} the budget"))
+             f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / MiB:.1f} MiB "
+             f"(measured), {abs(over) / MiB:.1f} MiB {'above' if over > 0 else 'within'} the budget"))
     if llm.table is not None:
-        print(f"expert widths: mean {mean_width(start_stats['committed_width_hist']):.2f} bits at start, "
-              f"{min_width:.2f} at the lowest step, {mean_width(last['committed_width_hist']):.2f} when the last "
-              f"request ended, {mean_width(st['committed_width_hist']):.2f} once idle; offload triggers "
-              f"{st['offload_triggers']}, reload triggers {st['reload_triggers']}; moved "
-              f"{st['bytes_offloaded'] / 2**20:.1f} MiB out, {st['bytes_reloaded'] / 2**20:.1f} MiB in")
+        print(f"expert widths: mean {summary['mean_width_start']:.2f} bits at start, {min_width:.2f} at the lowest "
+              f"step, {summary['mean_width_last_request']:.2f} when the last request ended, "
+              f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
+              f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
+              f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

@@ -308,3 +308,19 @@ def test_prefill_bench_old_arm_takes_the_current_call(tmp_path, takes_buffers, p
     prefill_bench.PARENT_BITS[0] = 6
     got = arms["old"](*range(10), 4, "bufs")
     assert got == ("old", 6 if parent_width else 4, "bufs" if takes_buffers else None)
+
+
+def test_run_budgets_collects_each_runs_summary_and_a_refusal(ap_dir, tmp_path):
+    """One process per budget: the bundled default's budget drops widths and brings them back; a budget below the
+    weights is refused, and its row keeps the reason."""
+    from benchmarks import run_budgets
+
+    assert run_budgets.main(["--model", str(ap_dir), "--device", "cpu", "--budgets", "41MiB,4MiB",
+                             "--page-store-dir", str(tmp_path / "store"), "--out-dir", str(tmp_path)]) == 1
+    (path,) = tmp_path.glob("run_budgets-*.json")
+    res = json.loads(path.read_text())
+    ok, refused = res["rows"]
+    assert res["complete"] and ok["rc"] == 0 and ok["budget"] == "41MiB" and ok["requests"] == 8
+    assert ok["finish_reasons"] == {"length": 8} and ok["generated_tokens"] == 8 * 32
+    assert ok["widths_dropped"] and ok["widths_returned"] and ok["offload_triggers"] >= 1
+    assert refused["rc"] != 0 and "budget" in refused["error"] and "requests" not in refused

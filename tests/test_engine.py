@@ -6,6 +6,7 @@ Oracles: transformers' generate on the same checkpoint (dense path), our own mod
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
 from pathlib import Path
@@ -897,12 +898,20 @@ def test_run_command(ap_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "requests 2 (length 2)" in out and "tokens/s" in out and "KV blocks" in out and "expert widths" in out
     assert "MiB under the budget" in out and "0.0 MiB of activation reserve)" in out  # CPU: the default is 0
+    summary = tmp_path / "summary.json"
     auto = parser.parse_args(["run", "--model", str(ap_dir), "--prompts", str(prompts), "--max-tokens", "4",
                               "--device", "cpu", "--page-store-dir", str(ap_dir / "store"), "--show", "0",
-                              "--gpu-memory-budget", "256MiB", "--activation-reserve", "auto"])
+                              "--gpu-memory-budget", "256MiB", "--activation-reserve", "auto",
+                              "--summary-json", str(summary)])
     assert run(auto) == 0
     out = capsys.readouterr().out
     assert "requests 2 (length 2)" in out and "MiB of activation reserve, measured at start-up" in out
+    fig = json.loads(summary.read_text())  # the printed figures, as numbers
+    assert fig["gpu_memory_budget"] == 256 << 20 >= fig["budget_bytes"] > 255 << 20 and fig["reserve_measured"] and fig["activation_reserve_bytes"] == 0
+    assert fig["requests"] == 2 and fig["finish_reasons"] == {"length": 2} and fig["generated_tokens"] == 8
+    assert fig["kv_free_blocks_min"] <= fig["kv_free_blocks_at_start"] <= fig["kv_total_blocks"]
+    assert fig["mean_width_start"] == fig["mean_width_idle"] > 0 and fig["device_peak_reserved_bytes"] is None
+    assert f"generated 8 in {fig['elapsed_s']:.2f} s" in out
     with pytest.raises(ValueError, match="--activation-reserve"):
         run(parser.parse_args(["run", "--model", str(ap_dir), "--num-prompts", "1", "--activation-reserve", "0.5"]))
     assert serving_reserve(2 << 30, "cuda:0") == "auto"  # the entry points' default: the budget bounds it all
