@@ -81,7 +81,8 @@ for s in "${steps[@]}"; do case $s in
   # `pagedweight run` (the README's main job) on the bundled model at BUDGETS, each run its own process: make run's
   # CUDA default
   budgets) step "${BUDGETS_LIMIT:-300}" python3 -m benchmarks.run_budgets --device cuda \
-             --budgets "${BUDGETS:-118MiB,126MiB,134MiB}" --repeats "${BUDGETS_REPEATS:-2}" --label "${BUDGETS_LABEL:-budgets}" ;;
+             --budgets "${BUDGETS:-118MiB,126MiB,134MiB}" --repeats "${BUDGETS_REPEATS:-2}" --label "${BUDGETS_LABEL:-budgets}" \
+             ${BUDGETS_ARGS:-} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
   pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
