@@ -9,11 +9,14 @@ MODEL ?= models/pw-tiny-moe
 DEVICE ?= cpu
 # CPU: 41 MiB = the bundled model's non-expert weights (9.8 MB) + its experts at 8 bits (29.4 MB, LUTs included) +
 # room for a few KV blocks: 8 concurrent requests need more KV than that, so expert widths must drop while they run.
-# CUDA: the weights are fp16 and the budget must also hold the activation reserve measured at start-up (the serving
-# default there; 94 MiB kept on the H200 since session 25, where 152-178 MiB dropped nothing); 126 MiB is computed from
-# those runs to leave the KV room with which 178 MiB dropped widths in session 24, not yet run (README); a budget too
-# small for the reserve is refused, naming it
-BUDGET ?= $(if $(filter cuda%,$(DEVICE)),126MiB,41MiB)
+# CUDA: the weights are fp16 and the budget also holds the activation reserve measured at start-up (94 MiB kept on the
+# H200); the start-up profile alone peaks at 134 MiB whatever the budget, so 134 MiB is the least the budget bounds,
+# and 32 requests of 64 tokens then need more KV than it leaves: widths 8.00 -> 7.64 -> 8.00, no preemption, peak
+# within (benchmarks/results/run_budgets-nvidia-h200-20261201-s26-32x64.json). A budget too small for the reserve is
+# refused, naming it
+BUDGET ?= $(if $(filter cuda%,$(DEVICE)),134MiB,41MiB)
+PROMPTS ?= $(if $(filter cuda%,$(DEVICE)),32,8)
+TOKENS ?= $(if $(filter cuda%,$(DEVICE)),64,32)
 
 .PHONY: setup run test
 setup: $(STAMP)
@@ -26,8 +29,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PY) -m pagedweight.cli run --model $(MODEL) --gpu-memory-budget $(BUDGET) --device $(DEVICE) --num-prompts 8 \
-	  --max-tokens 32
+	$(PY) -m pagedweight.cli run --model $(MODEL) --gpu-memory-budget $(BUDGET) --device $(DEVICE) \
+	  --num-prompts $(PROMPTS) --max-tokens $(TOKENS)
 
 test: setup
 	$(PY) -m pytest -q

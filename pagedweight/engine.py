@@ -952,6 +952,12 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
     if not (out / MANIFEST).is_file():
         logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
         convert(model_dir, out, DATA_DIR / "calib.txt", device=device)
+        if torch.device(device).type == "cuda":
+            # the conversion's cuBLAS workspaces (64 MiB on the H200) and cached segments would otherwise shape where
+            # the engine built next in this process puts its weights: the bundled model's first `pagedweight run`
+            # on a machine measured a 94 MiB reserve instead of 74 and peaked 12 MiB above 134 MiB
+            # (run_budgets-nvidia-h200-20261201-s26-32x64.json, row 1; probe in h200-nvidia-h200-20261201-s26.log)
+            release_cached(torch.device(device))
     return out
 
 
