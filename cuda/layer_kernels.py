@@ -31,6 +31,7 @@ MAX_EXPERTS = 1024  # router logits per token held in shared memory
 NORM_THREADS = 512  # a norm row's threads: 16 warps of one SM hide its loads' latency (one row per block)
 NORM_ELEMS = 8  # a norm row's elements per thread (in registers)
 MAX_NORM_DIM = NORM_ELEMS * NORM_THREADS  # 4096
+ROPE_THREADS = 64  # a head's threads: hd = 128 gives each one pair of dims
 DTYPES = (torch.float16, torch.float32)
 
 float32, float16 = np.float32, np.float16
@@ -85,20 +86,35 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
 
 
 @cuda.jit(cache=True)
-def _rope_kernel(qkv, cos, sin, q, k, n_heads, half):
+def _rope_kernel(qkv, cos, sin, q, k, n_heads, qw, kw, eps, norm, half):
     """Block (b * T + t, j): head j of token (b, t) in qkv [B, T, (H + 2 Hkv) * hd] (q heads, then k heads), rotated
     with cos/sin [B, T, hd] (rotate-half: dim i < hd/2 pairs with i + hd/2) into q [B, H, T, hd] (j < H) or k [B, Hkv,
-    T, hd]. Thread i takes dims i and i + hd/2."""
+    T, hd]. With `norm` the head is first RMS-normed over its hd dims and scaled by qw or kw [hd] (Qwen3's per-head
+    q/k norm, models.layers.RMSNorm's rounding). ROPE_THREADS threads; thread i takes dims i and i + hd/2 (and
+    i + ROPE_THREADS ..., when hd/2 is larger)."""
     T = qkv.shape[1]
     hd = cos.shape[2]
     half_dim = hd // 2
     b = cuda.blockIdx.x // T
     tok = cuda.blockIdx.x - b * T
     j = cuda.blockIdx.y
+    t = cuda.threadIdx.x
     base = j * hd
-    for i in range(cuda.threadIdx.x, half_dim, cuda.blockDim.x):
+    red = cuda.shared.array(ROPE_THREADS, np.float32)
+    r = float32(1.0)
+    if norm:  # the whole block takes part in the reduction (no early exit above)
+        ss = float32(0.0)
+        for i in range(t, hd, ROPE_THREADS):
+            v = float32(qkv[b, tok, base + i])
+            ss += v * v
+        r = float32(1.0) / math.sqrt(_block_reduce(red, ss, t, False) / float32(hd) + eps)
+    for i in range(t, half_dim, ROPE_THREADS):
         x1 = float32(qkv[b, tok, base + i])
         x2 = float32(qkv[b, tok, base + i + half_dim])
+        if norm:  # w * (x * r rounded to the dtype), rounded: what the head's RMSNorm would store
+            w = qw if j < n_heads else kw
+            x1 = _rnd(float32(w[i]) * _rnd(x1 * r, half), half)
+            x2 = _rnd(float32(w[i + half_dim]) * _rnd(x2 * r, half), half)
         lo = _rnd(_rnd(x1 * float32(cos[b, tok, i]), half) - _rnd(x2 * float32(sin[b, tok, i]), half), half)
         hi = _rnd(x2 * float32(cos[b, tok, i + half_dim]), half) + _rnd(x1 * float32(sin[b, tok, i + half_dim]), half)
         if j < n_heads:
@@ -235,18 +251,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y if residual is None else (h, y)
 
 
-def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,
+         head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, hd] and k [B, Hkv, T, hd] (contiguous) with RoPE applied, from a fused projection's qkv [B, T,
-    (H + 2 Hkv) * hd] and cos/sin [B, 1, T, hd] (models.layers.rope_cos_sin); models.layers.apply_rope's result."""
-    _check(qkv, cos, sin)
+    (H + 2 Hkv) * hd] and cos/sin [B, 1, T, hd] (models.layers.rope_cos_sin); models.layers.apply_rope's result.
+    head_norm = (q_weight [hd], k_weight [hd], eps): each head RMS-normed first, as models.layers.Attention does with
+    qk_norm "head" (Qwen3): one launch where the step ran two norm kernels and ~11 of torch's for RoPE."""
+    _check(qkv, cos, sin, *(() if head_norm is None else head_norm[:2]))
     b, t, _ = qkv.shape
     hd = cos.shape[-1]
     q = torch.empty(b, n_heads, t, hd, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(b, n_kv, t, hd, dtype=qkv.dtype, device=qkv.device)
-    threads = min(THREADS, max(32, hd // 2))
-    _rope_kernel[(b * t, n_heads + n_kv), threads, _stream()](_dev(qkv), _dev(cos[:, 0]), _dev(sin[:, 0]), _dev(q),
-                                                              _dev(k), n_heads, qkv.dtype == torch.float16)
+    qw, kw, eps = head_norm if head_norm is not None else (cos[0, 0, 0], cos[0, 0, 0], 0.0)  # unread stand-ins
+    _rope_kernel[(b * t, n_heads + n_kv), ROPE_THREADS, _stream()](
+        _dev(qkv), _dev(cos[:, 0]), _dev(sin[:, 0]), _dev(q), _dev(k), n_heads, _dev(qw), _dev(kw), float32(eps),
+        head_norm is not None, qkv.dtype == torch.float16)
     return q, k
 
 

@@ -67,6 +67,13 @@ COMPARE = textwrap.dedent(r"""
         out["rope_q"] = stats(q, apply_rope(q_in.view(B, T, H, hd).transpose(1, 2), cos, sin))
         out["rope_k"] = stats(kk, apply_rope(k_in.view(B, T, Hkv, hd).transpose(1, 2), cos, sin))
         out["rope_contiguous"] = q.is_contiguous() and kk.is_contiguous()
+        # Qwen3's per-head q/k norm folded into the same launch, against RMSNorm per head then RoPE
+        qn, kn = RMSNorm(hd, 1e-6).to(device=device, dtype=dt), RMSNorm(hd, 1e-6).to(device=device, dtype=dt)
+        with torch.no_grad():
+            qn.weight.copy_(r(hd)), kn.weight.copy_(r(hd))
+        q, kk = lk.rope(qkv, cos, sin, H, Hkv, (qn.weight, kn.weight, qn.eps))
+        out["rope_norm_q"] = stats(q, apply_rope(qn(q_in.view(B, T, H, hd)).transpose(1, 2), cos, sin))
+        out["rope_norm_k"] = stats(kk, apply_rope(kn(k_in.view(B, T, Hkv, hd)).transpose(1, 2), cos, sin))
         # router logits as a slice of the fused input projection; distinct values, so the top-k is unambiguous
         proj = r(3, 2 * 24 + E + 1)
         vals = (torch.randperm(E * 3, generator=g).float() / 40 - 3).view(3, E).to(device=device, dtype=dt)
@@ -106,14 +113,16 @@ COMPARE = textwrap.dedent(r"""
             out[f"route_stats_{weighted}"] = float((acc.cpu().double() - want).abs().max() / want.abs().max())
         return out
 
-    def model_pair(device, dtype_name):
-        # a whole (tiny, Qwen1.5-like: shared expert, qkv bias) model with the kernels on, against the same model off
+    def model_pair(device, dtype_name, family="qwen2_moe"):
+        # a whole tiny model with the kernels on, against the same model off: Qwen1.5-like (shared expert, qkv bias)
+        # or Qwen3-like (per-head q/k norm, grouped heads, no shared expert)
         from pagedweight.models import ModelConfig, build_model
-        cfg = ModelConfig(family="qwen2_moe", vocab_size=64, hidden_size=32, moe_intermediate_size=16,
-                          num_hidden_layers=2, num_experts=8, top_k=2, norm_topk_prob=False, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
-                          max_position_embeddings=128, shared_expert_intermediate_size=24, qkv_bias=True,
-                          bos_token_id=1, eos_token_ids=(2,))
+        qwen3 = family == "qwen3_moe"
+        cfg = ModelConfig(family=family, vocab_size=64, hidden_size=32, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_experts=8, top_k=2, norm_topk_prob=qwen3, num_attention_heads=4,
+                          num_key_value_heads=2 if qwen3 else 4, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                          max_position_embeddings=128, shared_expert_intermediate_size=0 if qwen3 else 24,
+                          qkv_bias=not qwen3, qk_norm="head" if qwen3 else "none", bos_token_id=1, eos_token_ids=(2,))
         model = build_model(cfg, seed=0, std=0.2).to(device=device, dtype=getattr(torch, dtype_name)).eval()
         model.fuse_projections()
         ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(1)).to(device)
@@ -130,7 +139,8 @@ SIM_CHILD = COMPARE + textwrap.dedent(r"""
     import json, sys
     torch.set_num_threads(1)
     out = {f"{dt}/{seed}": compare("cpu", dt, seed) for dt in ("float16", "float32") for seed in (0, 1)}
-    out.update({f"model/{dt}": model_pair("cpu", dt) for dt in ("float16", "float32")})
+    out.update({f"model/{fam}/{dt}": model_pair("cpu", dt, fam) for dt in ("float16", "float32")
+                for fam in ("qwen2_moe", "qwen3_moe")})
     json.dump(out, sys.stdout)
 """)
 
@@ -153,7 +163,7 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
             compare("cpu", dt, 0)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
-ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out")
+ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out", "rope_norm_q", "rope_norm_k")
 BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k")
 
 
@@ -185,10 +195,12 @@ def test_kernels_match_torch_under_simulator(sim: dict, case: str) -> None:
     check_case(sim[case], case.split("/")[0])
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_model_with_kernels_matches_without_under_simulator(sim: dict, dtype: str) -> None:
-    r = sim[f"model/{dtype}"]
-    assert r["on"] and r["used"] == ["Attention", "MLP", "MoEBlock", "RMSNorm"], r
+def test_model_with_kernels_matches_without_under_simulator(sim: dict, dtype: str, family: str) -> None:
+    r = sim[f"model/{family}/{dtype}"]
+    want = ["Attention", "MLP", "MoEBlock", "RMSNorm"] if family == "qwen2_moe" else ["Attention", "MoEBlock", "RMSNorm"]
+    assert r["on"] and r["used"] == want, r  # Qwen3's attention too: its per-head q/k norm runs in RoPE's kernel
     assert r["argmax"], r
     assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
 
@@ -218,9 +230,10 @@ def test_kernels_match_torch_on_gpu(dtype: str) -> None:
     ns: dict = {}
     exec(COMPARE, ns)
     check_case(ns["compare"]("cuda", dtype, 0), dtype)
-    r = ns["model_pair"]("cuda", dtype)
-    assert r["on"] and r["argmax"], r
-    assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
+    for family in ("qwen2_moe", "qwen3_moe"):
+        r = ns["model_pair"]("cuda", dtype, family)
+        assert r["on"] and r["argmax"], (family, r)
+        assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), (family, r)
 
 
 def test_importing_the_kernels_keeps_inspect_working() -> None:

@@ -119,7 +119,9 @@ def causal_mask(t_new: int, t_all: int, device: torch.device) -> torch.Tensor:
 class Attention(nn.Module):
     """Grouped-query attention with RoPE and optional q/k RMSNorm (per head, or over the full projection)."""
 
-    kernels: ModuleType | None = None  # RoPE's kernel: set only where q, k, v are fused and neither normed nor clipped
+    # RoPE's kernel (with Qwen3's per-head q/k norm folded in): set only where q, k, v are fused, not clipped, and
+    # normed per head or not at all
+    kernels: ModuleType | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -145,7 +147,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if self.kernels is not None:
             qkv = self.qkv_proj(x)
-            q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv)
+            head_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm == "head" else None
+            q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv, head_norm)
             v = qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             return self._attend(q, k, v, cache)
         if self.qkv_proj is not None:

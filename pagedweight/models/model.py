@@ -119,7 +119,7 @@ class MoEForCausalLM(nn.Module):
         """Turn the fused layer kernels (cuda/layer_kernels.py) on or off: each layer's norms (the residual add fused
         in), RoPE, routing and the shared expert's elementwise work, one launch each. Only where the device takes
         them (CUDA, fp16/fp32): returns whether they are on. RoPE's kernel needs q/k/v fused (`fuse_projections`) and
-        neither normed nor clipped. The serving engine has them on only for its static decode steps (what its CUDA
+        not clipped; it folds in a per-head q/k norm (Qwen3), not one over the whole projection (OLMoE). The serving engine has them on only for its static decode steps (what its CUDA
         graphs capture: runner.DecodeGraphs)."""
         kernels = None
         if on:
@@ -131,7 +131,7 @@ class MoEForCausalLM(nn.Module):
                     del m.kernels
             elif (isinstance(m, MLP) or (isinstance(m, RMSNorm) and m.weight.numel() <= kernels.MAX_NORM_DIM)
                   or (isinstance(m, MoEBlock) and m.num_experts <= kernels.MAX_EXPERTS)
-                  or (isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm == "none"
+                  or (isinstance(m, Attention) and m.qkv_proj is not None and m.qk_norm in ("none", "head")
                       and m.clip_qkv is None)):
                 m.kernels = kernels
         return kernels is not None
