@@ -145,6 +145,18 @@ RESERVE_HINT = (" The reserve was measured at start-up (activation_reserve='auto
                 "activation_reserve=0 for a budget of the weights and the pool only.")
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), refused with a ValueError (a clear CLI error, not a traceback) when it names no device
+    kind torch knows or CUDA where there is none."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: CUDA is not available on this machine")
+    return dev
+
+
 def release_cached(device: torch.device) -> None:
     """Give the caching allocator's free segments back to the device, and cuBLAS's workspaces first: torch keeps one
     (32 MiB on the H200) per handle and stream for the life of the process, allocated through the caching allocator
@@ -236,9 +248,7 @@ class LLM:
         reserve = self.options.activation_reserve
         if reserve != "auto" and (not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0):
             raise ValueError(f"activation_reserve must be an int of bytes >= 0 or 'auto', got {reserve!r}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device}: CUDA is not available on this machine")
+        self.device = check_device(device)
         self.dtype = parse_dtype(self.options.dtype or ("float16" if self.device.type == "cuda" else "float32"))
 
     def _setup(self, model: MoEForCausalLM, gpu_memory_budget: int | float | None,
@@ -916,8 +926,9 @@ class LLM:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_budget(text: str, flag: str = "--gpu-memory-budget") -> int | float:
-    """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory."""
+def parse_budget(text: str, flag: str = "--gpu-memory-budget", allow_zero: bool = False) -> int | float:
+    """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory. Refused here, before any
+    conversion or cluster start-up: 0 bytes (unless `allow_zero`, as a reserve may be) and fractions outside (0, 1]."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
@@ -926,7 +937,11 @@ def parse_budget(text: str, flag: str = "--gpu-memory-budget") -> int | float:
                          "or a fraction in (0, 1]")
     value, unit = float(m.group(1)), m.group(2).lower()
     if not unit and "." in m.group(1):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{flag} {text!r}: a fraction of the device's memory must be in (0, 1]")
         return value
+    if int(value * _UNITS[unit]) <= 0 and not allow_zero:
+        raise ValueError(f"{flag} {text!r}: must be positive")
     return int(value * _UNITS[unit])
 
 
@@ -1023,13 +1038,14 @@ def run(args) -> int:
                             top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    device = check_device(args.device)  # before a conversion that would run on it
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.activation_reserve is None:
         reserve = serving_reserve(budget, args.device)
     elif args.activation_reserve == "auto":
         reserve = "auto"
     else:
-        reserve = parse_budget(args.activation_reserve, "--activation-reserve")
+        reserve = parse_budget(args.activation_reserve, "--activation-reserve", allow_zero=True)
     if isinstance(reserve, float):
         raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
                          "fraction")

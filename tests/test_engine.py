@@ -914,11 +914,26 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert f"generated 8 in {fig['elapsed_s']:.2f} s" in out
     with pytest.raises(ValueError, match="--activation-reserve"):
         run(parser.parse_args(["run", "--model", str(ap_dir), "--num-prompts", "1", "--activation-reserve", "0.5"]))
+    # bad budgets and devices are refused before the HF model is converted (seconds to minutes), not after
+    hf = ["run", "--model", str(ROOT / "models" / "pw-tiny-moe"), "--num-prompts", "1",
+          "--cache-dir", str(tmp_path / "cache")]
+    bad = [(["--gpu-memory-budget", "0"], "positive"), (["--gpu-memory-budget", "1.5"], r"in \(0, 1\]"),
+           (["--device", "tpu9"], "device 'tpu9'")]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "CUDA is not available"))
+    for extra, match in bad:
+        with pytest.raises(ValueError, match=match):
+            run(parser.parse_args(hf + extra))
+    assert not (tmp_path / "cache").exists()
     assert serving_reserve(2 << 30, "cuda:0") == "auto"  # the entry points' default: the budget bounds it all
     assert serving_reserve(None, "cuda") == serving_reserve(2 << 30, "cpu") == 0
     assert parse_budget("2GiB") == 2 << 30 and parse_budget("0.5") == 0.5 and parse_budget("1000") == 1000
     with pytest.raises(ValueError):
         parse_budget("lots")
+    assert parse_budget("0", "--activation-reserve", allow_zero=True) == 0  # a reserve may be 0, a budget not
+    for text in ("0", "0MiB", "0.0", "1.01"):
+        with pytest.raises(ValueError, match="--gpu-memory-budget"):
+            parse_budget(text)
 
 
 # ---------------------------------------------------------------- host overhead of a step
