@@ -53,7 +53,10 @@ def run(args) -> int:
         raise ValueError(f"--port {args.port}: not a TCP port")
     if args.num_replicas is not None and args.num_replicas < 1:
         raise ValueError("--num-replicas must be >= 1")
-    options = json.loads(args.engine_options)
+    try:
+        options = json.loads(args.engine_options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-options is not JSON: {e}") from None
     if not isinstance(options, dict):
         raise ValueError("--engine-options must be a JSON object")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None

@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("need 1 <= --seed-bits <= --parent-bits <= 8")
     if args.heads_seqs < 0:
         raise ValueError("--heads-seqs must be >= 0")
+    if not args.calib.is_file():  # before the model loads (seconds to minutes for a large one)
+        raise FileNotFoundError(f"--calib {args.calib}: no such file")
     convert(args.src, args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity, args.num_seqs,
             args.seq_len, args.device, heads_seqs=args.heads_seqs)
     return 0

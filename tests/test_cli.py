@@ -98,3 +98,20 @@ def test_missing_model_dir_subprocess(tmp_path):
     assert proc.returncode == EXIT_BAD_INPUT
     assert proc.stderr.strip().splitlines() == [f"pagedweight generate: error: --model {tmp_path / 'none'}: "
                                                 "not a directory"]
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["convert", "{model}", "{tmp}/out", "--calib", "{tmp}/none.txt"], "--calib {tmp}/none.txt: no such file"),
+    (["serve", "{model}", "--engine-options", "{{bad"], "--engine-options is not JSON"),
+    (["serve", "{model}", "--gpu-memory-budget", "0"], "--gpu-memory-budget '0': must be positive"),
+    (["run", "--model", "{model}", "--num-prompts", "1", "--device", "bogus"], "device 'bogus'"),
+])
+def test_other_commands_refuse_bad_input_before_working(model_dir, tmp_path, capsys, argv, reason):
+    """Refused in one line before anything slow starts (a model load, a conversion, a Ray cluster): convert leaves
+    no output directory behind."""
+    fill = {"model": str(model_dir), "tmp": str(tmp_path)}
+    rc = main([a.format(**fill) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT
+    assert err[-1].startswith(f"pagedweight {argv[0]}: error: ") and reason.format(**fill) in err[-1], err
+    assert not (tmp_path / "out").exists()
