@@ -1038,7 +1038,7 @@ def run(args) -> int:
                             top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    device = check_device(args.device)  # before a conversion that would run on it
+    check_device(args.device)  # refused before a conversion that would run on it
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.activation_reserve is None:
         reserve = serving_reserve(budget, args.device)
