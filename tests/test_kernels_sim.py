@@ -267,3 +267,51 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     numbas = [v.value if isinstance(v, ctypes._SimpleCData) else int(v) for v in flat]
     assert ours == numbas
     assert ours[slot] == 12
+
+
+ROUTE_CHILD = textwrap.dedent(r"""
+    import json, sys
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    import pagedweight.cuda.moe_kernels as mk
+    from pagedweight.cuda.moe_kernels import _dev, _route_kernel
+
+    out = {}
+    g = torch.Generator().manual_seed(5)
+    for T, k, E in ((1, 8, 128), (3, 2, 5), (64, 8, 128), (16, 4, 1024), (40, 8, 300)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        if T > 8:
+            ids[: T // 2, 0] = 7  # a popular expert, many pairs in one slot
+        w = torch.rand(T, k, generator=g)
+        D, F = 24, 8
+        hidden = torch.randn(T, D, generator=g).half()
+        xf, h, o = torch.full((T, D), 9.0), torch.full((T * k, 2 * F), 9.0), torch.full((T, D), 9.0)
+        slots = min(E, T * k)
+        se, ss, sc = (torch.full((slots,), -1, dtype=torch.int32) for _ in range(3))
+        na, pt, pw = torch.zeros(1, dtype=torch.int32), torch.full((T * k,), -1, dtype=torch.int32), torch.zeros(T * k)
+        _route_kernel[2, mk.ROUTE_THREADS](*map(_dev, (ids, w, hidden)), E, *map(_dev, (xf, h, o, se, ss, sc, na, pt, pw)))
+        n = int(na[0])
+        experts = sorted(set(ids.flatten().tolist()))
+        pairs_ok = True
+        for s in range(n):  # each slot's pairs: exactly the (token, weight) pairs routed to its expert
+            e, a, c = int(se[s]), int(ss[s]), int(sc[s])
+            want = sorted((t, float(w[t, j])) for t in range(T) for j in range(k) if int(ids[t, j]) == e)
+            got = sorted((int(pt[i]), float(pw[i])) for i in range(a, a + c))
+            pairs_ok &= got == want
+        out[f"{T}/{k}/{E}"] = dict(
+            n_active=n == len(experts), experts=se[:n].tolist() == experts,
+            starts=ss[:n].tolist() == np.concatenate([[0], np.cumsum(sc[:n].numpy())[:-1]]).tolist(),
+            pairs=bool(pairs_ok), setup=bool(torch.equal(xf, hidden.float()) and not h.any() and not o.any()))
+    json.dump(out, sys.stdout)
+""")
+
+
+def test_route_kernel_groups_every_pair_by_expert():
+    """The decode path's routing (block 0) under the simulator, from a single expert per token to 1,024 experts:
+    one slot per routed expert in ascending order, each slot's rows start where the previous ends and hold exactly
+    that expert's (token, weight) pairs; the other block casts x and zeroes the split-K accumulators."""
+    res = run_child_json(ROUTE_CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
+    assert len(res) == 5
+    for case, r in res.items():
+        assert all(r.values()), (case, r)
