@@ -5,7 +5,8 @@ and come back once idle, every request must finish, the process's peak must stay
     python -m benchmarks.run_budgets --device cuda --budgets 118MiB,126MiB,134MiB --repeats 2 --label s26
 
 Every row is the run's `--summary-json` (pagedweight.engine.run: which figures are measured, which computed) plus
-its budget, repeat and exit status; a refused budget keeps its error's last line.
+its budget, repeat, exit status and logged warnings (the start-up profile says when it peaked above the budget); a
+refused budget keeps its error's last line.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def run_once(args, budget: str, summary: Path) -> dict:
     if args.page_store_dir:
         cmd += ["--page-store-dir", args.page_store_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout_s)
-    row = {"budget": budget, "rc": proc.returncode}
+    row = {"budget": budget, "rc": proc.returncode,
+           # e.g. "activation reserve: the profile peaked X MiB above the budget at start-up (measured)"
+           "warnings": [ln.split(" - ", 1)[-1] for ln in proc.stderr.splitlines() if "| WARNING" in ln]}
     if summary.is_file():
         row.update(json.loads(summary.read_text()))
         if row.get("mean_width_min") is not None:

@@ -323,4 +323,5 @@ def test_run_budgets_collects_each_runs_summary_and_a_refusal(ap_dir, tmp_path):
     assert res["complete"] and ok["rc"] == 0 and ok["budget"] == "41MiB" and ok["requests"] == 8
     assert ok["finish_reasons"] == {"length": 8} and ok["generated_tokens"] == 8 * 32
     assert ok["widths_dropped"] and ok["widths_returned"] and ok["offload_triggers"] >= 1
+    assert ok["warnings"] == []
     assert refused["rc"] != 0 and "budget" in refused["error"] and "requests" not in refused
