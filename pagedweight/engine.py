@@ -1114,7 +1114,9 @@ def run(args) -> int:
 
     MiB = 2**20
     print("--- summary ---")
-    print(f"model {llm.model_name} on {llm.device}, budget {budget if budget is not None else 'unbounded'}")
+    asked = ("unbounded" if budget is None else f"{budget:g} of the device's memory" if isinstance(budget, float)
+             else f"{budget / MiB:.1f} MiB ({budget:,} B)")
+    print(f"model {llm.model_name} on {llm.device}, budget {asked}")
     print(f"requests {len(done)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}), "
           f"prompt tokens {summary['prompt_tokens']}, generated {gen} in {elapsed:.2f} s "
           f"= {summary['tokens_per_s']:.1f} tokens/s")

@@ -906,6 +906,7 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert run(auto) == 0
     out = capsys.readouterr().out
     assert "requests 2 (length 2)" in out and "MiB of activation reserve, measured at start-up" in out
+    assert "budget 256.0 MiB (268,435,456 B)" in out
     fig = json.loads(summary.read_text())  # the printed figures, as numbers
     assert fig["gpu_memory_budget"] == 256 << 20 >= fig["budget_bytes"] > 255 << 20 and fig["reserve_measured"] and fig["activation_reserve_bytes"] == 0
     assert fig["requests"] == 2 and fig["finish_reasons"] == {"length": 2} and fig["generated_tokens"] == 8
