@@ -10,10 +10,13 @@ which takes their mask, where the engine then ran the math kernel).
 
     python -m benchmarks.attention_bench                      # H200: Qwen1.5 and GQA shapes, batch 1-16, 512-8192 keys
     python -m benchmarks.attention_bench --device cpu --quick
+    git show REV:cuda/attention_kernels.py > /tmp/old.py    # A/B: FILE's kernel as the arm "kernel-old"
+    python -m benchmarks.attention_bench --arm old=/tmp/old.py
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -77,6 +80,16 @@ def host_us(fn, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
+def arm_kernel(name: str, path: str):
+    """`paged_decode_attention` of another copy of cuda/attention_kernels.py, imported whole as a module of
+    pagedweight.cuda (its relative imports resolve there; its kernels compile apart from the current ones)."""
+    spec = importlib.util.spec_from_file_location(f"pagedweight.cuda._attention_arm_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.paged_decode_attention
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -86,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="one small shape, batch 1, 64 keys (CPU check)")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=FILE",
+                   help="also time FILE's kernel (another attention_kernels.py) as method kernel-NAME (CUDA only)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
@@ -97,12 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         shapes, batches, contexts = ["pw-tiny-moe"], [1], [64]
     cuda = args.device == "cuda"
+    if args.arm and not cuda:
+        p.error("--arm times kernels: CUDA only")
     dtype = torch.float16 if cuda else torch.float32
     methods = {"sdpa": None}
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine's runner has it
         from pagedweight.cuda.attention_kernels import paged_decode_attention
         methods = {"kernel": paged_decode_attention, "sdpa": None}
+        for arm in args.arm:
+            name, sep, path = arm.partition("=")
+            if not sep:
+                p.error(f"--arm takes NAME=FILE, got {arm!r}")
+            methods[f"kernel-{name}"] = arm_kernel(name, path)
     rows: list[dict] = []
     for shape in shapes:
         heads, kv_heads, hd = SHAPES[shape]
@@ -127,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, file=sys.stderr)
                     rows.append(row)
     print(write_result("attention_bench", rows, out_dir=args.out_dir, label=args.label,
-                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters,
+                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters, "arms": args.arm,
                               "cudnn_sdp": False if cuda else None}))
     return 0
 
