@@ -407,7 +407,8 @@ def _route_kernel(topk_ids, topk_w, hidden, n_experts, xf, h, out, slot_expert, 
     # slots in ascending expert order: thread t owns the experts [t * per, (t + 1) * per) and learns where its slots
     # and rows start from an inclusive scan of every thread's totals (log2(threads) steps). Before, one thread walked
     # all E experts: the kernel took 5.8 us per Qwen1.5 layer (60 experts, decode_profile-nvidia-h200-20261130-s10-
-    # final.txt) and 8.2 per Qwen3 layer (128, -20261201-s26-qwen3-ropenorm.txt); the scan's gain is not yet measured
+    # final.txt) and 8.2 per Qwen3 layer (128, -20261201-s26-qwen3-ropenorm.txt); with the scan 4.1
+    # (-20261201-s27-qwen3-scan.txt)
     per = (n_experts + nthr - 1) // nthr
     e0 = min(tid * per, n_experts)
     e1 = min(e0 + per, n_experts)
