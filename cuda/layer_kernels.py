@@ -1,6 +1,6 @@
 """A decoder layer's small fused kernels (Numba CUDA): RMSNorm (with the residual add), RoPE on q and k, the router's
-softmax + top-k, and the shared expert's SwiGLU and output; one launch each where torch takes 2 to 10. Also the
-routing statistics' fold of an observed step (signals.RouterStats), one launch where torch takes ~15.
+softmax + top-k (with the router's own GEMV where no fused input projection computes its logits), and the shared
+expert's SwiGLU and output; one launch each where torch takes 2 to 10. Also the routing statistics' fold of an observed step (signals.RouterStats), one launch where torch takes ~15.
 
 Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 per layer, and ~1,000 of them were
 1-5 us elementwise, copy, cat, norm and top-k kernels: ~1.9 ms of the step's 5.3 ms of kernel time, before the gaps
@@ -22,12 +22,15 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as tf
 
 from ._compat import SIMULATOR, cuda
 from .attention_kernels import THREADS, _block_reduce
 from .moe_kernels import _dev, _stream
 
 MAX_EXPERTS = 1024  # router logits per token held in shared memory
+ROUTER_ELEMS = 16  # x and router weights per thread and pass: rows of up to 2048 in one round of loads
+ROUTER_MAX_TOKENS = 4096  # tokens of one fused router launch (its counters); more go through the GEMM and the top-k
 NORM_THREADS = 512  # a norm row's threads: 16 warps of one SM hide its loads' latency (one row per block)
 NORM_ELEMS = 8  # a norm row's elements per thread (in registers)
 MAX_NORM_DIM = NORM_ELEMS * NORM_THREADS  # 4096
@@ -125,18 +128,15 @@ def _rope_kernel(qkv, cos, sin, q, k, n_heads, qw, kw, eps, norm, half):
             k[b, j - n_heads, tok, i + half_dim] = hi
 
 
-@cuda.jit(cache=True)
-def _topk_kernel(logits, top_k, renorm, ids, weights):
+@cuda.jit(device=True, inline=True)
+def _topk_row(logits, n, E, top_k, renorm, ids, weights, t):
     """Token n: softmax (float32) over logits[n, :E], then the top_k largest (descending; of equal ones the lower
-    expert first) to ids/weights [N, k], renormalised to sum 1 when renorm.
+    expert first) to ids/weights [N, k], renormalised to sum 1 when renorm (the whole block of THREADS calls it).
 
     Each expert's rank is counted directly (how many experts beat it), one pass over the E probabilities in shared
     memory per expert, and an expert of rank < top_k writes itself: two barriers after the softmax where picking the
     largest top_k times, each an arg-max tree over the block, took ~10 barriers a pick (6.0 us per call at E = 60,
     top 4: decode_profile-nvidia-h200-20261130-s12.txt). O(E^2 / THREADS) comparisons: 1 K at E = 60, 128 K at 1024."""
-    n = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    E = logits.shape[1]
     probs = cuda.shared.array(MAX_EXPERTS, np.float32)
     top = cuda.shared.array(MAX_EXPERTS, np.float32)  # the picked weights by rank, for the renormalisation
     red = cuda.shared.array(THREADS, np.float32)
@@ -172,6 +172,52 @@ def _topk_kernel(logits, top_k, renorm, ids, weights):
                 picked += top[r]
             for r in range(top_k):
                 weights[n, r] = weights[n, r] / picked
+
+
+@cuda.jit(cache=True)
+def _topk_kernel(logits, top_k, renorm, ids, weights):
+    """Block n: `_topk_row` of token n's router logits [N, E]."""
+    _topk_row(logits, cuda.blockIdx.x, logits.shape[1], top_k, renorm, ids, weights, cuda.threadIdx.x)
+
+
+@cuda.jit(cache=True)
+def _router_kernel(x, w, logits, done, top_k, renorm, ids, weights, half):
+    """Block (e, n): logit e of token n, x[n] . w[e] summed in float32 and rounded as F.linear's result in x's dtype,
+    into logits [N, >= E] (float32); the block that finishes token n's last logit (done [>= N], a counter per token
+    that it resets for the next launch) runs `_topk_row` on them. One launch where the router's GEMM and the top-k
+    took two: on the H200, Qwen3's 2048 x 128 router at batch 1 in 9.0 us where cuBLAS took 5.1 and the top-k 5.7
+    (decode_profile-nvidia-h200-20261202-s28-qwen3-router.txt against -gemm.txt: 5.05 -> 4.96 ms of kernels per
+    step; steady decode moved by less than its run-to-run spread). Each thread loads ROUTER_ELEMS of x and w before
+    using any (indices past D load element D - 1 and count 0). The last block reads logits that other blocks wrote:
+    each writer fences before its count, and a token's row starts on its own 128-byte line (`router_topk` pads it),
+    so no line this block reads was cached by the same SM before its last write."""
+    e = cuda.blockIdx.x
+    n = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    D = x.shape[1]
+    xs = cuda.local.array(ROUTER_ELEMS, np.float32)
+    ws = cuda.local.array(ROUTER_ELEMS, np.float32)
+    acc = float32(0.0)
+    for c0 in range(0, D, ROUTER_ELEMS * THREADS):
+        for u in range(ROUTER_ELEMS):
+            i = min(c0 + t + u * THREADS, D - 1)
+            xs[u] = float32(x[n, i])
+            ws[u] = float32(w[e, i])
+        for u in range(ROUTER_ELEMS):
+            if c0 + t + u * THREADS < D:
+                acc += xs[u] * ws[u]
+    red = cuda.shared.array(THREADS, np.float32)
+    last = cuda.shared.array(1, np.int32)
+    total = _block_reduce(red, acc, t, False)
+    if t == 0:
+        logits[n, e] = _rnd(total, half)
+        cuda.threadfence()
+        last[0] = 1 if cuda.atomic.add(done, n, 1) == cuda.gridDim.x - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 1:  # uniform over the block
+        if t == 0:
+            done[n] = 0
+        _topk_row(logits, n, cuda.gridDim.x, top_k, renorm, ids, weights, t)
 
 
 @cuda.jit(cache=True)
@@ -269,15 +315,44 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, 
     return q, k
 
 
+def _route_outputs(n: int, e: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if e > MAX_EXPERTS or not 1 <= top_k <= e:
+        raise ValueError(f"the router kernels take up to {MAX_EXPERTS} experts and 1 <= top_k <= E, got E={e}, "
+                         f"k={top_k}")
+    return (torch.empty(n, top_k, dtype=torch.int64, device=device),
+            torch.empty(n, top_k, dtype=torch.float32, device=device))
+
+
 def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> ids [N, k] (int64), weights [N, k] (float32): models.layers.MoEBlock.route's result."""
     _check(logits)
     n, e = logits.shape
-    if e > MAX_EXPERTS or not 1 <= top_k <= e:
-        raise ValueError(f"route_topk takes up to {MAX_EXPERTS} experts and 1 <= top_k <= E, got E={e}, k={top_k}")
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    ids, weights = _route_outputs(n, e, top_k, logits.device)
     _topk_kernel[n, THREADS, _stream()](_dev(logits), top_k, renorm, _dev(ids), _dev(weights))
+    return ids, weights
+
+
+_ROUTER_DONE: dict[torch.device, torch.Tensor] = {}  # per device: the router kernel's counters, all 0 between launches
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] and the router's weight [E, D] -> `route_topk(F.linear(x, weight), top_k, renorm)` in one launch
+    (the logits' float32 sum in another order: a logit may differ by an ulp of x's dtype). The counters are made on
+    the first call outside a CUDA graph capture; until then, and above ROUTER_MAX_TOKENS tokens, the two launches."""
+    _check(x, weight)
+    n, e = x.shape[0], weight.shape[0]
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router_topk takes x [N, D] and weight [E, D], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    done = _ROUTER_DONE.get(x.device)
+    if done is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        done = _ROUTER_DONE[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
+    if done is None or n > ROUTER_MAX_TOKENS:
+        return route_topk(tf.linear(x, weight), top_k, renorm)
+    ids, weights = _route_outputs(n, e, top_k, x.device)
+    logits = torch.empty(n, -(-e // 32) * 32, dtype=torch.float32, device=x.device)  # rows of whole 128-byte lines
+    _router_kernel[(e, n), THREADS, _stream()](_dev(x), _dev(weight), _dev(logits), _dev(done), top_k, renorm,
+                                               _dev(ids), _dev(weights), x.dtype == torch.float16)
     return ids, weights
 
 

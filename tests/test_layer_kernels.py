@@ -89,6 +89,22 @@ COMPARE = textwrap.dedent(r"""
         tie = torch.zeros(1, E, device=device, dtype=dt)
         tie[0, [7, 3, 50]] = 1.0  # three equal largest: the lower experts first, then the rest in order
         out["route_ties"] = lk.route_topk(tie, 5, False)[0].tolist()
+        # the router's GEMV fused with the top-k against the gate's F.linear, then route: logits well apart (x's last
+        # column is 1, the weights' last column distinct offsets 0.1 apart, the rest a sum of standard deviation 0.01),
+        # so that an ulp of the dot product moves no pick; 2,100 columns take two passes of the kernel's loads
+        # (the renormalisation both ways, one per case, few experts, seed 0 only: the simulator runs each block's 128
+        # threads in Python, ~0.5 s a block)
+        for n_r, d_r, e_r, renorm in ((2, D, 12, False), (1, 2100, 6, True)) if seed == 0 else ():
+            xg = r(n_r, d_r)
+            xg[:, -1] = 1
+            wg = (torch.rand(e_r, d_r, generator=g) * 2 - 1).to(device=device, dtype=dt) * (0.017 / d_r ** 0.5)
+            wg[:, -1] = (torch.randperm(e_r, generator=g) * 0.1).to(device=device, dtype=dt)
+            block = MoEBlock.__new__(MoEBlock)
+            block.top_k, block.norm_topk_prob, block.kernels = k, renorm, None
+            ids_want, w_want = block.route(F.linear(xg, wg))
+            ids, w = lk.router_topk(xg, wg, k, renorm)
+            out[f"router_ids_{d_r}"] = ids.dtype == torch.int64 and torch.equal(ids, ids_want)
+            out[f"router_weights_{d_r}"] = float((w - w_want).abs().max() / w_want.abs().max())
         gate_up = proj[:, :48]  # the shared expert's gate and up, F = 24
         out["swiglu"] = stats(lk.swiglu(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
         xs, routed, shared = r(3, D), r(3, D), r(3, D)
@@ -150,8 +166,8 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
     from unittest import mock
     kernels = lk
 
-    sigs = {name: [] for name in ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_swiglu_kernel",
-                                  "_shared_out_kernel", "_route_stats_kernel"]}
+    sigs = {name: [] for name in ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_router_kernel",
+                                  "_swiglu_kernel", "_shared_out_kernel", "_route_stats_kernel"]}
 
     %(recorder)s
 
@@ -172,7 +188,7 @@ def sim() -> dict:
     return run_child_json(SIM_CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
 
 
-def check_case(r: dict, dtype: str) -> None:
+def check_case(r: dict, dtype: str, seed: int) -> None:
     for name in BIT_EXACT + ELEMENTWISE:
         assert r[name]["dtype"] and r[name]["shape"], (name, r[name])
         if dtype == "float32":  # the GPU contracts a * b + c into one FMA (one rounding where torch has two)
@@ -186,13 +202,20 @@ def check_case(r: dict, dtype: str) -> None:
         assert r[f"route_ids_{renorm}"], r
         assert r[f"route_weights_{renorm}"] <= 1e-6, r  # float32 weights: a float32 ulp or two
     assert r["route_ties"][0] == [3, 7, 50, 0, 1], r["route_ties"]
+    router = [key for key in r if key.startswith("router_ids_")]
+    assert len(router) == (2 if seed == 0 else 0), sorted(r)
+    for key in router:
+        assert r[key], (key, r)
+        # a logit an ulp of the dtype apart from F.linear's moves a weight by as much (fp16 ulps near 1: 1e-3)
+        assert r[key.replace("ids", "weights")] <= (4e-3 if dtype == "float16" else 1e-5), (key, r)
     for weighted in (False, True):  # float32 sums in another order: an ulp or two of the largest
         assert r[f"route_stats_{weighted}"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("case", ["float16/0", "float16/1", "float32/0", "float32/1"])
 def test_kernels_match_torch_under_simulator(sim: dict, case: str) -> None:
-    check_case(sim[case], case.split("/")[0])
+    dtype, seed = case.split("/")
+    check_case(sim[case], dtype, int(seed))
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
@@ -229,7 +252,7 @@ def test_model_without_cuda_keeps_torch_ops() -> None:
 def test_kernels_match_torch_on_gpu(dtype: str) -> None:
     ns: dict = {}
     exec(COMPARE, ns)
-    check_case(ns["compare"]("cuda", dtype, 0), dtype)
+    check_case(ns["compare"]("cuda", dtype, 0), dtype, 0)
     for family in ("qwen2_moe", "qwen3_moe"):
         r = ns["model_pair"]("cuda", dtype, family)
         assert r["on"] and r["argmax"], (family, r)

@@ -433,9 +433,11 @@ class MoEBlock(nn.Module):
         x = x.reshape(-1, shape[-1])
         if self.in_proj is not None:
             shared_gate_up, logits, shared_gate, _ = self.in_proj(x).split(self._in_split, dim=-1)
+            ids, weights = self.route(logits)
+        elif self.kernels is not None:  # the router's GEMV and its top-k in one launch
+            ids, weights = self.kernels.router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         else:
-            logits = self.gate(x)
-        ids, weights = self.route(logits)
+            ids, weights = self.route(self.gate(x))
         if self.observer is not None:
             self.observer(self.layer, x, ids, weights)
         out = self.experts(x, ids, weights)
