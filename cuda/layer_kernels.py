@@ -338,7 +338,9 @@ _ROUTER_DONE: dict[torch.device, torch.Tensor] = {}  # per device: the router ke
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] and the router's weight [E, D] -> `route_topk(F.linear(x, weight), top_k, renorm)` in one launch
     (the logits' float32 sum in another order: a logit may differ by an ulp of x's dtype). The counters are made on
-    the first call outside a CUDA graph capture; until then, and above ROUTER_MAX_TOKENS tokens, the two launches."""
+    the first call outside a CUDA graph capture; until then, and above ROUTER_MAX_TOKENS tokens, the two launches.
+    They (16 KiB of int32) stay for the life of the process, outside the pool: activation memory, which the engine's
+    activation_reserve="auto" measures with the rest."""
     _check(x, weight)
     n, e = x.shape[0], weight.shape[0]
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
