@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, file=sys.stderr)
                     rows.append(row)
     print(write_result("attention_bench", rows, out_dir=args.out_dir, label=args.label,
-                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters, "arms": args.arm,
-                              "cudnn_sdp": False if cuda else None}))
+                       extra={"dtype": str(dtype), "block_size": args.block_size, "iters": args.iters,
+                              "arms": args.arm, "cudnn_sdp": False if cuda else None}))
     return 0
 
 

@@ -1,6 +1,7 @@
 """A decoder layer's small fused kernels (Numba CUDA): RMSNorm (with the residual add), RoPE on q and k, the router's
 softmax + top-k (with the router's own GEMV where no fused input projection computes its logits), and the shared
-expert's SwiGLU and output; one launch each where torch takes 2 to 10. Also the routing statistics' fold of an observed step (signals.RouterStats), one launch where torch takes ~15.
+expert's SwiGLU and output; one launch each where torch takes 2 to 10. Also the routing statistics' fold of an
+observed step (signals.RouterStats), one launch where torch takes ~15.
 
 Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 per layer, and ~1,000 of them were
 1-5 us elementwise, copy, cat, norm and top-k kernels: ~1.9 ms of the step's 5.3 ms of kernel time, before the gaps
@@ -316,6 +317,7 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, 
 
 
 def _route_outputs(n: int, e: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router kernels' ids [n, k] (int64) and weights [n, k] (float32), after checking E and k."""
     if e > MAX_EXPERTS or not 1 <= top_k <= e:
         raise ValueError(f"the router kernels take up to {MAX_EXPERTS} experts and 1 <= top_k <= E, got E={e}, "
                          f"k={top_k}")
@@ -342,10 +344,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool)
     They (16 KiB of int32) stay for the life of the process, outside the pool: activation memory, which the engine's
     activation_reserve="auto" measures with the rest."""
     _check(x, weight)
-    n, e = x.shape[0], weight.shape[0]
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"router_topk takes x [N, D] and weight [E, D], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
+    n, e = x.shape[0], weight.shape[0]
     done = _ROUTER_DONE.get(x.device)
     if done is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         done = _ROUTER_DONE[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
