@@ -35,6 +35,7 @@ import ctypes
 import functools
 import math
 import os
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -71,6 +72,7 @@ MAX_EXPERTS = 1024
 # WS), which in three H200 runs (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8
 # words at 4 bits by 1.3-2.3 % on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
 TARGET_BLOCKS_NARROW, TARGET_BLOCKS = 8192, 2048
+NARROW_MAX_WIDTH = 4  # the narrow LUT class: every block of the layer at 4 bits or less
 MIN_SPLIT_WORDS_NARROW, MIN_SPLIT_WORDS = 2, 16
 
 float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
@@ -315,22 +317,28 @@ def _make_dispatch(keys: tuple[str, ...], bodies: dict, args: str):
     return cuda.jit(device=True)(scope["_dispatch"])
 
 
-_dispatch = _make_dispatch(("b", "tt"), _WORK, "kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, "
-                           "pair_w, pair0, rem, N, K, F, w0, w1, n, tid, utid")
+_WORK_ARGS = ("kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, N, K, F, w0, w1, "
+              "n, tid, utid")
 _dq_dispatch = _make_dispatch(("b",), _DQ, "pool_words, poff, lut, dst, o, N, w0, w1, n, utid")
 
 
-# Register cap of the decode kernel. Uncapped it takes 161 registers (6 blocks of 2 warps per SM); at 128 (8 blocks,
-# a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200 (moe_kernel_bench-*-regdefault /
-# -reg128.json). PAGEDWEIGHT_MAX_REGISTERS overrides it (0 = no cap) for such comparisons.
+# Register caps of the decode kernels. The general kernel, uncapped, takes 161 registers (6 blocks of 2 warps per SM);
+# at 128 (8 blocks, a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200
+# (moe_kernel_bench-*-regdefault / -reg128.json); its 16-token bodies are what need them. The one-token kernels hold
+# only 1-token bodies: ptxas (sm_90, offline) gives all widths' 96 registers uncapped, no spills (105 under a cap of
+# 128: 10 blocks per SM, not 8), and the narrow class's (3 and 4 bits) 56 uncapped (18 blocks per SM), but 80 under
+# a cap of 80. PAGEDWEIGHT_MAX_REGISTERS[_T1] override the first two (0 = no cap) for such comparisons; Numba's cache
+# does not key on the cap, so each setting needs its own NUMBA_CACHE_DIR.
 MAX_REGISTERS = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS", "128")) or None
-_REG_CAP = {"max_registers": MAX_REGISTERS} if MAX_REGISTERS and not SIMULATOR else {}  # the simulator has no cap
+MAX_REGISTERS_T1 = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS_T1", "0")) or None
 
 
-@cuda.jit(cache=True, **_REG_CAP)  # ~80 s of compile on the H200 (+15% offline for the 16-token bodies): cached
-def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
-                 n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
-    """grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
+def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
+          n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
+    """The decode GEMV kernels' source: `_gemv_variant` compiles it with its own `_dispatch` (a global bound per
+    kernel, not defined at module level) over the bodies that kernel holds.
+
+    grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
     Widths outside WIDTHS match no body and contribute nothing: tables must hold widths in [MIN_WIDTH, MAX_WIDTH]."""
     slot = cuda.blockIdx.z
     if slot >= n_active[0]:
@@ -368,6 +376,26 @@ def _gemv_kernel(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, 
         _dispatch(b, tt, kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0 + t0, rem,
                   N, K, F, w0, w1, n, tid, uint32(tid))
         t0 += tt
+
+
+def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
+    """`_gemv`'s code compiled with a dispatch over `bodies` as its `_dispatch`: one source, kernels whose bodies
+    differ. A function of its own name (Numba names its cache files by it) in moe_kernels.py (the cache's stamp)."""
+    fn = types.FunctionType(_gemv.__code__, {**globals(), "_dispatch": _make_dispatch(("b", "tt"), bodies, _WORK_ARGS)},
+                            name)
+    fn.__qualname__ = name
+    fn.__doc__ = _gemv.__doc__
+    cap = {"max_registers": max_registers} if max_registers and not SIMULATOR else {}  # the simulator has no cap
+    return cuda.jit(cache=True, **cap)(fn)
+
+
+# Every width and token tile (~80 s of compile on the H200: cached). At T = 1 every slot holds one pair: kernels of
+# the 1-token bodies alone, all widths or the narrow class's, take fewer registers (more warps per SM) and less code.
+_gemv_kernel = _gemv_variant("_gemv_kernel", _WORK, MAX_REGISTERS)
+_gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", {key: f for key, f in _WORK.items() if key[1] == 1},
+                                MAX_REGISTERS_T1)
+_gemv_t1_narrow_kernel = _gemv_variant(
+    "_gemv_t1_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] == 1 and key[0] <= NARROW_MAX_WIDTH}, None)
 
 
 @cuda.jit(cache=True)  # reuse the compile across processes
@@ -553,7 +581,7 @@ def lut_shared_bytes(P: int) -> int:
 
 
 def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int) -> int:
-    narrow = lut_width <= 4
+    narrow = lut_width <= NARROW_MAX_WIDTH
     want = max(1, -(-(TARGET_BLOCKS_NARROW if narrow else TARGET_BLOCKS) // (row_tiles * slots)))
     splits = max(1, min(want, -(-W // (MIN_SPLIT_WORDS_NARROW if narrow else MIN_SPLIT_WORDS))))
     wps = -(-W // splits)
@@ -617,12 +645,13 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                                                  a["pair_tok"], a["pair_w"])
     tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],
               a["slot_start"], a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
+    gemv = _gemv_kernel if T > 1 else (_gemv_t1_narrow_kernel if lut_width <= NARROW_MAX_WIDTH else _gemv_t1_kernel)
     for kind, src, dst, N, K in ((0, "xf", "h", 2 * F, D), (1, "h", "out", D, F)):
         W = (K + 31) // 32
         tiles = -(-N // ROWS)
         wps = _words_per_split(W, tiles, slots, lut_width)
         grid = (tiles, -(-W // wps), slots)
-        _gemv_kernel[grid, ROWS, stream, shmem](kind, a[src], *tables, a[dst], N, K, F, wps)
+        gemv[grid, ROWS, stream, shmem](kind, a[src], *tables, a[dst], N, K, F, wps)
     return out.to(hidden.dtype)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import KERNEL_RECORDER, run_child_json
 
-KERNELS = ("_route_kernel", "_gemv_kernel", "_dequant_kernel")
+KERNELS = ("_route_kernel", "_gemv_kernel", "_gemv_t1_kernel", "_gemv_t1_narrow_kernel", "_dequant_kernel")
 
 CHILD = textwrap.dedent(r"""
     import json, re, sys, types
@@ -35,12 +35,14 @@ CHILD = textwrap.dedent(r"""
 
     moe = build_synthetic_moe(E=5, D=80, F=40, P=6, seed_bits=3, seed=1)
     g = torch.Generator().manual_seed(0)
-    qd, po, lo = moe.tables(torch.randint(3, 7, (moe.E, 2), generator=g))
     with mock.patch.multiple(mk, SIMULATOR=True, **{name: Recorder(name) for name in KERNELS}):
-        for T, dtype in ((3, torch.float16), (mk.DECODE_MAX_T + 1, torch.bfloat16)):  # decode, then prefill
+        # decode (T=3, T=1 at widths 3..6 and at the narrow class's 3..4), then prefill
+        for T, dtype, widest in ((3, torch.float16, 6), (1, torch.float16, 6), (1, torch.float16, 4),
+                                 (mk.DECODE_MAX_T + 1, torch.bfloat16, 6)):
+            qd, po, lo = moe.tables(torch.randint(3, widest + 1, (moe.E, 2), generator=g))
             ids = torch.stack([torch.randperm(moe.E, generator=g)[:2] for _ in range(T)]).to(torch.int32)
             mk.moe_forward(torch.randn(T, moe.D, generator=g).to(dtype), ids, torch.rand(T, 2, generator=g),
-                           moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P)
+                           moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P, widest)
 
     def compile_ptx(fn, sig):
         ptx, resty = cuda.compile_ptx(fn, sig, cc=(9, 0))

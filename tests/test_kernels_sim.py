@@ -32,11 +32,11 @@ CHILD = textwrap.dedent(r"""
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
 
-    def check(moe, q, hidden, ids, w):  # moe_forward and its twin against dense float32 loops over (token, slot)
+    def check(moe, q, hidden, ids, w, lut_width=None):  # moe_forward and its twin against dense float32 loops
         T, k = ids.shape
         qd, po, lo = moe.tables(q)
         args = (hidden, ids, w, moe.pool_words, moe.pool_halves, qd, po, lo, moe.D, moe.F, moe.P)
-        out = moe_forward(*args)
+        out = moe_forward(*args, lut_width=lut_width)
         ref = moe_forward_reference(*args)
         dense = torch.zeros(T, moe.D)
         for t in range(T):
@@ -57,17 +57,19 @@ CHILD = textwrap.dedent(r"""
     g = torch.Generator().manual_seed(2)
     # T=65 takes the prefill path (dequantize kernel + grouped matmuls); the others the fused decode kernels, whose
     # token tiles are 1, 4 and 16: T=12 and T=24 at top-4 of 5 experts give ~10 and ~19 tokens per expert (the
-    # 16-token tile with 2..4 quads holding tokens, then a remainder tile)
-    cases = [(1, 2, torch.float16, 6), (3, 2, torch.bfloat16, 6), (6, 3, torch.float16, 6), (65, 2, torch.bfloat16, 6),
-             (65, 2, torch.float16, 8), (65, 3, torch.bfloat16, 8), (12, 4, torch.float16, 8),
-             (24, 4, torch.bfloat16, 6)]
-    for case, (T, k, dtype, P) in enumerate(cases):
+    # 16-token tile with 2..4 quads holding tokens, then a remainder tile). T=1 runs the one-token kernels: all
+    # widths (P=6, and P=8 with its fp16 LUTs), and the narrow class's when the widest block has 4 bits (the last case)
+    cases = [(1, 2, torch.float16, 6, 6), (3, 2, torch.bfloat16, 6, 6), (6, 3, torch.float16, 6, 6),
+             (65, 2, torch.bfloat16, 6, 6), (65, 2, torch.float16, 8, 8), (65, 3, torch.bfloat16, 8, 8),
+             (12, 4, torch.float16, 8, 8), (24, 4, torch.bfloat16, 6, 6), (1, 3, torch.bfloat16, 8, 8),
+             (1, 4, torch.float16, 8, 4)]
+    for case, (T, k, dtype, P, widest) in enumerate(cases):
         moe = moes[P]
-        q = torch.randint(3, P + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
+        q = torch.randint(3, widest + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
         hidden = torch.randn(T, moe.D, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=g)
-        results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True))
+        results[f"case{case}"] = check(moe, q, hidden, ids, w / w.sum(1, keepdim=True), widest)
     # Skewed prefill over several groups: scratch for 4 experts, 6 of 8 routed (2 and 6 never) with 70/3/50/10 | 1/26
     # pairs, so slots 0, 3, 7, 4, 1, 5 (most pairs first), in groups of 4 and 2, or under a PAD_SLACK of 0.5 (groups
     # of 4 and 2 pad 286 rows, past 1.5 * 160) split where that saves most (88 rows): 2 (width 70), 2 (26), 2 (3),
@@ -164,7 +166,7 @@ def sim_results() -> dict:
     return run_child_json(CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
 
 
-@pytest.mark.parametrize("case", [f"case{i}" for i in range(8)])
+@pytest.mark.parametrize("case", [f"case{i}" for i in range(10)])
 def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> None:
     r = sim_results[case]
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
