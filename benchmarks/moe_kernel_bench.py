@@ -9,13 +9,13 @@ cut-short run still leaves a valid partial result):
   prefill      the large-T path alone (no decode compile): correctness at mixed widths, eager time per layer, host
                time per call, one dequantize launch against the copy ceiling; T in {64, 256, 2048}, fp16 and bf16.
   speed        per-layer MoE time under CUDA graphs for Qwen1.5-MoE / Mixtral-8x7B / Qwen3-30B-A3B expert shapes,
-               T in {1,4,16,64}, uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a pool larger
-               than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines; the
-               device-to-device copy ceiling measured in the same run.
+               T in {1,4,16,64} (`--tokens`), uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a
+               pool larger than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines;
+               the device-to-device copy ceiling measured in the same run.
   splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS[_NARROW]: launch arguments,
-               no recompile) swept at T 1 and 4, 4 and 8 bits: small experts (Qwen1.5: 704 blocks at T=1) run below the
-               copy ceiling with few warps per SM, and more K splits mean more warps but more LUT and x staging per
-               weight.
+               no recompile) swept at T 1 and 4 (`--tokens`), 4, 6 and 8 bits (LUT classes 4, 7 and 8): small experts
+               (Qwen1.5: 704 blocks at T=1) run below the copy ceiling with few warps per SM, and more K splits mean
+               more warps but more LUT and x staging per weight.
 Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 """
 from __future__ import annotations
@@ -232,19 +232,20 @@ def block_bytes(D: int, F: int, qg: int, qd: int) -> int:
     return (qg * plane_bytes(2 * F, D) + lut_bytes(2 * F, qg)) + (qd * plane_bytes(D, F) + lut_bytes(D, qd))
 
 
-def speed(quick: bool, shapes: list[str]) -> None:
+def speed(quick: bool, shapes: list[str], tokens: list[int] | None = None) -> None:
     plans = {"w4": 4, "w8": 8, "mixed": None} if quick else {"w3": 3, "w4": 4, "w6": 6, "w8": 8, "mixed": None}
     for name in shapes:
         shape = SHAPES[name]
         try:
-            speed_shape(name, *shape, plans=plans, quick=quick)
+            speed_shape(name, *shape, plans=plans, quick=quick, tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - one shape failing must not hide the others
             add(dict(section="speed", shape=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             log(f"{name}: FAILED {type(exc).__name__}: {exc}")
         torch.cuda.empty_cache()
 
 
-def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: bool) -> None:
+def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: bool, tokens: list[int] | None = None
+                ) -> None:
     t_build = time.time()
     moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
     log(f"{name}: pool {moe.pool.numel() / 2**30:.2f} GiB built in {time.time() - t_build:.1f}s")
@@ -254,7 +255,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
     wgu = torch.randn(E, 2 * F, D, device=DEV, dtype=torch.float16) / D ** 0.5
     wd = torch.randn(E, D, F, device=DEV, dtype=torch.float16) / F ** 0.5
     mixed_q = torch.tensor([3, 4, 5, 6, 8])[torch.randint(0, 5, (E, 2), generator=gcpu)]
-    for T in ([1, 4, 16] if quick else [1, 4, 16, 64]):
+    for T in tokens or ([1, 4, 16] if quick else [1, 4, 16, 64]):
         sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
         hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
         fp16 = [capture(fp16_expert_step(h, s[0], s[1], wgu, wd, F)) for h, s in zip(hiddens, sets)]
@@ -301,7 +302,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
 SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 8192))  # (MIN_SPLIT_WORDS, TARGET_BLOCKS)
 
 
-def splits(shapes: list[str]) -> None:
+def splits(shapes: list[str], tokens: list[int] | None = None) -> None:
     """Decode time per layer under CUDA graphs for each split-K sizing; outputs checked against the default's."""
     default = (mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS)
     try:
@@ -310,13 +311,14 @@ def splits(shapes: list[str]) -> None:
             moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
             q_dev, po_dev, lo_dev = moe.tables(torch.full((E, 2), 4))
             gen = torch.Generator(device=DEV).manual_seed(5)
-            for T in (1, 4):
+            for T in tokens or (1, 4):
                 sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
                 hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
-                for width in (4, 8):
+                for width in (4, 6, 8):  # the LUT classes 4, 7 (the engine's for widths 5..7) and 8
                     moe.write_tables(torch.full((E, 2), width), q_dev, lo_dev)
-                    call = [lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
-                                                         po_dev, lo_dev, D, F, P, width) for h, s in zip(hiddens, sets)]
+                    call = [lambda h=h, s=s, c=lut_class(width): moe_forward(
+                        h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P, c)
+                        for h, s in zip(hiddens, sets)]
                     mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
                     want = call[0]()
                     for min_words, target in SPLIT_SIZINGS:
@@ -328,7 +330,8 @@ def splits(shapes: list[str]) -> None:
                         del graphs
                         slots = min(E, T * k)
                         blocks = [-(-n // mk.ROWS) * -(-num_words(kk) // mk._words_per_split(
-                            num_words(kk), -(-n // mk.ROWS), slots, width)) * slots for n, kk in ((2 * F, D), (D, F))]
+                            num_words(kk), -(-n // mk.ROWS), slots, lut_class(width))) * slots
+                            for n, kk in ((2 * F, D), (D, F))]
                         add(dict(section="splits", shape=name, T=T, bits=width, min_split_words=min_words,
                                  target_blocks=target, blocks_gate_up_down=blocks, us=us, rel_err_vs_default=err,
                                  passed=err < 1e-3))
@@ -441,10 +444,13 @@ def main() -> int:
     ap.add_argument("--sections", default="correctness,graph,speed,prefill")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
+    ap.add_argument("--tokens", default=None, help="comma list of T for the speed section (default 1,4,16 or 1,4,16,64)"
+                    " and the splits section (default 1,4)")
     a = ap.parse_args()
     STATE["label"] = a.label
     CMD = ("python benchmarks/moe_kernel_bench.py" + (" --quick" if a.quick else "")
-           + f" --sections {a.sections} --shapes {a.shapes}" + (f" --label {a.label}" if a.label else ""))
+           + f" --sections {a.sections} --shapes {a.shapes}" + (f" --label {a.label}" if a.label else "")
+           + (f" --tokens {a.tokens}" if a.tokens else ""))
     torch.manual_seed(0)
     CEIL["copy_tb_per_s"] = copy_ceiling()
     CEIL["device"] = torch.cuda.get_device_name(0)
@@ -467,9 +473,9 @@ def main() -> int:
                 add(dict(section=sec, passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
                 log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
     if "speed" in sections:
-        speed(a.quick, a.shapes.split(","))
+        speed(a.quick, a.shapes.split(","), [int(t) for t in a.tokens.split(",")] if a.tokens else None)
     if "splits" in sections:
-        splits(a.shapes.split(","))
+        splits(a.shapes.split(","), [int(t) for t in a.tokens.split(",")] if a.tokens else None)
     if "prefill" in sections:
         try:
             prefill(a.shapes.split(","))

@@ -6,6 +6,8 @@ Decode path (T <= DECODE_MAX_T), four stream-ordered steps, all capturable in a 
    blocks copy x to fp32 and zero the accumulators of steps 2 and 3.
 2. `_gemv_kernel` kind 0 (gate_up, W [2F, D]): h[pair, :] += W_q @ x[token] for every pair of the slot.
 3. `_gemv_kernel` kind 1 (down, W [D, F]): out[token] += w_pair * W_q @ (silu(h_gate) * h_up).
+   At T = 1 steps 2 and 3 run `_gemv_t1_kernel` (`_gemv_t1_narrow_kernel` when every block has 4 bits or
+   less): the same source holding only the one-token bodies.
 4. torch casts the fp32 accumulator to the activation dtype.
 
 Why this shape (GPU.md, H200 ~14 FLOP per HBM byte): one thread per output row so that plane words load
