@@ -1,6 +1,6 @@
 """A few launches of the fused decode MoE kernel on one shape, for a profiler to attach to (ncu).
 
-    ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 4 --launch-count 2 \
+    ncu --clock-control none --kernel-name regex:_gemv --launch-skip 4 --launch-count 2 \
         --set full python -m benchmarks.kernel_probe --shape mixtral-8x7b --T 1 --bits 4
 
 At T > 64 the call is the prefill path, whose kernel is the dequantize launch (one per expert group):

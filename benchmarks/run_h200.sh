@@ -27,9 +27,10 @@ steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(exchange mover enginetest engine 
 for s in "${steps[@]}"; do case $s in
   exchange) step 60 python3 -m benchmarks.budget_exchange ;;
   mover) step 60 python3 -m benchmarks.page_mover_bench --trials 3 ;;
-  # ncu's stall reasons and DRAM figures for the decode kernel (Mixtral 4-bit T=1), first launches skipped;
+  # ncu's stall reasons and DRAM figures for the decode kernel (Mixtral 4-bit T=1: `_gemv_t1_narrow_kernel`; regex
+  # `_gemv` matches every variant), first launches skipped;
   # NCU_KERNEL=_dequant_kernel NCU_PROBE="--shape qwen1.5-moe-a2.7b --T 512 --bits 4": the prefill's dequantize kernel
-  ncu) step 150 ncu --clock-control none --kernel-name regex:${NCU_KERNEL:-_gemv_kernel} --launch-skip 4 --launch-count 2 \
+  ncu) step 150 ncu --clock-control none --kernel-name regex:${NCU_KERNEL:-_gemv} --launch-skip 4 --launch-count 2 \
          ${NCU_ARGS:---set full} -o "$OUT/ncu_gemv" python3 -m benchmarks.kernel_probe \
          ${NCU_PROBE:---shape mixtral-8x7b --T 1 --bits 4}
        ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv.txt" 2>&1
