@@ -324,16 +324,13 @@ _WORK_ARGS = ("kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, p
 _dq_dispatch = _make_dispatch(("b",), _DQ, "pool_words, poff, lut, dst, o, N, w0, w1, n, utid")
 
 
-# Register caps of the decode kernels. The general kernel, uncapped, takes 161 registers (6 blocks of 2 warps per SM);
-# at 128 (8 blocks, a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200
-# (moe_kernel_bench-*-regdefault / -reg128.json); its 16-token bodies are what need them. The one-token kernels hold
-# only 1-token bodies: ptxas (sm_90, offline) gives all widths' 96 registers uncapped, no spills (105 under a cap of
-# 128: 10 blocks per SM, not 8), and the narrow class's (3 and 4 bits) 56 uncapped (18 blocks per SM), but 80 under
-# a cap of 80. PAGEDWEIGHT_MAX_REGISTERS[_T1] override the first two (0 = no cap) for such comparisons; Numba's cache
-# does not key on the cap, so each setting needs its own NUMBA_CACHE_DIR.
+# Register cap of the general decode kernel. Uncapped it takes 161 registers (6 blocks of 2 warps per SM); at 128
+# (8 blocks, a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200 (moe_kernel_bench-*-
+# regdefault / -reg128.json); its 16-token bodies are what need them. PAGEDWEIGHT_MAX_REGISTERS overrides it (0 = no
+# cap) for such comparisons; Numba's cache does not key on the cap, so each setting needs its own NUMBA_CACHE_DIR.
+# The one-token kernels run uncapped: ptxas (sm_90, offline) gives the all-widths one 96 registers, no spills (105
+# under a cap of 128), and the narrow class's 56 (18 blocks per SM); a cap only raised what ptxas chose (80 at 80).
 MAX_REGISTERS = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS", "128")) or None
-MAX_REGISTERS_T1 = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS_T1", "0")) or None
-
 
 def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
           n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
@@ -394,8 +391,7 @@ def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
 # Every width and token tile (~80 s of compile on the H200: cached). At T = 1 every slot holds one pair: kernels of
 # the 1-token bodies alone, all widths or the narrow class's, take fewer registers (more warps per SM) and less code.
 _gemv_kernel = _gemv_variant("_gemv_kernel", _WORK, MAX_REGISTERS)
-_gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", {key: f for key, f in _WORK.items() if key[1] == 1},
-                                MAX_REGISTERS_T1)
+_gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", {key: f for key, f in _WORK.items() if key[1] == 1}, None)
 _gemv_t1_narrow_kernel = _gemv_variant(
     "_gemv_t1_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] == 1 and key[0] <= NARROW_MAX_WIDTH}, None)
 
