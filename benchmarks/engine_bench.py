@@ -36,7 +36,7 @@ from pagedweight.kv_cache import kv_layer_block_bytes
 from pagedweight.models import ModelConfig, MoEForCausalLM
 from pagedweight.page_table import BlockSpec, expert_block_specs
 from pagedweight.pool import PAGE_ALIGN
-from pagedweight.runner import APWeights
+from pagedweight.runner import APWeights, lut_width
 from pagedweight.sampling import SamplingParams
 from pagedweight.signals import N_FEATURES, ResidualHeads
 
@@ -168,6 +168,17 @@ def weight_bytes_per_token(cfg: ModelConfig, outside: int, element: int, weights
         first = weights.specs[:per_layer]  # one expert's blocks (gate_up, down): every expert has the same shapes
         expert = sum(b * s.plane_bytes + s.lut_bytes[b] for s in first)
     return rest + cfg.num_hidden_layers * cfg.top_k * expert
+
+
+def routed_expert_bytes(weights: APWeights, widths: np.ndarray, mass: np.ndarray, top_k: int) -> float:
+    """Computed (not measured): routed-expert bytes (planes and LUTs) one decode token reads at these block widths,
+    taking each expert's chance of being routed as its share of the planner's routing mass [L, E] (routing weights,
+    not counts): what tells bytes read apart from kernel speed when PagedWeight and uniform widths hold the same
+    memory but the planner keeps the experts that tokens reach wider."""
+    per_block = np.array([int(w) * s.plane_bytes + s.lut_bytes[int(w)] for s, w in zip(weights.specs, widths)])
+    per_expert = per_block.reshape(*mass.shape, -1).sum(axis=-1)
+    share = mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
+    return float(top_k * (share * per_expert).sum())
 
 
 def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: int, chunk: int) -> int:
@@ -351,6 +362,14 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
            "ratio_paged_over_uniform": med["uniform"] / med["paged"],
            "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),
            "steps_per_engine": len(steps["paged"])}
+    paged = engines["paged"]
+    mass, widths = paged.routing_mass(), paged.committed_widths()
+    routed = {kind: routed_expert_bytes(weights, w, mass, cfg.top_k)
+              for kind, w in (("uniform", np.full_like(widths, b)), ("paged", widths))}
+    classes = [lut_width(int(w)) for w in widths.reshape(cfg.num_hidden_layers, -1).max(axis=1)]
+    out.update(routed_expert_bytes_per_token_computed=routed,
+               routed_bytes_ratio_paged_over_uniform=routed["paged"] / routed["uniform"],
+               paged_mean_width=float(widths.mean()), paged_layers_by_lut_class={c: classes.count(c) for c in sorted(set(classes))})
     if phases is not None:
         out["observe_every"] = every
         out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -232,8 +233,31 @@ def block_bytes(D: int, F: int, qg: int, qd: int) -> int:
     return (qg * plane_bytes(2 * F, D) + lut_bytes(2 * F, qg)) + (qd * plane_bytes(D, F) + lut_bytes(D, qd))
 
 
-def speed(quick: bool, shapes: list[str], tokens: list[int] | None = None) -> None:
-    plans = {"w4": 4, "w8": 8, "mixed": None} if quick else {"w3": 3, "w4": 4, "w6": 6, "w8": 8, "mixed": None}
+def plan_widths(plan: str, E: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A speed plan's widths q [E, 2] and LUT class. `wN`: every block at N bits, the engine's class of N; `wNcC`: the
+    same in LUT class C (the class's kernel and split sizing at the same bytes); `mA-B`: each block at a width drawn
+    from A..B (a PagedWeight layer's spread); `mixed`: drawn from 3, 4, 5, 6, 8."""
+    if plan == "mixed":
+        q = torch.tensor([3, 4, 5, 6, 8])[torch.randint(0, 5, (E, 2), generator=gen)]
+        return q, lut_class(int(q.max()))
+    m = re.fullmatch(r"w(\d)(?:c(\d))?|m(\d)-(\d)", plan)
+    if m is None:
+        raise ValueError(f"plan {plan!r}: want wN, wNcC, mA-B or mixed")
+    if m[1]:
+        width = int(m[1])
+        cls = int(m[2]) if m[2] else lut_class(width)
+        if not SEED_BITS <= width <= P or lut_class(width) > cls or cls not in (4, 7, 8):
+            raise ValueError(f"plan {plan!r}: widths {SEED_BITS}..{P}, class 4, 7 or 8 holding the width")
+        return torch.full((E, 2), width), cls
+    lo, hi = int(m[3]), int(m[4])
+    if not SEED_BITS <= lo <= hi <= P:
+        raise ValueError(f"plan {plan!r}: want {SEED_BITS} <= A <= B <= {P}")
+    q = torch.randint(lo, hi + 1, (E, 2), generator=gen)
+    return q, lut_class(int(q.max()))
+
+
+def speed(quick: bool, shapes: list[str], tokens: list[int] | None = None, plans: list[str] | None = None) -> None:
+    plans = plans or (["w4", "w8", "mixed"] if quick else ["w3", "w4", "w6", "w8", "mixed"])
     for name in shapes:
         shape = SHAPES[name]
         try:
@@ -244,8 +268,8 @@ def speed(quick: bool, shapes: list[str], tokens: list[int] | None = None) -> No
         torch.cuda.empty_cache()
 
 
-def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: bool, tokens: list[int] | None = None
-                ) -> None:
+def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: list[str], quick: bool,
+                tokens: list[int] | None = None) -> None:
     t_build = time.time()
     moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
     log(f"{name}: pool {moe.pool.numel() / 2**30:.2f} GiB built in {time.time() - t_build:.1f}s")
@@ -254,7 +278,7 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
     q_dev, po_dev, lo_dev = moe.tables(torch.full((E, 2), 4))
     wgu = torch.randn(E, 2 * F, D, device=DEV, dtype=torch.float16) / D ** 0.5
     wd = torch.randn(E, D, F, device=DEV, dtype=torch.float16) / F ** 0.5
-    mixed_q = torch.tensor([3, 4, 5, 6, 8])[torch.randint(0, 5, (E, 2), generator=gcpu)]
+    widths = {plan: plan_widths(plan, E, gcpu) for plan in plans}
     for T in tokens or ([1, 4, 16] if quick else [1, 4, 16, 64]):
         sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
         hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
@@ -272,10 +296,8 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: dict, quick: b
             del wgu_t, wd_t, grouped
         except Exception as exc:  # noqa: BLE001 - recorded, not hidden
             grouped_err = f"{type(exc).__name__}: {str(exc)[:160]}"
-        for plan, width in plans.items():
-            q = mixed_q if width is None else torch.full((E, 2), width)
+        for plan, (q, lut_width) in widths.items():
             moe.write_tables(q, q_dev, lo_dev)
-            lut_width = lut_class(int(q.max()))  # the engine's LUT class of the plan's widest block
             graphs = [capture(lambda h=h, s=s: moe_forward(h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev,
                                                             po_dev, lo_dev, D, F, P, lut_width))
                       for h, s in zip(hiddens, sets)]
@@ -446,11 +468,16 @@ def main() -> int:
     ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
     ap.add_argument("--tokens", default=None, help="comma list of T for the speed section (default 1,4,16 or 1,4,16,64)"
                     " and the splits section (default 1,4)")
+    ap.add_argument("--plans", default=None, help="comma list of speed plans: wN, wNcC (N bits in LUT class C), mA-B "
+                    "(widths drawn from A..B), mixed; default w4,w8,mixed or w3,w4,w6,w8,mixed")
     a = ap.parse_args()
+    plans = a.plans.split(",") if a.plans else None
+    for plan in plans or []:
+        plan_widths(plan, 1, torch.Generator())  # a bad plan name fails here, not after the compile
     STATE["label"] = a.label
     CMD = ("python benchmarks/moe_kernel_bench.py" + (" --quick" if a.quick else "")
            + f" --sections {a.sections} --shapes {a.shapes}" + (f" --label {a.label}" if a.label else "")
-           + (f" --tokens {a.tokens}" if a.tokens else ""))
+           + (f" --tokens {a.tokens}" if a.tokens else "") + (f" --plans {a.plans}" if a.plans else ""))
     torch.manual_seed(0)
     CEIL["copy_tb_per_s"] = copy_ceiling()
     CEIL["device"] = torch.cuda.get_device_name(0)
@@ -474,7 +501,7 @@ def main() -> int:
                 add(dict(section=sec, passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
                 log(f"{sec}: FAILED {type(exc).__name__}: {exc}")
     if "speed" in sections:
-        speed(a.quick, a.shapes.split(","), tokens)
+        speed(a.quick, a.shapes.split(","), tokens, plans)
     if "splits" in sections:
         splits(a.shapes.split(","), tokens)
     if "prefill" in sections:
