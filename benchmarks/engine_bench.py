@@ -369,7 +369,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     classes = [lut_width(int(w)) for w in widths.reshape(cfg.num_hidden_layers, -1).max(axis=1)]
     out.update(routed_expert_bytes_per_token_computed=routed,
                routed_bytes_ratio_paged_over_uniform=routed["paged"] / routed["uniform"],
-               paged_mean_width=float(widths.mean()), paged_layers_by_lut_class={c: classes.count(c) for c in sorted(set(classes))})
+               paged_mean_width=float(widths.mean()),
+               paged_layers_by_lut_class={c: classes.count(c) for c in sorted(set(classes))})
     if phases is not None:
         out["observe_every"] = every
         out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows])

@@ -13,9 +13,9 @@ cut-short run still leaves a valid partial result):
                pool larger than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines;
                the device-to-device copy ceiling measured in the same run.
   splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS[_NARROW]: launch arguments,
-               no recompile) swept at T 1 and 4 (`--tokens`), 4, 6 and 8 bits (LUT classes 4, 7 and 8): small experts
-               (Qwen1.5: 704 blocks at T=1) run below the copy ceiling with few warps per SM, and more K splits mean
-               more warps but more LUT and x staging per weight.
+               no recompile) swept at T 1 and 4 (`--tokens`), 4, 6 and 8 bits (LUT classes 4, 7 and 8; `--plans`):
+               small experts (Qwen1.5: 704 blocks at T=1) run below the copy ceiling with few warps per SM, and more
+               K splits mean more warps but more LUT and x staging per weight.
 Run on the GPU box: python benchmarks/moe_kernel_bench.py [--quick]
 """
 from __future__ import annotations
@@ -322,10 +322,13 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: list[str], qui
 
 
 SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 8192))  # (MIN_SPLIT_WORDS, TARGET_BLOCKS)
+SPLIT_PLANS = ("w4", "w6", "w8")  # the LUT classes 4, 7 (the engine's for widths 5..7) and 8
 
 
-def splits(shapes: list[str], tokens: list[int] | None = None) -> None:
-    """Decode time per layer under CUDA graphs for each split-K sizing; outputs checked against the default's."""
+def splits(shapes: list[str], tokens: list[int] | None = None, plans: list[str] | None = None) -> None:
+    """Decode time per layer under CUDA graphs for each split-K sizing of the plan's LUT class (the narrow class's
+    constants for class 4, the wide ones otherwise; the other class keeps its default); outputs checked against the
+    default's."""
     default = (mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS)
     try:
         for name in shapes:
@@ -333,31 +336,35 @@ def splits(shapes: list[str], tokens: list[int] | None = None) -> None:
             moe = build_synthetic_moe(E, D, F, P, SEED_BITS, device=DEV, seed=21, shuffle=False)
             q_dev, po_dev, lo_dev = moe.tables(torch.full((E, 2), 4))
             gen = torch.Generator(device=DEV).manual_seed(5)
+            widths = {plan: plan_widths(plan, E, torch.Generator().manual_seed(4)) for plan in plans or SPLIT_PLANS}
             for T in tokens or (1, 4):
                 sets = [routing(T, E, k, gen) for _ in range(ROUTING_SETS)]
                 hiddens = [torch.randn(T, D, generator=gen, device=DEV).half() for _ in sets]
-                for width in (4, 6, 8):  # the LUT classes 4, 7 (the engine's for widths 5..7) and 8
-                    moe.write_tables(torch.full((E, 2), width), q_dev, lo_dev)
-                    call = [lambda h=h, s=s, c=lut_class(width): moe_forward(
+                for plan, (q, cls) in widths.items():
+                    moe.write_tables(q, q_dev, lo_dev)
+                    call = [lambda h=h, s=s, c=cls: moe_forward(
                         h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P, c)
                         for h, s in zip(hiddens, sets)]
                     mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
                     want = call[0]()
                     for min_words, target in SPLIT_SIZINGS:
-                        mk.MIN_SPLIT_WORDS_NARROW = mk.MIN_SPLIT_WORDS = min_words
-                        mk.TARGET_BLOCKS_NARROW = mk.TARGET_BLOCKS = target
+                        if cls <= mk.NARROW_MAX_WIDTH:
+                            mk.MIN_SPLIT_WORDS_NARROW, mk.TARGET_BLOCKS_NARROW = min_words, target
+                        else:
+                            mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = min_words, target
                         err = rel(call[0](), want)
                         graphs = [capture(c) for c in call]
                         us = time_cycle([g.replay for g in graphs])
                         del graphs
                         slots = min(E, T * k)
                         blocks = [-(-n // mk.ROWS) * -(-num_words(kk) // mk._words_per_split(
-                            num_words(kk), -(-n // mk.ROWS), slots, lut_class(width))) * slots
+                            num_words(kk), -(-n // mk.ROWS), slots, cls)) * slots
                             for n, kk in ((2 * F, D), (D, F))]
-                        add(dict(section="splits", shape=name, T=T, bits=width, min_split_words=min_words,
+                        add(dict(section="splits", shape=name, T=T, plan=plan, lut_width=cls,
+                                 bits=int(q[0, 0]) if plan.startswith("w") else None, min_split_words=min_words,
                                  target_blocks=target, blocks_gate_up_down=blocks, us=us, rel_err_vs_default=err,
                                  passed=err < 1e-3))
-                        log(f"{name} T={T} w{width} min_words={min_words} target={target}: {us:.1f} us, blocks "
+                        log(f"{name} T={T} {plan} min_words={min_words} target={target}: {us:.1f} us, blocks "
                             f"{blocks}, rel {err:.1e}")
                         _KEEP.clear()
             del moe
@@ -468,8 +475,9 @@ def main() -> int:
     ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
     ap.add_argument("--tokens", default=None, help="comma list of T for the speed section (default 1,4,16 or 1,4,16,64)"
                     " and the splits section (default 1,4)")
-    ap.add_argument("--plans", default=None, help="comma list of speed plans: wN, wNcC (N bits in LUT class C), mA-B "
-                    "(widths drawn from A..B), mixed; default w4,w8,mixed or w3,w4,w6,w8,mixed")
+    ap.add_argument("--plans", default=None, help="comma list of speed and splits plans: wN, wNcC (N bits in LUT "
+                    "class C), mA-B (widths drawn from A..B), mixed; speed's default w4,w8,mixed or w3,w4,w6,w8,mixed, "
+                    "splits' w4,w6,w8")
     a = ap.parse_args()
     plans = a.plans.split(",") if a.plans else None
     for plan in plans or []:
@@ -503,7 +511,7 @@ def main() -> int:
     if "speed" in sections:
         speed(a.quick, a.shapes.split(","), tokens, plans)
     if "splits" in sections:
-        splits(a.shapes.split(","), tokens)
+        splits(a.shapes.split(","), tokens, plans)
     if "prefill" in sections:
         try:
             prefill(a.shapes.split(","))
