@@ -12,7 +12,7 @@ cut-short run still leaves a valid partial result):
                T in {1,4,16,64} (`--tokens`), uniform widths 3,4,6,8 and a mixed plan, rotating routing sets over a
                pool larger than L2; fp16 per-expert cuBLAS under a graph and torch._grouped_mm (bf16) as baselines;
                the device-to-device copy ceiling measured in the same run.
-  splits       the decode kernel's split-K sizing (MIN_SPLIT_WORDS[_NARROW], TARGET_BLOCKS[_NARROW]: launch arguments,
+  splits       the decode kernel's split-K sizing (SPLIT_SIZING of the plan's LUT class: launch arguments,
                no recompile) swept at T 1 and 4 (`--tokens`), 4, 6 and 8 bits (LUT classes 4, 7 and 8; `--plans`):
                small experts (Qwen1.5: 704 blocks at T=1) run below the copy ceiling with few warps per SM, and more
                K splits mean more warps but more LUT and x staging per weight.
@@ -321,15 +321,14 @@ def speed_shape(name: str, E: int, D: int, F: int, k: int, plans: list[str], qui
     del moe, wgu, wd
 
 
-SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 8192))  # (MIN_SPLIT_WORDS, TARGET_BLOCKS)
+SPLIT_SIZINGS = ((16, 2048), (8, 2048), (4, 2048), (8, 4096), (4, 4096), (2, 8192))  # (fewest words, target blocks)
 SPLIT_PLANS = ("w4", "w6", "w8")  # the LUT classes 4, 7 (the engine's for widths 5..7) and 8
 
 
 def splits(shapes: list[str], tokens: list[int] | None = None, plans: list[str] | None = None) -> None:
-    """Decode time per layer under CUDA graphs for each split-K sizing of the plan's LUT class (the narrow class's
-    constants for class 4, the wide ones otherwise; the other class keeps its default); outputs checked against the
-    default's."""
-    default = (mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS)
+    """Decode time per layer under CUDA graphs for each split-K sizing of the plan's LUT class (the other classes
+    keep theirs); outputs checked against the default sizing's."""
+    default = dict(mk.SPLIT_SIZING)
     try:
         for name in shapes:
             E, D, F, k = SHAPES[name]
@@ -345,13 +344,10 @@ def splits(shapes: list[str], tokens: list[int] | None = None, plans: list[str] 
                     call = [lambda h=h, s=s, c=cls: moe_forward(
                         h, s[0], s[1], moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, P, c)
                         for h, s in zip(hiddens, sets)]
-                    mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
+                    mk.SPLIT_SIZING.update(default)
                     want = call[0]()
                     for min_words, target in SPLIT_SIZINGS:
-                        if cls <= mk.NARROW_MAX_WIDTH:
-                            mk.MIN_SPLIT_WORDS_NARROW, mk.TARGET_BLOCKS_NARROW = min_words, target
-                        else:
-                            mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS = min_words, target
+                        mk.SPLIT_SIZING[mk.split_class(cls)] = min_words, target
                         err = rel(call[0](), want)
                         graphs = [capture(c) for c in call]
                         us = time_cycle([g.replay for g in graphs])
@@ -370,7 +366,7 @@ def splits(shapes: list[str], tokens: list[int] | None = None, plans: list[str] 
             del moe
             torch.cuda.empty_cache()
     finally:
-        mk.MIN_SPLIT_WORDS_NARROW, mk.MIN_SPLIT_WORDS, mk.TARGET_BLOCKS_NARROW, mk.TARGET_BLOCKS = default
+        mk.SPLIT_SIZING.update(default)
 
 
 # ---------------------------------------------------------------------------------------------- prefill

@@ -67,15 +67,22 @@ DECODE_MAX_T = 64
 ROUTE_THREADS = 256
 ROUTE_MAX_BLOCKS = 264  # set-up blocks, two per SM on an H200: the largest decode step's (T = 64) in one wave
 MAX_EXPERTS = 1024
-# Split-K sizing: blocks a launch aims for, and the fewest plane words per K split. Wide LUT classes (5-8 bits): 2048
-# blocks (~8 2-warp blocks per SM on 132 SMs, two waves) of at least 16 words (staging a 7-8-bit LUT costs more than
-# more warps gain: Qwen1.5 T=1 at 8 bits took 124 -> 146 us with 8, moe_kernel_bench-nvidia-h200-20261130-s9-splits.
-# json). The narrow class (widest block <= 4 bits, a 16-entry LUT): 8192 blocks of at least 2 words (rounded up to
-# WS), which in three H200 runs (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8
-# words at 4 bits by 1.3-2.3 % on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
-TARGET_BLOCKS_NARROW, TARGET_BLOCKS = 8192, 2048
 NARROW_MAX_WIDTH = 4  # the narrow LUT class: every block of the layer at 4 bits or less
-MIN_SPLIT_WORDS_NARROW, MIN_SPLIT_WORDS = 2, 16
+# Split-K sizing per LUT class (the widest width a launch may hold; the engine's classes are 4, 7 and 8,
+# runner.lut_width): (fewest plane words per K split, rounded up to WS; blocks a launch aims for).
+# - 8 (widths up to 8): 2048 blocks (~8 2-warp blocks per SM on 132 SMs, two waves) of at least 16 words: staging a
+#   7-8-bit LUT costs more than more warps gain (Qwen1.5 T=1 at 8 bits took 124 -> 146 us with 8 words,
+#   moe_kernel_bench-nvidia-h200-20261130-s9-splits.json; Qwen3 81.7 against 95.3, …-20261202-s29-splits-t1.json).
+# - 7 (widths 5-7, and the mixed layers of a PagedWeight plan: 3..6 bits around a mean of 4): at least 8 words. At
+#   T=1 a launch is one wave, so a layer takes as long as its widest block's splits, not its mean width's: with 16
+#   words a Qwen3 layer of widths 3..5 took 46.2 us where all-5 took 48.4 and all-4 (narrow class) 36.4
+#   (…-20261202-s30-classes.json). 8 words
+#   at T=1: widths 3..5 -8.6 % (Qwen3) / -14.3 % (Qwen1.5), 3..6 -8.1 / -6.1 %, all-6 -0.5 / -7.5 %, all-7 +6.8 /
+#   -1.2 %; at T=4 within +0.4 % on Qwen3 and -1.3..-3.5 % on Qwen1.5 (…-20261202-s30-splits-c7.json).
+# - 4 (the narrow class, a 16-entry LUT): 8192 blocks of at least 2 words, which in three H200 runs
+#   (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8 words at 4 bits by 1.3-2.3 %
+#   on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
+SPLIT_SIZING = {NARROW_MAX_WIDTH: (2, 8192), 7: (8, 2048), 8: (16, 2048)}
 
 float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
 # array dtypes (the simulator's too)
@@ -578,10 +585,15 @@ def lut_shared_bytes(P: int) -> int:
     return max((1 << min(P, LUT32_MAX_WIDTH)) * ROWS * 4, (1 << P) * ROWS * 2 if P > LUT32_MAX_WIDTH else 0)
 
 
+def split_class(lut_width: int) -> int:
+    """The SPLIT_SIZING key of a launch whose widths are at most `lut_width`."""
+    return min(c for c in SPLIT_SIZING if c >= lut_width)
+
+
 def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int) -> int:
-    narrow = lut_width <= NARROW_MAX_WIDTH
-    want = max(1, -(-(TARGET_BLOCKS_NARROW if narrow else TARGET_BLOCKS) // (row_tiles * slots)))
-    splits = max(1, min(want, -(-W // (MIN_SPLIT_WORDS_NARROW if narrow else MIN_SPLIT_WORDS))))
+    min_words, target = SPLIT_SIZING[split_class(lut_width)]
+    want = max(1, -(-target // (row_tiles * slots)))
+    splits = max(1, min(want, -(-W // min_words)))
     wps = -(-W // splits)
     return -(-wps // WS) * WS
 

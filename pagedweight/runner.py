@@ -122,7 +122,7 @@ T = TypeVar("T")
 
 def lut_width(max_width: int) -> int:
     """LUT class of a layer whose widest committed block has `max_width` bits: the kernel's `lut_width`, which sizes
-    its LUT shared memory and, at 4 or less, gives it the narrow split-K sizing (`moe_kernels.TARGET_BLOCKS_NARROW`:
+    its LUT shared memory and picks its split-K sizing (`moe_kernels.SPLIT_SIZING`; at 4 or less the narrow one:
     a Qwen1.5 layer at T=1 and 4 bits takes 41.4 us with it, 48.1 us with the wide class's, moe_kernel_bench-nvidia-
     h200-20261130-s11-main.json). Widths 5 to 7 all fit the shared memory of width 7 (16 KiB per block, which still
     lets the register-bound 8 blocks per SM in): three classes, and a graph is recaptured only when a layer crosses
