@@ -184,7 +184,9 @@ def test_reference_experts_run_without_cuda_graphs(ap_model_dir):
 @pytest.mark.parametrize("kind", ["cumulative", "delta"])
 def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     """A consumer slower than the engine gets fewer outputs, whose joined deltas are exactly the text of the
-    uncoalesced run (greedy: the same tokens), and the last one is the finished output."""
+    uncoalesced run (greedy: the same tokens), and the last one is the finished output. The slow consumer waits
+    after its first output until the engine has finished the request, so what piles up does not depend on how fast
+    the machine steps (a fixed 50 ms pause let a loaded CI machine step slower than the consumer read)."""
     import asyncio
 
     from pagedweight.actors.engine_actor import AsyncEngine, build_llm
@@ -192,16 +194,19 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "coalesce")
     params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind).validate()
 
-    async def run(coalesce: bool, pause_s: float) -> list:
+    async def run(coalesce: bool, slow: bool) -> list:
         outs = []
         async for out in engine.generate("def main():", params, coalesce=coalesce):
             outs.append(out)
-            await asyncio.sleep(pause_s)
+            for _ in range(1200 if slow else 0):  # up to 60 s
+                if not engine.llm.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
         return outs
 
     try:
-        plain = asyncio.run(run(False, 0.0))
-        joined = asyncio.run(run(True, 0.05))
+        plain = asyncio.run(run(False, False))
+        joined = asyncio.run(run(True, True))
     finally:
         engine.shutdown()
     assert len(plain) == 24 and plain[-1].finished
