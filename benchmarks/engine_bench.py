@@ -316,7 +316,8 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     `--trace`, each engine's median of every step-trace column (TRACE_COLUMNS) and its median step by the step's
     place in the routing-observation cycle (`phase_step_ms`: entry j = steps with num_steps % observe_every == j,
     j = 0 the observed ones), and every step's row (`step_traces`), to say where PagedWeight's extra time per step
-    goes."""
+    goes. Always: the routed-expert bytes a token reads under each engine's widths at the end (`routed_expert_bytes`,
+    computed), PagedWeight's mean width and its layers by LUT class: bytes read against kernel speed."""
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
