@@ -246,8 +246,8 @@ def plan_widths(plan: str, E: int, gen: torch.Generator) -> tuple[torch.Tensor, 
     if m[1]:
         width = int(m[1])
         cls = int(m[2]) if m[2] else lut_class(width)
-        if not SEED_BITS <= width <= P or lut_class(width) > cls or cls not in (4, 7, 8):
-            raise ValueError(f"plan {plan!r}: widths {SEED_BITS}..{P}, class 4, 7 or 8 holding the width")
+        if not SEED_BITS <= width <= P or lut_class(width) > cls or cls not in mk.SPLIT_SIZING:
+            raise ValueError(f"plan {plan!r}: widths {SEED_BITS}..{P}, a class of {sorted(mk.SPLIT_SIZING)} holding it")
         return torch.full((E, 2), width), cls
     lo, hi = int(m[3]), int(m[4])
     if not SEED_BITS <= lo <= hi <= P:

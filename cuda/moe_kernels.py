@@ -76,9 +76,9 @@ NARROW_MAX_WIDTH = 4  # the narrow LUT class: every block of the layer at 4 bits
 # - 7 (widths 5-7, and the mixed layers of a PagedWeight plan: 3..6 bits around a mean of 4): at least 8 words. At
 #   T=1 a launch is one wave, so a layer takes as long as its widest block's splits, not its mean width's: with 16
 #   words a Qwen3 layer of widths 3..5 took 46.2 us where all-5 took 48.4 and all-4 (narrow class) 36.4
-#   (…-20261202-s30-classes.json). 8 words
-#   at T=1: widths 3..5 -8.6 % (Qwen3) / -14.3 % (Qwen1.5), 3..6 -8.1 / -6.1 %, all-6 -0.5 / -7.5 %, all-7 +6.8 /
-#   -1.2 %; at T=4 within +0.4 % on Qwen3 and -1.3..-3.5 % on Qwen1.5 (…-20261202-s30-splits-c7.json).
+#   (…-20261202-s30-classes.json). 8 words at T=1: widths 3..5 -8.6 % (Qwen3) / -14.3 % (Qwen1.5), 3..6 -8.1 /
+#   -6.1 %, all-6 -0.5 / -7.5 %, all-7 +6.8 / -1.2 %; at T=4 within +0.4 % on Qwen3 and -1.3..-3.5 % on Qwen1.5
+#   (…-20261202-s30-splits-c7.json).
 # - 4 (the narrow class, a 16-entry LUT): 8192 blocks of at least 2 words, which in three H200 runs
 #   (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8 words at 4 bits by 1.3-2.3 %
 #   on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
@@ -331,7 +331,8 @@ _WORK_ARGS = ("kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, p
 _dq_dispatch = _make_dispatch(("b",), _DQ, "pool_words, poff, lut, dst, o, N, w0, w1, n, utid")
 
 
-# Register cap of the general decode kernel. Uncapped it takes 161 registers (6 blocks of 2 warps per SM); at 128
+# Register cap of the general decode kernel. Uncapped it took 161 registers in session 10 and 148 in session 30
+# (ptxas offline, sm_90: 6 blocks of 2 warps per SM either way); at 128
 # (8 blocks, a few spilled registers) Mixtral T=1 4-bit went from 261 to 215 us on the H200 (moe_kernel_bench-*-
 # regdefault / -reg128.json); its 16-token bodies are what need them. PAGEDWEIGHT_MAX_REGISTERS overrides it (0 = no
 # cap) for such comparisons; Numba's cache does not key on the cap, so each setting needs its own NUMBA_CACHE_DIR.
