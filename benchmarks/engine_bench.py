@@ -181,6 +181,16 @@ def routed_expert_bytes(weights: APWeights, widths: np.ndarray, mass: np.ndarray
     return float(top_k * (share * per_expert).sum())
 
 
+def routed_share_by_width(widths: np.ndarray, mass: np.ndarray) -> dict[int, float]:
+    """Computed: the share of a routed token's blocks at each width, each block weighted by its expert's share of its
+    layer's routing mass [L, E]. At batch 1 a mixed layer runs at its widest routed block's pace, so this says which
+    widths the kernels meet, where the blocks' plain count says what memory holds."""
+    share = mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
+    per_block = widths.reshape(*mass.shape, -1)
+    block_share = np.broadcast_to((share / (per_block.shape[-1] * mass.shape[0]))[..., None], per_block.shape)
+    return {int(w): float(block_share[per_block == w].sum()) for w in np.unique(widths)}
+
+
 def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: int, chunk: int) -> int:
     """KV blocks for `batch` sequences of `seq_len` tokens plus one step's slack."""
     blocks = batch * -(-seq_len // block_size) + -(-chunk // block_size) + 1
@@ -371,7 +381,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     out.update(routed_expert_bytes_per_token_computed=routed,
                routed_bytes_ratio_paged_over_uniform=routed["paged"] / routed["uniform"],
                paged_mean_width=float(widths.mean()),
-               paged_layers_by_lut_class={c: classes.count(c) for c in sorted(set(classes))})
+               paged_layers_by_lut_class={c: classes.count(c) for c in sorted(set(classes))},
+               paged_blocks_by_width={int(w): int((widths == w).sum()) for w in np.unique(widths)},
+               paged_routed_share_by_width=routed_share_by_width(widths, mass))
     if phases is not None:
         out["observe_every"] = every
         out["trace_medians"] = {kind: {col: _median([row[i] for _, row in rows])

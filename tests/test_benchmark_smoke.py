@@ -43,10 +43,13 @@ def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
         # home = bits = the seed width: nothing can go lower, so both read the same bytes, every layer narrow
         assert pair["routed_bytes_ratio_paged_over_uniform"] == 1.0 and pair["paged_mean_width"] == 3.0
         assert pair["paged_layers_by_lut_class"] == {"4": 2}
+        assert pair["paged_blocks_by_width"] == {"3": pair["paged_blocks_by_width"]["3"]}
+        assert pair["paged_routed_share_by_width"] == {"3": pytest.approx(1.0)}
 
 
 def test_routed_expert_bytes_follow_the_routing_mass():
-    """All of a layer's mass on one expert: a token reads top_k times that expert's blocks at their widths."""
+    """All of a layer's mass on one expert: a token reads top_k times that expert's blocks at their widths, and
+    every block it meets has that expert's width."""
     from benchmarks import engine_bench
 
     cfg = engine_bench.model_config(tiny=True)
@@ -56,12 +59,14 @@ def test_routed_expert_bytes_follow_the_routing_mass():
     widths[[2 * (l * E + 1) + u for l in range(L) for u in (0, 1)]] = 6  # expert 1 of every layer at 6 bits
     mass = np.zeros((L, E))
     mass[:, 1] = 2.0
+    assert engine_bench.routed_share_by_width(widths, mass) == {3: 0.0, 6: 1.0}
     gu, down = weights.specs[0], weights.specs[1]
     want = cfg.top_k * L * (6 * (gu.plane_bytes + down.plane_bytes) + gu.lut_bytes[6] + down.lut_bytes[6])
     assert engine_bench.routed_expert_bytes(weights, widths, mass, cfg.top_k) == want
     mass[:, 1], mass[:, 0] = 1.0, 1.0  # half on a 3-bit expert
     want3 = cfg.top_k * L * (3 * (gu.plane_bytes + down.plane_bytes) + gu.lut_bytes[3] + down.lut_bytes[3])
     assert engine_bench.routed_expert_bytes(weights, widths, mass, cfg.top_k) == pytest.approx((want + want3) / 2)
+    assert engine_bench.routed_share_by_width(widths, mass) == {3: pytest.approx(0.5), 6: pytest.approx(0.5)}
 
 
 def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
