@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
 from pagedweight.knobs import PlannerKnobs  # noqa: E402
 from pagedweight.planner import BlockTables, KVState, Planner, damage_rows, plan_release, plan_reload  # noqa: E402
+from pagedweight.runner import NARROW_WIDTH  # noqa: E402
 from pagedweight.signals import ResidualHeads  # noqa: E402
 
 P, SEED_BITS, PAGE = 8, 3, 65536
@@ -90,6 +91,12 @@ def bench_size(num_layers: int, num_experts: int, reps: int) -> list[dict]:
         half = plan_release(t, top, 0.3 * max_release, dhat, floors, stages).widths
         rows.append({**base, "op": "plan_reload", "demand": "budget 64 kv blocks", "demand_bytes": 64.0 * KV_BLOCK_BYTES,
                      **timed(lambda: plan_reload(t, half, 64.0 * KV_BLOCK_BYTES, dhat, top), reps)})
+        # the narrow-class rule's worst case: every layer in the class, a budget that spreads over all of them
+        narrow = np.full(n, NARROW_WIDTH)
+        rows.append({**base, "op": "plan_reload narrow rule", "demand": "budget 64 kv blocks",
+                     "demand_bytes": 64.0 * KV_BLOCK_BYTES,
+                     **timed(lambda: plan_reload(t, narrow, 64.0 * KV_BLOCK_BYTES, dhat, top, NARROW_WIDTH,
+                                                 PlannerKnobs().narrow_min_share), reps)})
         if adversarial:
             continue
         rng = np.random.default_rng(1)

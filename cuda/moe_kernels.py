@@ -46,6 +46,7 @@ import torch.nn.functional as tf
 
 from pagedweight.bitplanes import num_words
 from pagedweight.models.layers import expert_rows
+from pagedweight.runner import NARROW_WIDTH
 
 from ._compat import SIMULATOR, cuda
 
@@ -67,7 +68,7 @@ DECODE_MAX_T = 64
 ROUTE_THREADS = 256
 ROUTE_MAX_BLOCKS = 264  # set-up blocks, two per SM on an H200: the largest decode step's (T = 64) in one wave
 MAX_EXPERTS = 1024
-NARROW_MAX_WIDTH = 4  # the narrow LUT class: every block of the layer at 4 bits or less
+NARROW_MAX_WIDTH = NARROW_WIDTH  # the narrow LUT class: every block of the layer at 4 bits or less
 # Split-K sizing per LUT class (the widest width a launch may hold; the engine's classes are 4, 7 and 8,
 # runner.lut_width): (fewest plane words per K split, rounded up to WS; blocks a launch aims for).
 # - 8 (widths up to 8): 2048 blocks (~8 2-warp blocks per SM on 132 SMs, two waves) of at least 16 words: staging a

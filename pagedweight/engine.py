@@ -42,8 +42,8 @@ from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted,
                               resolve_budget)
-from pagedweight.runner import (APWeights, ModelRunner, ap_weights, build_ap_model, install_ap_experts,
-                                planes_id)
+from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, ap_weights, build_ap_model,
+                                install_ap_experts, planes_id)
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
@@ -486,7 +486,7 @@ class LLM:
         tables = BlockTables(supported, mem, weights.sensitivity, cfg.num_hidden_layers, cfg.num_experts)
         self.planner = Planner(tables, knobs, np.full(n, start), heads=weights.heads,
                                routing_prior=weights.routing_mass,
-                               home_widths=np.full(n, home))
+                               home_widths=np.full(n, home), narrow_width=NARROW_WIDTH)
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
         self.router_stats.active = False  # installed as every layer's observer, folding only on observed steps
         self._first_mlp = self.model.layers[0]._modules["mlp"]  # its observer says what every layer's is

@@ -35,6 +35,11 @@ class PlannerKnobs:
     # (kv_pressure-nvidia-h200-20261129-s7-win*.json)
     reload_dwell_steps: int = 64
     queue_len: int = 4  # plans kept in the plan queue
+    # a reload takes a layer whose blocks all sit in the kernels' narrow class (4 bits or less) above it only for at
+    # least this share of its blocks (planner.plan_reload): Qwen3 at 4-bit memory, home 6, batch 1, PagedWeight
+    # decoded at 0.963 of uniform 4 bits with 138 blocks at 5 bits spread over 46 layers
+    # (engine_bench-nvidia-h200-20261202-s31-qwen3-paired-parent.json). 0 turns the rule off.
+    narrow_min_share: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_multipliers", tuple(float(m) for m in self.bucket_multipliers))
@@ -56,6 +61,8 @@ class PlannerKnobs:
             raise ValueError("eps must be positive and block counts non-negative")
         if self.queue_len < 1:
             raise ValueError("queue_len must be >= 1")
+        if not 0.0 <= self.narrow_min_share <= 1.0:
+            raise ValueError("narrow_min_share must lie in [0, 1]")
 
     def to_dict(self) -> dict:
         d = asdict(self)

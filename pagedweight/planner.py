@@ -346,12 +346,40 @@ def _serves(standing: Plan, target: float) -> bool:
 
 
 def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
-                caps: np.ndarray) -> Plan:
+                caps: np.ndarray, narrow: int | None = None, min_share: float = 0.0) -> Plan:
     """Mirror of PLANSTEP: restore the bits with the most damage avoided per byte within `budget` bytes.
 
     A raise over drop row a (a -> prev[a]) avoids d_hat[a] and costs step_bytes[a]; widths never exceed caps.
+
+    With `narrow` set, a layer whose blocks all have `narrow` bits or less (the MoE kernel's narrow class,
+    `runner.lut_width`) goes above `narrow` only for at least `min_share` of its blocks. At one token a layer runs
+    on the wider class's kernel and at its widest routed block's pace, so a few raised blocks slow every token of
+    the layer for little quality: a Qwen3 layer at T=1 took 36.4 us all at 4 bits, 37.8 at 4 bits on the wider
+    class's kernel, 53.6 all at 6 (moe_kernel_bench-nvidia-h200-20261202-s31-t1-main.json). Layers short of the
+    share are capped at `narrow`, the half of them with the smallest shares at a time, and the budget is planned
+    again: it goes to the other layers, which may then reach the share, or to raises up to `narrow`.
     """
     widths = np.asarray(widths, dtype=np.int64)
+    plan = _reload_greedy(tables, widths, budget, dhat, caps)
+    if narrow is None or min_share <= 0:
+        return plan
+    L = tables.num_layers
+    narrow_now = widths.reshape(L, -1).max(axis=1) <= narrow
+    caps = np.array(caps, dtype=np.int64)
+    while True:  # each pass caps at least one more layer, so at most L passes
+        share = (plan.widths.reshape(L, -1) > narrow).mean(axis=1)
+        short = np.flatnonzero(narrow_now & (share > 0) & (share < min_share))
+        if not short.size:
+            return plan
+        drop = short[np.argsort(share[short], kind="stable")[:(short.size + 1) // 2]]
+        layer_caps = caps.reshape(L, -1)
+        layer_caps[drop] = np.minimum(layer_caps[drop], narrow)
+        plan = _reload_greedy(tables, widths, budget, dhat, caps)
+
+
+def _reload_greedy(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
+                   caps: np.ndarray) -> Plan:
+    """plan_reload's packing greedy (no class rule)."""
     if budget <= 0:
         return unchanged(widths, budget, "reload")
     lo, p, n = tables.low, tables.parent_bits, tables.n_blocks
@@ -436,8 +464,9 @@ class Planner:
 
     def __init__(self, tables: BlockTables, knobs: PlannerKnobs, widths: np.ndarray,
                  heads: ResidualHeads | None = None, routing_prior: np.ndarray | None = None,
-                 home_widths: np.ndarray | None = None) -> None:
+                 home_widths: np.ndarray | None = None, narrow_width: int | None = None) -> None:
         self.tables, self.knobs, self.heads = tables, knobs, heads
+        self.narrow_width = narrow_width  # the kernels' narrow class bound (plan_reload); None: no class rule
         self.desired = np.asarray(widths, dtype=np.int64).copy()
         tables.check_widths(self.desired)
         self.home = self.desired.copy() if home_widths is None else np.asarray(home_widths, dtype=np.int64)
@@ -452,6 +481,10 @@ class Planner:
         self.version = 0
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0, "quiet": 0}
         self._quiet: tuple | None = None  # inputs of the last step that wrote no plan, and its committed widths
+        # (desired widths' version, budget) of the last reload that found nothing to take: no step fits, or the
+        # narrow-class rule turned every raise down. Asked again once the widths change or the budget grows; the
+        # ruled plan takes ~16 ms at 12,288 blocks, and routing signals change every observed step
+        self._no_reload: tuple[int, float] | None = None
         self.steps = 0  # decide() calls so far
         self._needs: deque[int] = deque(maxlen=max(knobs.reload_dwell_steps, 1))  # KV need (blocks) of recent steps
 
@@ -561,11 +594,15 @@ class Planner:
             return self._write(plan)
         # free bytes were the window's peak need back (it is never below the need now)
         budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks) * kv.block_bytes
-        if budget >= kv.block_bytes and (self.desired < self.home).any():
+        turned_down = self._no_reload is not None and self._no_reload[0] == self.version \
+            and budget <= self._no_reload[1]
+        if budget >= kv.block_bytes and (self.desired < self.home).any() and not turned_down:
             dhat, _ = self.signals()
-            plan = plan_reload(self.tables, self.desired, budget, dhat, self.home)
+            plan = plan_reload(self.tables, self.desired, budget, dhat, self.home, self.narrow_width,
+                               k.narrow_min_share)
             if plan.delta_bytes > 0:
                 return self._write(plan)
+            self._no_reload = (self.version, budget)
         return None
 
     def step(self, kv: KVState, committed: np.ndarray) -> Plan | None:

@@ -120,6 +120,9 @@ CAPTURE_ATTEMPTS = 2  # failed captures of one step shape before its steps stay 
 T = TypeVar("T")
 
 
+NARROW_WIDTH = 4  # the kernels' narrow LUT class: every block of the layer at 4 bits or less
+
+
 def lut_width(max_width: int) -> int:
     """LUT class of a layer whose widest committed block has `max_width` bits: the kernel's `lut_width`, which sizes
     its LUT shared memory and picks its split-K sizing (`moe_kernels.SPLIT_SIZING`; at 4 or less the narrow one:
@@ -127,7 +130,7 @@ def lut_width(max_width: int) -> int:
     h200-20261130-s11-main.json). Widths 5 to 7 all fit the shared memory of width 7 (16 KiB per block, which still
     lets the register-bound 8 blocks per SM in): three classes, and a graph is recaptured only when a layer crosses
     4 <-> 5 or 7 <-> 8, not at every change of its widest block."""
-    return 4 if max_width <= 4 else 7 if max_width <= 7 else 8
+    return NARROW_WIDTH if max_width <= NARROW_WIDTH else 7 if max_width <= 7 else 8
 
 
 class APExperts(nn.Module):

@@ -565,7 +565,8 @@ def _shadow_planner(llm: LLM) -> tuple[EveryStepPlanner, list[str], Callable[[],
     """Run the every-step reference planner beside the engine's on the same inputs at every boundary; returns it,
     the list of disagreements it fills, and the function that detaches it."""
     live = llm.planner
-    ref = EveryStepPlanner(live.tables, live.knobs, live.desired, heads=live.heads, home_widths=live.home)
+    ref = EveryStepPlanner(live.tables, live.knobs, live.desired, heads=live.heads, home_widths=live.home,
+                           narrow_width=live.narrow_width)
     ref.routing.mass = live.routing.mass.copy()
     step, observe, mismatches = live.step, live.observe, []
 

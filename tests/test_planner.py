@@ -369,6 +369,91 @@ def test_reload_vs_brute_force():
         assert best - plan.damage <= plan.gap_bound + 1e-9 * max(best, 1)
 
 
+def _shares_above(widths: np.ndarray, L: int, narrow: int) -> np.ndarray:
+    return (widths.reshape(L, -1) > narrow).mean(axis=1)
+
+
+def test_reload_leaves_the_narrow_class_only_for_a_share_of_a_layer():
+    """All blocks at 4 bits, home 6, a budget for 3/4 of one layer's 4 -> 5 steps. Unruled, the greedy spreads it
+    over every layer (a few 5-bit blocks each: every layer off the narrow kernel); with the rule it lands in one
+    layer, raised for at least half its blocks, and the other layers stay at 4 bits. A budget for everything still
+    brings every block home."""
+    rng = np.random.default_rng(3)
+    L, E = 6, 8
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    dhat = damage_rows(t, np.ones(n), EPS)
+    widths, home = np.full(n, 4), np.full(n, 6)
+    layer0 = float((t.mem[:2 * E, 5] - t.mem[:2 * E, 4]).sum())
+    plain = plan_reload(t, widths, 0.75 * layer0, dhat, home)
+    assert (_shares_above(plain.widths, L, 4) > 0).sum() >= 4  # spread: most layers leave the narrow class
+    ruled = plan_reload(t, widths, 0.75 * layer0, dhat, home, narrow=4, min_share=0.5)
+    shares = _shares_above(ruled.widths, L, 4)
+    assert ((shares == 0) | (shares >= 0.5)).all() and (shares >= 0.5).sum() == 1
+    assert 0 < ruled.delta_bytes <= 0.75 * layer0 and (ruled.widths <= home).all()
+    assert ruled.damage <= plain.damage  # the rule gives up quality, never budget
+    full = float((t.mem[:, 6] - t.mem[:, 4]).sum())
+    assert np.array_equal(plan_reload(t, widths, full, dhat, home, narrow=4, min_share=0.5).widths, home)
+    # off: min_share 0 or no narrow bound plans as before
+    assert np.array_equal(plan_reload(t, widths, 0.75 * layer0, dhat, home, narrow=4, min_share=0.0).widths,
+                          plain.widths)
+
+
+def test_a_reload_the_class_rule_turned_down_is_not_planned_again_until_budget_or_widths_change(monkeypatch):
+    """The engine's planner at 4 bits, home 6, with spare KV blocks worth less than half a layer's raise: the rule
+    takes nothing, and new routing signals (every observed step) do not replan it; more free blocks do, and once
+    the budget covers half a layer that layer comes back."""
+    from pagedweight import planner as planner_mod
+
+    rng = np.random.default_rng(5)
+    L, E = 4, 8
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    knobs = PlannerKnobs(n_buckets=2, bucket_multipliers=(2.0, 1.0), bucket_floors=(3, 3), reload_dwell_steps=1)
+    planner = Planner(t, knobs, np.full(n, 4), home_widths=np.full(n, 6), narrow_width=4)
+    calls = []
+    monkeypatch.setattr(planner_mod, "plan_reload", lambda *a: calls.append(a[2]) or plan_reload(*a))
+    k = planner.knobs
+    layer0 = float((t.mem[:2 * E, 5] - t.mem[:2 * E, 4]).sum())
+    spare = lambda blocks: KVState(free_blocks=4 + 1 + k.trigger_blocks + k.hysteresis_blocks + blocks,
+                                   target_free_blocks=4, block_bytes=PAGE)
+    small = int(0.2 * layer0 // PAGE)
+    assert planner.step(spare(small), np.full(n, 4)) is None and len(calls) == 1
+    dhat = planner.signals()[0]
+    planner.observe(rng.dirichlet(np.ones(E), L))  # new signals: not quiet, but the same widths and budget
+    assert planner.signals()[0] is not dhat
+    assert planner.step(spare(small), np.full(n, 4)) is None and len(calls) == 1
+    plan = planner.step(spare(int(1.5 * layer0 // PAGE)), np.full(n, 4))
+    assert len(calls) == 2 and plan is not None and plan.kind == "reload"
+    shares = _shares_above(plan.widths, L, 4)
+    assert ((shares == 0) | (shares >= 0.5)).all() and (shares >= 0.5).any()
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), frac=st.floats(0.0, 1.5), min_share=st.floats(0.01, 1.0),
+       holes=st.booleans())
+def test_reload_class_rule_holds_for_any_widths_and_budget(seed, frac, min_share, holes):
+    """Random tables, committed widths and budget: the ruled reload stays within budget and caps, never lowers a
+    block, and no layer that was wholly within the narrow class ends with a share above it short of min_share."""
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 5))
+    t = make_tables(rng, L, int(rng.integers(1, 5)), 7, holes=holes)
+    n = t.n_blocks
+    caps = np.array([np.flatnonzero(t.supported[i])[-1] for i in range(n)])
+    widths = np.empty(n, dtype=np.int64)  # random supported widths, every other layer's within the narrow class
+    for i in range(n):
+        top = min(caps[i], 4) if i // (n // L) % 2 == 0 else caps[i]
+        widths[i] = rng.choice(np.flatnonzero(t.supported[i, :top + 1]))  # the seed width 3 is always supported
+    dhat = damage_rows(t, rng.uniform(0.5, 2, n), EPS)
+    budget = float(frac * (t.mem[np.arange(n), caps] - t.mem[np.arange(n), widths]).sum())
+    plan = plan_reload(t, widths, budget, dhat, caps, narrow=4, min_share=min_share)
+    assert plan.delta_bytes <= budget + 1e-6 and (plan.widths <= caps).all() and (plan.widths >= widths).all()
+    assert np.isclose(plan.delta_bytes, (t.bytes_at(plan.widths) - t.bytes_at(widths)).sum())
+    was_narrow = widths.reshape(L, -1).max(axis=1) <= 4
+    shares = _shares_above(plan.widths, L, 4)
+    assert ((shares[was_narrow] == 0) | (shares[was_narrow] >= min_share)).all()
+
+
 def test_queue_plan_prefix_equals_fresh_plan():
     rng = np.random.default_rng(9)
     for _ in range(20):
