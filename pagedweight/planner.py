@@ -482,8 +482,9 @@ class Planner:
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0, "quiet": 0}
         self._quiet: tuple | None = None  # inputs of the last step that wrote no plan, and its committed widths
         # (desired widths' version, budget) of the last reload that found nothing to take: no step fits, or the
-        # narrow-class rule turned every raise down. Asked again once the widths change or the budget grows; the
-        # ruled plan takes ~16 ms at 12,288 blocks, and routing signals change every observed step
+        # narrow-class rule turned every raise down. Asked again once the widths change or the budget grows: the
+        # ruled plan took 10 ms of CPU at 10,000 blocks (planner-speed-cpu-2c-20261202-s31-narrow.json), and the
+        # routing signals change every observed step
         self._no_reload: tuple[int, float] | None = None
         self.steps = 0  # decide() calls so far
         self._needs: deque[int] = deque(maxlen=max(knobs.reload_dwell_steps, 1))  # KV need (blocks) of recent steps
