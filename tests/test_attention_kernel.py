@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json, run_children_json
 from pagedweight.cuda.reference import paged_decode_attention_reference
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
@@ -68,13 +68,16 @@ BUILD = textwrap.dedent(r"""
                                  device=device)[1].float().nan_to_num(7.0)).sum()))
 """)
 
-SIM_CHILD = BUILD + textwrap.dedent(r"""
+# follows BUILD in the child, formatted with the cases and the child's part
+SIM_CHILD = textwrap.dedent(r"""
     import json, sys
     torch.set_num_threads(1)
     from pagedweight.cuda.attention_kernels import paged_decode_attention
     from pagedweight.cuda.reference import paged_decode_attention_reference
     out = {}
     for i, case in enumerate(%(cases)r):
+        if i %% 2 != %(part)d:  # the other child's case
+            continue
         q, kv, clean, tables, lengths = build(*case, seed=i)
         hd = case[3]
         got = paged_decode_attention(q, kv, tables, lengths, hd ** -0.5)  # kv: the strided view of pool rows
@@ -82,13 +85,14 @@ SIM_CHILD = BUILD + textwrap.dedent(r"""
         out[f"case{i}"] = dict(dtype_ok=got.dtype == q.dtype, shape_ok=tuple(got.shape) == tuple(q.shape),
                                finite=bool(torch.isfinite(got).all()),
                                max_err=float((got.float() - want.float()).abs().max()))
-    out["store_kv"] = store_case("cpu")
-    from pagedweight.cuda import attention_kernels as ak
-    out["supports"] = [ak.supports(torch.float16, 128, ak.MAX_KEYS), ak.supports(torch.float32, 64, 8192),
-                       ak.supports(torch.float16, 128, ak.MAX_KEYS + 1), ak.supports(torch.bfloat16, 128, 8192),
-                       ak.supports(torch.float16, 72, 8192), ak.supports(torch.float16, 2 * ak.MAX_HEAD_DIM, 8192)]
+    if %(part)d == 1:
+        out["store_kv"] = store_case("cpu")
+        from pagedweight.cuda import attention_kernels as ak
+        out["supports"] = [ak.supports(torch.float16, 128, ak.MAX_KEYS), ak.supports(torch.float32, 64, 8192),
+                           ak.supports(torch.float16, 128, ak.MAX_KEYS + 1), ak.supports(torch.bfloat16, 128, 8192),
+                           ak.supports(torch.float16, 72, 8192), ak.supports(torch.float16, 2 * ak.MAX_HEAD_DIM, 8192)]
     json.dump(out, sys.stdout)
-""") % {"cases": CASES}
+""")
 
 COMPILE_CHILD = BUILD + textwrap.dedent(r"""
     import numba
@@ -116,7 +120,9 @@ def tol(dtype: str) -> float:
 
 @pytest.fixture(scope="module")
 def sim() -> dict:
-    return run_child_json(SIM_CHILD, timeout=900, NUMBA_ENABLE_CUDASIM="1")
+    # the even cases and the odd ones (with store_kv) in two children side by side
+    return run_children_json([BUILD + SIM_CHILD % {"cases": CASES, "part": part} for part in (0, 1)], timeout=900,
+                             NUMBA_ENABLE_CUDASIM="1")
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
