@@ -7,6 +7,7 @@ per-node metrics agent still starts and exports Prometheus text on `metrics_port
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,19 @@ ENGINE_OPTIONS = {"kv_cache_bytes": 16 << 20, "max_num_seqs": 32}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every interface, below the kernel's ephemeral range (32768-60999 on Linux): a port from bind(0)
+    is free again once returned and the next bind(0) of any process, e.g. one of Ray's own, may take it before the
+    metrics agent binds it. The agent then exits, the raylet with it, and every Ray test of the session errors."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @dataclass
