@@ -458,6 +458,8 @@ class Planner:
     has not needed for a while, so it comes once the load has fallen and stayed down, and only as far as it fell.
     (Counting from the last release instead let a request's end reload everything the next arrival then released
     again: 15 reloads for 16 releases on the H200 workload, kv_pressure-nvidia-h200-20261129-s6-final.json.)
+    With `narrow_width` (the engine passes the kernels' narrow class bound) a reload follows `plan_reload`'s class
+    rule, `knobs.narrow_min_share`.
     `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
     only when its inputs changed, so a step where nothing changed costs a few array compares.
     """
