@@ -71,6 +71,7 @@ class RoutingTracker:
         seen = step_mass.sum(axis=1, keepdims=True) > 0
         new = self.decay * self.mass + (1.0 - self.decay) * normalize_mass(step_mass)
         self.mass = np.where(seen, new, self.mass)
+        self.mass.flags.writeable = False  # a new array per update: the planner's signals compare it by identity
 
 
 def bucket_experts(mass: np.ndarray, n_buckets: int) -> np.ndarray:

@@ -652,12 +652,21 @@ def test_signals_recomputed_only_when_their_inputs_change():
     planner.observe(mass, phi)
     dhat, floors = planner.signals()
     assert not dhat.flags.writeable and not floors.flags.writeable
-    planner.observe(mass * [[1.0, 1.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]], phi.copy())  # same buckets, same phi
+    planner.observe(mass * [[1.0, 1.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]], phi)  # same buckets, same phi
     assert planner.signals()[0] is dhat
-    planner.features[0, 0] *= 2  # an in-place change of the observed array is seen
+    phi[0, 0] *= 2  # the caller's array: the planner observed a copy
+    assert planner.signals()[0] is dhat
+    with pytest.raises(ValueError):  # what the planner holds is read-only: only observe() changes it
+        planner.features[0, 0] *= 2
+    with pytest.raises(ValueError):
+        planner.routing.mass[0, 0] = 1.0
+    planner.observe(None, phi)
     assert planner.signals()[0] is not dhat
     dhat = planner.signals()[0]
     planner.routing.mass = mass[:, ::-1].copy()  # the buckets swap (as LLM.set_routing_mass writes it)
+    assert planner.signals()[0] is not dhat
+    dhat = planner.signals()[0]
+    planner.routing.mass[:] = mass  # a writable array assigned from outside is compared by value, in place too
     assert planner.signals()[0] is not dhat
     mu, floors = block_bucket_signals(planner.routing.mass, knobs)
     fresh = damage_rows(t, mu, knobs.eps, eta_rows(t, heads, planner.features, knobs.alpha, knobs.rho_clip))
