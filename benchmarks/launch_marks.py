@@ -9,7 +9,9 @@ the steps that toggled its routing observers (launch_marks-nvidia-h200-20261130-
 
 Runs `engine_bench` with these arguments (a paired run: --rounds 0 --paired-chunk N; --trace is added) and writes
 `launch_marks-<machine>-<date>[-label].json`: per paired configuration, engine and place in the routing-observation
-cycle (step % observe_every; 0 = observed), the median step, launch and GPU ms. Diagnostic: the events and marks
+cycle (step % observe_every; 0 = observed), the median step, launch and GPU ms, and the medians of the marks on
+the way to the launch (SUB_MARKS: the scheduler's return, DecodeGraphs.run's entry, its graph lookup after the
+inputs' copy), each from the step's start. Diagnostic: the events and marks
 add host time to every step of both engines.
 
     python -m benchmarks.launch_marks --rounds 0 --paired-chunk 4 --bits 3 --batches 1 --paged-home match --gen 64
@@ -26,10 +28,17 @@ from benchmarks import engine_bench
 from benchmarks.common import write_result
 from pagedweight.engine import LLM
 from pagedweight.models.model import MoEForCausalLM
+from pagedweight.runner import DecodeGraphs
+from pagedweight.scheduler import Scheduler
+
+# host marks inside a step before its launch, each the first time a step reaches it: (name, class, method, where)
+SUB_MARKS = (("scheduled", Scheduler, "schedule", "exit"), ("run", DecodeGraphs, "run", "entry"),
+             ("graph_lookup", DecodeGraphs, "_graph", "entry"))
 
 
 class LaunchMarks:
-    """Patches LLM.step, CUDAGraph.replay and the model's forward for the marks; `restore` undoes it."""
+    """Patches LLM.step, CUDAGraph.replay, the model's forward and the SUB_MARKS methods for the marks; `restore`
+    undoes it."""
 
     def __init__(self) -> None:
         self.steps: dict[tuple[str, str], list[tuple]] = {}  # (config, engine) -> (place, step, launch, events)
@@ -47,8 +56,9 @@ class LaunchMarks:
             t1, mark = time.perf_counter(), marks._step
             if "launch" in mark:
                 kind = "paged" if llm.planner is not None else "uniform"
+                subs = {name: mark[name] - t0 for name, *_ in SUB_MARKS if name in mark}
                 marks.steps.setdefault((marks.config, kind), []).append(
-                    (place, t1 - t0, mark["launch"] - t0, mark.get("events")))
+                    (place, t1 - t0, mark["launch"] - t0, subs, mark.get("events")))
             return out
 
         def marked_replay(graph):
@@ -64,10 +74,27 @@ class LaunchMarks:
             return forward(model, *args, **kwargs)
 
         LLM.step, torch.cuda.CUDAGraph.replay, MoEForCausalLM.forward = marked_step, marked_replay, marked_forward
+        self._sub_saved = [(cls, name, getattr(cls, name)) for _, cls, name, _ in SUB_MARKS]
+        for (mark, cls, name, where), (*_, method) in zip(SUB_MARKS, self._sub_saved):
+            setattr(cls, name, self._marked(mark, method, where))
         self.config = ""
+
+    def _marked(self, mark: str, method, where: str):
+        marks = self
+
+        def marked(*args, **kwargs):
+            if where == "entry":
+                marks._step.setdefault(mark, time.perf_counter())
+            out = method(*args, **kwargs)
+            if where == "exit":
+                marks._step.setdefault(mark, time.perf_counter())
+            return out
+        return marked
 
     def restore(self) -> None:
         LLM.step, torch.cuda.CUDAGraph.replay, MoEForCausalLM.forward = self._saved
+        for cls, name, method in self._sub_saved:
+            setattr(cls, name, method)
 
     def rows(self) -> list[dict]:
         if torch.cuda.is_available():
@@ -77,9 +104,11 @@ class LaunchMarks:
             for place in sorted({s[0] for s in steps}):
                 at = [s for s in steps if s[0] == place]
                 gpu = [ev[0].elapsed_time(ev[1]) for *_, ev in at if ev is not None]
+                subs = {f"{name}_ms": float(np.median([s[3][name] for s in at if name in s[3]])) * 1e3
+                        for name, *_ in SUB_MARKS if any(name in s[3] for s in at)}
                 rows.append({"config": config, "engine": kind, "place": place, "steps": len(at),
                              "step_ms": float(np.median([s[1] for s in at])) * 1e3,
-                             "launch_ms": float(np.median([s[2] for s in at])) * 1e3,
+                             **subs, "launch_ms": float(np.median([s[2] for s in at])) * 1e3,
                              "graph_gpu_ms": float(np.median(gpu)) if gpu else None})
         return rows
 

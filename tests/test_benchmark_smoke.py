@@ -93,21 +93,25 @@ def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
 
 def test_launch_marks_time_each_engines_launch_by_cycle_place(tmp_path):
     """launch_marks: per engine and observation-cycle place, the host ms from a decode step's start to its
-    forward's launch (inside the step) and no GPU time on the CPU; the patches are undone afterwards."""
+    forward's launch (inside the step), the marks before it in order, and no GPU time on the CPU; the patches are
+    undone afterwards."""
     from benchmarks import engine_bench, launch_marks
     from pagedweight.engine import LLM
+    from pagedweight.runner import DecodeGraphs
 
-    step = LLM.step
+    step, run = LLM.step, DecodeGraphs.run
     assert launch_marks.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--paged-home", "match",
                               "--gen", "13", "--rounds", "0", "--paired-chunk", "4", "--out-dir", str(tmp_path),
                               "--label", "t"]) == 0
-    assert LLM.step is step and engine_bench.StepPhases.__name__ == "StepPhases"
+    assert LLM.step is step and DecodeGraphs.run is run and engine_bench.StepPhases.__name__ == "StepPhases"
     (path,) = tmp_path.glob("launch_marks-*-t.json")
     rows = json.loads(path.read_text())["rows"]
     assert {(r["engine"], r["place"]) for r in rows} == {(e, p) for e in ("uniform", "paged") for p in range(4)}
     for r in rows:
         assert r["config"] == "ap3/b1/home3" and r["steps"] >= 2 and r["graph_gpu_ms"] is None
         assert 0 < r["launch_ms"] < r["step_ms"]
+        assert 0 < r["scheduled_ms"] <= r["launch_ms"]
+        assert "run_ms" not in r and "graph_lookup_ms" not in r  # on the CPU no static decode step (DecodeGraphs)
 
 
 def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
