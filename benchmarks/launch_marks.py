@@ -41,7 +41,7 @@ class LaunchMarks:
     undoes it."""
 
     def __init__(self) -> None:
-        self.steps: dict[tuple[str, str], list[tuple]] = {}  # (config, engine) -> (place, step, launch, events)
+        self.steps: dict[tuple[str, str], list[tuple]] = {}  # (config, engine) -> (place, step, launch, sub-marks, events)
         self.on, self._step = False, {}
         self._saved = LLM.step, torch.cuda.CUDAGraph.replay, MoEForCausalLM.forward
         step, replay, forward = self._saved
