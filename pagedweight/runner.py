@@ -379,7 +379,8 @@ class DecodeGraphs:
         inputs = self._inputs[:rows]
         # a plain copy: a pinned staging buffer, a non-blocking copy and an event to guard the buffer put 0.06-0.12
         # ms more host time before the launch at batch 1 on the H200 (launch_marks-nvidia-h200-20261130-s13-prep.json
-        # against -s13-prep-base.json)
+        # against -s13-prep-base.json), and again 0.05-0.07 ms on this code (launch_marks-…-20261203-s34-qwen15-
+        # pinned-b.json against -main-b.json)
         inputs.copy_(torch.from_numpy(host))
         blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
         graph = self._graph(inputs, blocks) if self.capture else None
