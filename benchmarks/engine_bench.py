@@ -198,11 +198,12 @@ def kv_bytes(cfg: ModelConfig, batch: int, seq_len: int, block_size: int, page: 
 
 
 def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int, trace: list | None = None,
-          on_decode: Callable[[], None] | None = None) -> dict:
+          on_decode: Callable[[], None] | None = None, sampling: dict | None = None) -> dict:
     """One timed batch: prefill (chunked) then decode; returns timings and counters. `trace` collects one row per
-    step (`trace_row`); `on_decode` is called once, when every request has its first token (decode steps follow)."""
+    step (`trace_row`); `on_decode` is called once, when every request has its first token (decode steps follow).
+    `sampling`: SamplingParams fields of every request beside max_tokens (greedy when empty)."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    params = SamplingParams(max_tokens=gen, ignore_eos=True, **(sampling or {}))
     ids = [llm.add_request(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
     decode_ms: list[float] = []  # wall ms of each step that began with every request decoding
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
@@ -300,6 +301,11 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
             now.overlapped_boundaries > before.overlapped_boundaries, *split]
 
 
+def sampling_of(args: argparse.Namespace) -> dict:
+    """The requests' sampling (`--temperature`, `--top-p`), each request seeded by the engine's global RNG."""
+    return {} if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p}
+
+
 def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
                 gen: int, args: argparse.Namespace, **options) -> tuple[nn.Module, LLM]:
     """A fresh random model and its engine, after a warm-up as long as the timed batch: every decode graph it
@@ -311,7 +317,7 @@ def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: 
                          block_size=args.block_size, max_num_seqs=max(batch, 1),
                          decode_attention_kernel=args.decode_attention == "kernel", layer_kernels=args.layer_kernels,
                          max_num_batched_tokens=args.chunk, max_model_len=seq_len + 16, **options)
-    serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1)
+    serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=1, sampling=sampling_of(args))
     return model, llm
 
 
@@ -331,7 +337,7 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
-    params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.gen, ignore_eos=True, **sampling_of(args))
     for llm in engines.values():  # the same prompts; prefill until every request has its first token
         rng = np.random.default_rng(2)
         for _ in range(batch):
@@ -431,15 +437,17 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
                 prefill_steps.append(llm.num_steps - steps0)
 
             tprof.start()
-            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=prefilled)
+            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=prefilled,
+                        sampling=sampling_of(args))
             title, steps = f"{prefill_steps[0]} prefill steps ({batch} x {seq_len - gen} tokens)", prefill_steps[0]
         else:
-            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=tprof.start)
+            res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, on_decode=tprof.start,
+                        sampling=sampling_of(args))
             tprof.stop()
             title, steps = f"{gen - 1} decode steps", gen - 1
         _append_torch_profile(args.torch_profile, f"{name} batch {batch}: {title}", tprof, steps)
     else:
-        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace)
+        res = serve(llm, batch, seq_len - gen, gen, cfg.vocab_size, seed=2, trace=trace, sampling=sampling_of(args))
     if prof:
         prof.disable()
         append_profile(args.profile, f"{name} batch {batch}", prof)
@@ -575,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--gen", type=int, default=32, help="generated tokens per request (inside seq-len)")
     p.add_argument("--batches", default="1,4")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature (0: "
+                   "greedy, as in every earlier run)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
     p.add_argument("--bits", default="4,3,6,5", help="uniform AP widths, most important first")
     p.add_argument("--parent-bits", type=int, default=6)
     p.add_argument("--block-size", type=int, default=16)
@@ -630,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
              "weight_bytes_per_token_computed": per_token,
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
-             "residual_heads": "random" if args.heads else None, "time_budget_s": args.time_budget_s}
+             "residual_heads": "random" if args.heads else None, "time_budget_s": args.time_budget_s,
+             "sampling": sampling_of(args) or "greedy"}
 
     def ap_budget(b: int, batch: int) -> int:
         """The memory of uniform b bits: weights outside the pool, the experts at b bits, the batch's KV cache."""

@@ -378,8 +378,9 @@ class LLM:
     def _profile_steps(self) -> None:
         """The largest steps the engine schedules. First one prompt as long as the KV cache and max_model_len allow,
         alone: its chunks of max_num_batched_tokens at the longest context. Then the widest decode at the longest
-        block table: such a prompt again beside as many one-token prompts as a step can decode with it, which keep
-        decoding until it decodes too. A decode graph gathers every row padded to the longest table
+        block table, its tokens sampled through a top-p filter (the sampler's largest temporaries): such a prompt
+        again beside as many one-token prompts as a step can decode with it, which keep decoding until it decodes
+        too. A decode graph gathers every row padded to the longest table
         (runner.DecodeGraphs keys (B, blocks)), so this is its largest gather and graph; seen more than once, it is
         captured where the engine captures graphs. (Decoding one-token prompts alone, as before, missed it: on the
         H200 the bundled model then served 8 prompts of ~127 tokens with a graph pool 22 MiB larger, session 21.)"""
@@ -396,10 +397,12 @@ class LLM:
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
         while shorts and shorts * self._short_blocks(shorts) > free // 2:
             shorts -= 1
-        long_params = SamplingParams(max_tokens=6, ignore_eos=True)  # >= 2 steps of the widest decode
+        # sampled with a top-p filter: the sampler's sort and CDF are its largest temporaries (sampling.py)
+        sampled = dict(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+        long_params = SamplingParams(max_tokens=6, **sampled)  # >= 2 steps of the widest decode
         room = free - shorts * self._short_blocks(shorts) - 2
         prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]
-        short_params = SamplingParams(max_tokens=self._decode_steps(len(prompts[0]), shorts), ignore_eos=True)
+        short_params = SamplingParams(max_tokens=self._decode_steps(len(prompts[0]), shorts), **sampled)
         self.generate(prompts, [long_params] + [short_params] * shorts, use_tqdm=False)
 
     def _decode_steps(self, n: int, rows: int) -> int:
@@ -512,7 +515,7 @@ class LLM:
             raise ValueError("the prompt is empty (zero tokens)")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
-        gen = None if params.greedy else make_generator(params.seed, self.device)
+        gen = None if params.greedy else make_generator(params.seed)
         seq = Sequence(request_id, ids, params, generator=gen)
         self._requests[request_id] = seq
         if len(ids) >= self.max_model_len:

@@ -21,7 +21,8 @@ from pagedweight import kv_cache
 from pagedweight.apformat import load_ap_model
 from pagedweight.engine import LLM, add_parser, parse_budget, run, serving_reserve
 from pagedweight.generate import generate
-from pagedweight.sampling import Sampler, SamplingParams, filter_logits, make_generator
+from pagedweight import sampling
+from pagedweight.sampling import Sampler, SamplingParams, make_generator, sample_rows
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
 from test_planner import EveryStepPlanner, same_plans
@@ -58,35 +59,66 @@ def test_sampling_params_validate():
     assert SamplingParams(stop="x").stop == ["x"]
 
 
-def test_sampler_filters_and_seeds():
+def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row must follow, per row in vocabulary order: softmax(row / T) over the top-k
+    tokens, renormalised, then the smallest prefix of it (sorted) whose mass reaches top_p, renormalised."""
+    x = row.double() / p.temperature
+    if 0 < p.top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(x, -1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        probs = probs.index_fill(0, order[drop], 0.0)
+    return probs / probs.sum()
+
+
+def test_sampler_follows_the_filtered_distribution():
     torch.manual_seed(0)
-    logits = torch.randn(3, 50)
+    row = torch.randn(40) * 2
+    cases = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+             SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, top_k=12, top_p=0.8),
+             SamplingParams(temperature=1.0, top_k=40, top_p=0.999)]
+    rng = make_generator(5)
+    n = 4000
+    for p in cases:
+        draws = sample_rows(row.expand(n, -1), [p] * n, rng.random(n).tolist()).numpy()
+        want = reference_probs(row, p).numpy()
+        freq = np.bincount(draws, minlength=row.numel()) / n
+        assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want)), p  # never a filtered-out token
+        assert np.abs(freq - want).max() < 0.035, (p, np.abs(freq - want).max())
+    # the CDF's ends: a uniform of 0 takes the most likely kept token, one just below 1 the last kept one
+    p = SamplingParams(temperature=1.0, top_p=0.6)
+    kept = np.flatnonzero(reference_probs(row, p).numpy())
+    order = torch.argsort(row, descending=True).numpy()
+    ends = sample_rows(row.expand(2, -1), [p, p], [0.0, 1.0 - 2**-53]).tolist()
+    assert ends == [order[0], order[len(kept) - 1]]
+
+
+def test_sampler_batches_greedy_seeded_and_chunked_rows(monkeypatch):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
     sampler = Sampler()
     top = logits.argmax(-1).tolist()
-    assert sampler(logits, [SamplingParams()] * 3, [None] * 3) == top
-    assert sampler(logits, [SamplingParams(temperature=1.0, top_k=1)] * 3, [None] * 3) == top
-    # top-k keeps exactly k tokens, top-p the smallest prefix of the sorted distribution reaching p
-    row = logits[0]
-    kept = torch.isfinite(filter_logits(row, 1.0, 5, 1.0))
-    assert kept.sum() == 5 and kept[torch.topk(row, 5).indices].all()
-    probs = torch.softmax(row, -1)
-    sorted_p, order = probs.sort(descending=True)
-    need = int((sorted_p.cumsum(0) < 0.6).sum()) + 1
-    kept = torch.isfinite(filter_logits(row, 1.0, 0, 0.6))
-    assert kept.sum() == need and kept[order[:need]].all()
-    # a seeded request draws the same tokens whatever else is in the batch
+    assert sampler(logits, [SamplingParams()] * 6, [None] * 6) == top
+    assert sampler(logits, [SamplingParams(temperature=1.0, top_k=1)] * 6, [None] * 6) == top
+    # a seeded request draws the same tokens whatever else is in the batch, greedy rows stay argmax beside it
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-    gen_a, gen_b = make_generator(7, "cpu"), make_generator(7, "cpu")
+    gen_a, gen_b = make_generator(7), make_generator(7)
     alone = [sampler(logits[1:2], [p], [gen_a])[0] for _ in range(20)]
-    batched = [sampler(logits, [SamplingParams(temperature=1.0, seed=1), p, SamplingParams()],
-                       [make_generator(1, "cpu"), gen_b, None])[1] for _ in range(20)]
-    assert alone == batched and len(set(alone)) > 1
-    # temperature sampling follows softmax(logits / T): empirical frequencies of 2000 draws
-    g = make_generator(3, "cpu")
-    small = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    draws = [sampler(small, [SamplingParams(temperature=0.7)], [g])[0] for _ in range(2000)]
-    freq = np.bincount(draws, minlength=4) / 2000
-    assert np.abs(freq - torch.softmax(small[0] / 0.7, -1).numpy()).max() < 0.04
+    mixed = [sampler(logits[:3], [SamplingParams(temperature=1.0, seed=1), p, SamplingParams()],
+                     [make_generator(1), gen_b, None]) for _ in range(20)]
+    assert alone == [m[1] for m in mixed] and len(set(alone)) > 1
+    assert all(m[2] == top[2] for m in mixed)
+    # rows sampled in chunks (the temporaries' bound) draw what one batch draws
+    params = [SamplingParams(temperature=1.0 + 0.1 * i, top_k=3 * i, seed=i) for i in range(6)]
+    params[2] = SamplingParams()
+    whole = sampler(logits, params, [make_generator(i) for i in range(6)])
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * sampling.SAMPLE_BYTES_PER_ENTRY * 50)
+    assert sampler(logits, params, [make_generator(i) for i in range(6)]) == whole
+    params[2] = SamplingParams(temperature=0.5, seed=2)
+    whole = sampling.sample_rows(logits, params, [make_generator(i).random() for i in range(6)]).tolist()
+    assert sampler(logits, params, [make_generator(i) for i in range(6)]) == whole
 
 
 # ---------------------------------------------------------------- scheduler (no model)

@@ -1,0 +1,102 @@
+"""Time and memory of one step's sampling: `Sampler` over a batch of last-position logits, through its host read.
+
+The sampler runs between a decode step's forward and the next step's launch, while the device idles. The OpenAI app
+samples at temperature 1 unless a request says otherwise, so this is the path of most HTTP traffic. Logits are random
+fp32 [B, V] on the device (V: Qwen1.5-MoE's vocabulary by default); every row of a case takes the same parameters,
+each its own seeded generator, as the engine gives each request. Rows: per arm, case and batch, the median and P90 ms
+of a call (wall time, ending with its host read) and the peak bytes the call allocated beyond its inputs
+(`torch.cuda.max_memory_allocated`; not measured on the CPU).
+
+    python -m benchmarks.sampler_bench --label after
+    git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
+    python -m benchmarks.sampler_bench --old /tmp/old_sampling.py --label ab   # the old file's Sampler beside it
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import old_functions, write_result
+from pagedweight import sampling
+from pagedweight.sampling import SamplingParams
+
+CASES = {
+    "greedy": dict(),
+    "t1": dict(temperature=1.0),  # the OpenAI app's default
+    "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
+    "t0.7-k50": dict(temperature=0.7, top_k=50),
+    "half-greedy-t1": None,  # even rows greedy, odd rows at temperature 1
+}
+
+
+def case_params(case: str, batch: int) -> list[SamplingParams]:
+    if CASES[case] is None:
+        return [SamplingParams(temperature=float(i % 2), seed=i) for i in range(batch)]
+    return [SamplingParams(seed=i, **CASES[case]) for i in range(batch)]
+
+
+def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int) -> dict:
+    dev = logits.device
+    takes_device = len(inspect.signature(make_generator).parameters) > 1  # the old arm's (seed, device)
+    gens = [None if p.greedy else make_generator(p.seed, dev) if takes_device else make_generator(p.seed)
+            for p in params]
+    cuda = dev.type == "cuda"
+    times, peak = [], None
+    for rep in range(reps + 3):
+        if cuda:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        tokens = sampler(logits, params, gens)
+        elapsed = time.perf_counter() - t0
+        if len(tokens) != len(params):
+            raise RuntimeError(f"{len(tokens)} tokens for {len(params)} rows")
+        if rep >= 3:  # the first calls warm the allocator and the kernels
+            times.append(elapsed * 1e3)
+            if cuda:
+                peak = max(peak or 0, torch.cuda.max_memory_allocated(dev) - base)
+    times.sort()
+    return {"median_ms": round(statistics.median(times), 4), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 4),
+            "peak_extra_mib": None if peak is None else round(peak / 2**20, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vocab", type=int, default=151936, help="Qwen1.5-MoE-A2.7B's vocabulary")
+    p.add_argument("--batches", default="1,4,32,256")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--label", default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
+    arms = {"new": (sampling.Sampler(), sampling.make_generator)}
+    if args.old:
+        old = old_functions(args.old, ["Sampler", "make_generator"], vars(sampling))
+        arms = {"old": (old["Sampler"](), old["make_generator"]), **arms}
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        logits = torch.randn(batch, args.vocab, device=dev) * 3
+        for case in args.cases.split(","):
+            params = case_params(case, batch)
+            for arm, (sampler, make_generator) in arms.items():
+                row = {"arm": arm, "case": case, "batch": batch, "vocab": args.vocab,
+                       **measure(sampler, make_generator, logits, params, args.reps)}
+                print(row, flush=True)
+                rows.append(row)
+    path = write_result("sampler_bench", rows, out_dir=args.out_dir, label=args.label,
+                        extra={"device": str(dev), "reps": args.reps})
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
