@@ -3,7 +3,8 @@
 The sampler runs between a decode step's forward and the next step's launch, while the device idles. The OpenAI app
 samples at temperature 1 unless a request says otherwise, so this is the path of most HTTP traffic. Logits are random
 fp32 [B, V] on the device (V: Qwen1.5-MoE's vocabulary by default); every row of a case takes the same parameters,
-each its own seeded generator, as the engine gives each request. Rows: per arm, case and batch, the median and P90 ms
+and the generator the engine gives such a request (`make_generator`: before c84a29a every sampled request had one of
+its own; now seeded requests only). Rows: per arm, case and batch, the median and P90 ms
 of a call (wall time, ending with its host read) and the peak bytes the call allocated beyond its inputs
 (`torch.cuda.max_memory_allocated`; not measured on the CPU).
 
@@ -24,9 +25,10 @@ from benchmarks.common import old_functions, write_result
 from pagedweight import sampling
 from pagedweight.sampling import SamplingParams
 
-CASES = {
+CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its own generator), else the global RNG
     "greedy": dict(),
     "t1": dict(temperature=1.0),  # the OpenAI app's default
+    "t1-seeded": dict(temperature=1.0, seed=True),
     "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
     "t0.7-k50": dict(temperature=0.7, top_k=50),
     "half-greedy-t1": None,  # even rows greedy, odd rows at temperature 1
@@ -35,8 +37,10 @@ CASES = {
 
 def case_params(case: str, batch: int) -> list[SamplingParams]:
     if CASES[case] is None:
-        return [SamplingParams(temperature=float(i % 2), seed=i) for i in range(batch)]
-    return [SamplingParams(seed=i, **CASES[case]) for i in range(batch)]
+        return [SamplingParams(temperature=float(i % 2)) for i in range(batch)]
+    fields = dict(CASES[case])
+    seeded = fields.pop("seed", False)
+    return [SamplingParams(seed=i if seeded else None, **fields) for i in range(batch)]
 
 
 def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int) -> dict:

@@ -515,7 +515,7 @@ class LLM:
             raise ValueError("the prompt is empty (zero tokens)")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
-        gen = None if params.greedy else make_generator(params.seed)
+        gen = None if params.greedy else make_generator(params.seed, self.device)
         seq = Sequence(request_id, ids, params, generator=gen)
         self._requests[request_id] = seq
         if len(ids) >= self.max_model_len:

@@ -35,7 +35,7 @@ def generate(model: MoEForCausalLM, prompt_ids: list[list[int]], params: Samplin
         raise ValueError(f"prompt ({t}) + max_tokens ({params.max_tokens}) exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
     cache = DenseKVCache.allocate(cfg, b, t + params.max_tokens, model.embed_tokens.weight.dtype, device)
-    generators = [make_generator(None if params.seed is None else params.seed + row) for row in range(b)]
+    generators = [make_generator(None if params.seed is None else params.seed + row, device) for row in range(b)]
     sampler = Sampler()
     logits = model(torch.tensor(prompt_ids, device=device), cache=cache)[:, -1]
     out: list[list[int]] = [[] for _ in range(b)]

@@ -1,14 +1,12 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded per request.
 
-Every request owns its own random stream (a host-side numpy Philox generator, one uniform per sampled token), so a
-seeded request draws the same tokens whether it runs alone or batched with others (batch composition never shifts
-another request's stream).
+A seeded request owns its own `torch.Generator`, so it draws the same tokens whether it runs alone or batched with
+others (batch composition never shifts its random stream); unseeded requests share the device's global RNG.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
@@ -61,55 +59,66 @@ class SamplingParams:
         return self
 
 
-def make_generator(seed: int | None) -> np.random.Generator:
-    """A request's private random stream, on the host: the sampler takes one uniform of it per sampled token, so a
-    batch's draws cost no device launch per row. Unseeded requests draw their seed from torch's global RNG."""
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A seeded request's private random stream on the device; None for an unseeded request, which draws from the
+    device's global RNG with the rest of its step (one launch for all such rows, reproducible under
+    torch.manual_seed)."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    return np.random.Generator(np.random.Philox(seed))
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
 
 
 # Bytes of [rows, V] temporaries the sampler allocates at once: a chunk of rows holds at most SAMPLE_BYTES_PER_ENTRY
-# per logit (the sort's values and int64 indices, the probabilities, their float64 copy and CDF; counted from the
-# code, not measured). The engine's start-up profile samples its widest decode step with a top-p filter, so the
-# activation reserve holds a chunk's worth (engine.py). 64 MiB: 13 rows of a 152k vocabulary a chunk.
+# per logit (with a top-p filter: the sort's values and int64 indices, probabilities and their sum, the noise and the
+# scores in vocabulary order). The engine's start-up profile samples its widest decode step with a top-p filter, so
+# the activation reserve holds a chunk's worth (engine.py). 64 MiB: 13 rows of a 152k vocabulary a chunk.
 SAMPLE_CHUNK_BYTES = 64 << 20
 SAMPLE_BYTES_PER_ENTRY = 32
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
-    """One token per row of logits [R, V] from softmax(logits / T) restricted by top-k, then top-p (over the
-    top-k's renormalised probabilities, vLLM's order), drawn by inverting the row's CDF at its uniform: batched over
-    the rows, no host read. Returns [R] int64 on logits' device.
+def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
+    """A column [R, 1] of per-row values on the device, or the one value they all share (no copy, no kernel). The copy
+    does not wait for the device: the sampler's work queues behind the forward that makes the logits."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
 
-    Rows without a filter use the vocabulary's order; with one, the rows are sorted once (torch.topk when every row
-    has a top-k, else a full sort) and the kept tokens are a prefix. The CDF is summed in float64: a float32 sum of
-    152k probabilities rounds each token's interval by up to 6e-8."""
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of logits [R, V] from softmax(logits / T) restricted by top-k, then top-p (over the
+    top-k's renormalised probabilities, vLLM's order): the Gumbel-max draw argmax(logits / T - log E), E ~ Exp(1)
+    per token, over the kept tokens. Batched over the rows with no host read; returns [R] int64 on logits' device.
+
+    E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
+    all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
+    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens."""
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    filtered = any(top_k) or any(p.top_p < 1.0 for p in params)
-    host = torch.tensor([[p.temperature for p in params], [k or vocab for k in top_k], [p.top_p for p in params],
-                         uniforms], dtype=torch.float64)
-    temperature, k, top_p, u = host.to(dev).unbind(0)  # one copy to the device
-    x = logits.float() / temperature.float()[:, None]
-    order = None
-    if filtered:
+    x = logits.float() / _per_row([p.temperature for p in params], dev)
+    if any(top_k) or any(p.top_p < 1.0 for p in params):
         width = max(top_k) if all(top_k) else vocab
-        x, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
-        x = x.masked_fill(torch.arange(width, device=dev) >= k[:, None], float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    del x  # the CDF's float64 sum is the peak: 28 bytes a logit with the sort's indices live
-    cdf = probs.double().cumsum(dim=-1)
-    if filtered:  # keep a token while the mass strictly before it is below top_p (the top token always stays)
-        kept = torch.searchsorted(cdf, top_p[:, None]).clamp_(max=cdf.shape[1] - 1) + 1
-        total = cdf.gather(1, kept - 1)
+        kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
+        if any(k != width for k in top_k):
+            k = _per_row([k or vocab for k in top_k], dev)
+            kept.masked_fill_(torch.arange(width, device=dev) >= k, float("-inf"))
+        if any(p.top_p < 1.0 for p in params):  # drop a token when the mass before it already reaches top_p
+            probs = torch.softmax(kept, dim=-1)
+            kept.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev),
+                              float("-inf"))
+            del probs
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, kept)  # back in vocabulary order
+        del kept, order
+    noise = torch.empty_like(x)
+    if all(g is None for g in generators):
+        noise.exponential_()
     else:
-        total = cdf[:, -1:]
-    # the first token whose CDF exceeds u * total; the target stays below total, so the token has mass and is kept
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, target, right=True)
-    return (idx if order is None else order.gather(1, idx))[:, 0]
+        for row, gen in zip(noise, generators):
+            row.exponential_(generator=gen)
+    return x.sub_(noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
 
 
 class Sampler:
@@ -117,20 +126,20 @@ class Sampler:
     read (a per-row loop cost a dozen launches and a host read per sampled row)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[np.random.Generator | None]) -> list[int]:
-        """logits [B, V] (any float dtype); returns B token ids. Sampled rows take one uniform of their generator."""
+                 generators: list[torch.Generator | None]) -> list[int]:
+        """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG)."""
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return logits.argmax(dim=-1).tolist()
-        uniforms = [generators[i].random() for i in sampled]
         chunk = max(1, SAMPLE_CHUNK_BYTES // (SAMPLE_BYTES_PER_ENTRY * logits.shape[1]))
         if len(sampled) == len(params):
-            picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], uniforms[i:i + chunk])
+            picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
                      for i in range(0, len(params), chunk)]
-            return torch.cat(picks).tolist()
+            return (torch.cat(picks) if len(picks) > 1 else picks[0]).tolist()
         tokens = logits.argmax(dim=-1)
         for i in range(0, len(sampled), chunk):
-            rows = torch.tensor(sampled[i:i + chunk], device=logits.device)
-            tokens[rows] = sample_rows(logits.index_select(0, rows), [params[r] for r in sampled[i:i + chunk]],
-                                       uniforms[i:i + chunk])
+            rows = sampled[i:i + chunk]
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)
+            tokens[index] = sample_rows(logits.index_select(0, index), [params[r] for r in rows],
+                                        [generators[r] for r in rows])
         return tokens.tolist()

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
+import torch
 
 from pagedweight.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: np.random.Generator | None = None  # its own random stream (sampling.make_generator); None if greedy
+    generator: torch.Generator | None = None  # a seeded request's random stream (sampling.make_generator)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING
