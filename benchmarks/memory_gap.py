@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.engine_bench import (SHAPES, ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
-                                     page_bytes, random_model, serve)
+                                     page_bytes, random_model, sampling_of, serve)
 from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
 from pagedweight.engine import LLM, release_cached, round_up
 
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace, reserve: int | str = 0, more: int = 0) -> dict
     built = len(torch.cuda.memory._snapshot()["device_traces"][0])  # history entries of the build
     for replay in range(2):
         if args.workload == "bench":
-            serve(llm, args.batch, args.seq_len - args.gen, args.gen, cfg.vocab_size, seed=replay)
+            serve(llm, args.batch, args.seq_len - args.gen, args.gen, cfg.vocab_size, seed=replay,
+                  sampling=sampling_of(args))
         else:
             drive(llm, workload(PRESSURE["num_requests"], PRESSURE["rate"], *PRESSURE["prompt_len"], cfg.vocab_size,
                                 0), PRESSURE["gen"])
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="bench workload: every request samples at this "
+                   "temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
     p.add_argument("--reserve", default="",
                    help="then run again at budget + the measured gap with activation_reserve = that gap (rounded up "
                         "to 2 MiB; 'measured') and/or at budget + twice the gap with 'auto' (the engine's start-up "

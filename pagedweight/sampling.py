@@ -70,12 +70,13 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
-# Bytes of [rows, V] temporaries the sampler allocates at once: a chunk of rows holds at most SAMPLE_BYTES_PER_ENTRY
-# per logit (with a top-p filter: the sort's values and int64 indices, probabilities and their sum, the noise and the
-# scores in vocabulary order). The engine's start-up profile samples its widest decode step with a top-p filter, so
-# the activation reserve holds a chunk's worth (engine.py). 64 MiB: 13 rows of a 152k vocabulary a chunk.
+# The sampler's [rows, V] temporaries stay within SAMPLE_CHUNK_BYTES: it takes the rows in chunks, priced per logit at
+# what the H200 measured (sampler_bench-nvidia-h200-20261203-s35-ab2.json, peak allocated beyond the logits at 13
+# rows of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
+# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise). The engine's
+# start-up profile samples its widest decode step with a top-p filter, so the activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
-SAMPLE_BYTES_PER_ENTRY = 32
+FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY = 50, 9
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -131,7 +132,9 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return logits.argmax(dim=-1).tolist()
-        chunk = max(1, SAMPLE_CHUNK_BYTES // (SAMPLE_BYTES_PER_ENTRY * logits.shape[1]))
+        filtered = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sampled)
+        per_entry = FILTERED_BYTES_PER_ENTRY if filtered else PLAIN_BYTES_PER_ENTRY
+        chunk = max(1, SAMPLE_CHUNK_BYTES // (per_entry * logits.shape[1]))
         if len(sampled) == len(params):
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
                      for i in range(0, len(params), chunk)]

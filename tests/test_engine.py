@@ -117,7 +117,7 @@ def test_sampler_batches_greedy_seeded_and_chunked_rows(monkeypatch):
         return [make_generator(i, "cpu") for i in range(6)]
 
     whole = sampler(logits, params, gens())
-    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * sampling.SAMPLE_BYTES_PER_ENTRY * 50)
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * sampling.FILTERED_BYTES_PER_ENTRY * 50)  # 2 rows
     assert sampler(logits, params, gens()) == whole
     params[2] = SamplingParams(temperature=0.5, seed=2)
     whole = sampling.sample_rows(logits, params, gens()).tolist()
