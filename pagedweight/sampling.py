@@ -73,10 +73,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # The sampler's [rows, V] temporaries stay within SAMPLE_CHUNK_BYTES: it takes the rows in chunks, priced per logit at
 # what the H200 measured (sampler_bench-nvidia-h200-20261203-s35-ab2.json, peak allocated beyond the logits at 13
 # rows of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
-# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise). The engine's
+# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and 4 more
+# where a step mixes greedy and sampled rows (the sampled rows' logits gathered: 85.2 MiB at 49 rows of 9 bytes,
+# …-s35-chunks.json). The engine's
 # start-up profile samples its widest decode step with a top-p filter, so the activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
-FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY = 50, 9
+FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -133,7 +135,8 @@ class Sampler:
         if not sampled:
             return logits.argmax(dim=-1).tolist()
         filtered = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sampled)
-        per_entry = FILTERED_BYTES_PER_ENTRY if filtered else PLAIN_BYTES_PER_ENTRY
+        per_entry = (FILTERED_BYTES_PER_ENTRY if filtered else PLAIN_BYTES_PER_ENTRY) + \
+            (GATHERED_BYTES_PER_ENTRY if len(sampled) < len(params) else 0)
         chunk = max(1, SAMPLE_CHUNK_BYTES // (per_entry * logits.shape[1]))
         if len(sampled) == len(params):
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
