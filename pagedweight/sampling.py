@@ -71,12 +71,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 
 # The sampler's [rows, V] temporaries stay within SAMPLE_CHUNK_BYTES: it takes the rows in chunks, priced per logit at
-# what the H200 measured (sampler_bench-nvidia-h200-20261203-s35-ab2.json, peak allocated beyond the logits at 13
-# rows of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
-# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and 4 more
-# where a step mixes greedy and sampled rows (the sampled rows' logits gathered: 85.2 MiB at 49 rows of 9 bytes,
-# …-s35-chunks.json). The engine's
-# start-up profile samples its widest decode step with a top-p filter, so the activation reserve holds a chunk's worth.
+# what the H200 measured (peak allocated beyond the logits, sampler_bench-nvidia-h200-20261203-s35-ab2.json at 13 rows
+# of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
+# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and about 4
+# more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
+# …-s35-chunks.json). The engine's start-up profile samples its widest decode step with a top-p filter, so the
+# activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 
