@@ -89,62 +89,32 @@ def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
     return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
 
 
-# Scores a top-p row without a top-k is first filtered among: its nucleus lies in its NUCLEUS_WIDTH largest when they
-# hold top_p of its mass (else the rows are sorted whole). torch.topk of these costs a fraction of a full sort.
-NUCLEUS_WIDTH = 4096
-
-
-def _filter(x: torch.Tensor, params: list[SamplingParams], top_k: list[int], width: int) -> torch.Tensor | None:
-    """Scores x [R, V] in vocabulary order, -inf where top-k, then top-p (over the top-k's renormalised
-    probabilities, vLLM's order: a token goes when the mass before it already reaches top_p) drop it; from each row's
-    `width` largest scores (width == V: a full sort). None if width < V leaves some top-p row without a top-k less
-    than top_p of its mass: its nucleus may reach further (one host read decides)."""
-    vocab, dev = x.shape[1], x.device
-    kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
-    if any(k != width for k in top_k):
-        kept.masked_fill_(torch.arange(width, device=dev) >= _per_row([k or vocab for k in top_k], dev),
-                          float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
-        top_p = _per_row([p.top_p for p in params], dev)
-        probs = torch.softmax(kept, dim=-1)  # over the top-k: exact where a row has one, or where width == V
-        if width < vocab and not all(top_k):  # the rest: probabilities over the whole vocabulary
-            whole = kept.sub(torch.logsumexp(x, dim=-1, keepdim=True)).exp_()
-            short = None if any(top_k) else True  # rows without a top-k (all of them, or a mask of them)
-            if short is None:
-                short = torch.tensor([k == 0 for k in top_k]).to(dev, non_blocking=True)[:, None]
-                probs = torch.where(short, whole, probs)
-            else:
-                probs = whole
-            cum = probs.cumsum(dim=-1)
-            if bool(((cum[:, -1:] < top_p) & short).any()):
-                return None
-        else:
-            cum = probs.cumsum(dim=-1)
-        kept.masked_fill_(cum.sub_(probs) >= top_p, float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter_(1, order, kept)  # back in vocabulary order
-
-
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of logits [R, V] from softmax(logits / T) restricted by top-k, then top-p: the Gumbel-max
-    draw argmax(logits / T - log E), E ~ Exp(1) per token, over the kept tokens (`_filter`). Batched over the rows;
-    returns [R] int64 on logits' device. No host read, except to check that a top-p row without a top-k has its
-    nucleus among its NUCLEUS_WIDTH largest scores.
+    """One token per row of logits [R, V] from softmax(logits / T) restricted by top-k, then top-p (over the
+    top-k's renormalised probabilities, vLLM's order): the Gumbel-max draw argmax(logits / T - log E), E ~ Exp(1)
+    per token, over the kept tokens. Batched over the rows with no host read; returns [R] int64 on logits' device.
 
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
-    all such rows), so a seeded row's tokens do not depend on the rest of its batch."""
-    vocab = logits.shape[1]
+    all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
+    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens."""
+    rows, vocab = logits.shape
+    dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    x = logits.float() / _per_row([p.temperature for p in params], logits.device)
+    x = logits.float() / _per_row([p.temperature for p in params], dev)
     if any(top_k) or any(p.top_p < 1.0 for p in params):
-        if all(top_k):
-            width = max(top_k)
-        elif all(k or p.top_p < 1.0 for k, p in zip(top_k, params)):
-            width = min(vocab, max(NUCLEUS_WIDTH, *top_k))
-        else:  # a row without a filter beside filtered ones
-            width = vocab
-        filtered = _filter(x, params, top_k, width)
-        x = _filter(x, params, top_k, vocab) if filtered is None else filtered
+        width = max(top_k) if all(top_k) else vocab
+        kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
+        if any(k != width for k in top_k):
+            k = _per_row([k or vocab for k in top_k], dev)
+            kept.masked_fill_(torch.arange(width, device=dev) >= k, float("-inf"))
+        if any(p.top_p < 1.0 for p in params):  # drop a token when the mass before it already reaches top_p
+            probs = torch.softmax(kept, dim=-1)
+            kept.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev),
+                              float("-inf"))
+            del probs
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, kept)  # back in vocabulary order
+        del kept, order
     noise = torch.empty_like(x)
     if all(g is None for g in generators):
         noise.exponential_()

@@ -73,7 +73,7 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def test_sampler_follows_the_filtered_distribution(monkeypatch):
+def test_sampler_follows_the_filtered_distribution():
     torch.manual_seed(0)
     row = torch.randn(40) * 2
     cases = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
@@ -86,22 +86,6 @@ def test_sampler_follows_the_filtered_distribution(monkeypatch):
         freq = np.bincount(draws, minlength=row.numel()) / n
         assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want)), p  # never a filtered-out token
         assert np.abs(freq - want).max() < 0.035, (p, np.abs(freq - want).max())
-    # a top-p row without a top-k is filtered among its NUCLEUS_WIDTH largest scores when they hold top_p of its
-    # mass, and over the whole vocabulary otherwise: the same kept tokens either way
-    p = SamplingParams(temperature=1.3, top_p=0.6)
-    want = set(np.flatnonzero(reference_probs(row, p).numpy()))
-    x = (row / p.temperature).expand(3, -1).contiguous()
-    mixed = [p, SamplingParams(temperature=1.3, top_k=3, top_p=0.5), p]  # top-p over the top-3 renormalised
-    for width in (len(want), len(want) + 4, row.numel()):
-        scores = sampling._filter(x, mixed, [0, 3, 0], width)
-        assert set(torch.isfinite(scores[0]).nonzero().flatten().tolist()) == want, width
-        assert set(torch.isfinite(scores[1]).nonzero().flatten().tolist()) == \
-            set(np.flatnonzero(reference_probs(row, mixed[1]).numpy())), width
-    assert sampling._filter(x, mixed, [0, 3, 0], len(want) - 1) is None  # the nucleus reaches further
-    monkeypatch.setattr(sampling, "NUCLEUS_WIDTH", len(want) + 2)
-    draws = sample_rows(row.expand(n, -1), [p] * n, [None] * n).numpy()
-    freq = np.bincount(draws, minlength=row.numel()) / n
-    assert np.abs(freq - reference_probs(row, p).numpy()).max() < 0.035
     # rows of other parameters in one call each follow their own distribution
     mixed = [cases[i % len(cases)] for i in range(n)]
     draws = sample_rows(row.expand(n, -1), mixed, [None] * n).numpy()
