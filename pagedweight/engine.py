@@ -62,6 +62,8 @@ class RequestOutput:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     error: str | None = None
     completion_tokens: int = 0  # generated so far, whatever token_ids holds
+    # with SamplingParams.logprobs: per token of token_ids, {token id: log-probability} of it and the most likely ones
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -591,6 +593,7 @@ class LLM:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
                 tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+                self._logprobs(logits, to_sample, tokens)
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
         if failure is not None:
@@ -781,6 +784,15 @@ class LLM:
                 break
         return False
 
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Each sequence that asks for log-probabilities gets its new token's (no work when none asks)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if rows:
+            entries = self.sampler.logprobs(logits, rows, [tokens[i] for i in rows],
+                                            [seqs[i].params.logprobs for i in rows])
+            for i, entry in zip(rows, entries):
+                seqs[i].logprobs.append(entry)
+
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         """Add a sampled token, extend the text, and finish the request when a stop condition holds."""
         seq.append_token(token, now)
@@ -826,8 +838,9 @@ class LLM:
         seq.sent_tokens = seq.num_completion_tokens
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
+        logprobs = seq.logprobs[start - seq.num_prompt_tokens:] if seq.params.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], seq.text, delta,
-                             seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens)
+                             seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs)
 
     # ---- blocking and streaming front ends ----
     def generate(self, prompts: list[str | list[int]],

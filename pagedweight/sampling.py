@@ -11,6 +11,7 @@ import torch
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs bound
 
 
 @dataclass
@@ -29,6 +30,10 @@ class SamplingParams:
     # cumulative output copies the request's generated tokens: O(generated) host work per request every step,
     # between a step's token read and the next launch; delta makes it O(new tokens), final_only skips it
     output_kind: str = "cumulative"
+    # log-probabilities each generated token reports (vLLM's SamplingParams.logprobs): its own and those of the
+    # `logprobs` most likely tokens, under the model's distribution (log_softmax of the raw logits, before
+    # temperature and filters); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +61,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
 
 
@@ -149,3 +157,22 @@ class Sampler:
             tokens[index] = sample_rows(logits.index_select(0, index), [params[r] for r in rows],
                                         [generators[r] for r in rows])
         return tokens.tolist()
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]) -> list[dict[int, float]]:
+        """For each of `rows` of logits [B, V]: {token id: log-probability} of its sampled token and of its counts[i]
+        most likely tokens (log_softmax of the raw logits). Batched in chunks of the sampler's bound (the rows'
+        logits gathered and their log_softmax: 8 bytes a logit); two host reads a chunk."""
+        dev, out = logits.device, []
+        chunk = max(1, SAMPLE_CHUNK_BYTES // (PLAIN_BYTES_PER_ENTRY * logits.shape[1]))
+        for c in range(0, len(rows), chunk):
+            index = torch.tensor(rows[c:c + chunk]).to(dev, non_blocking=True)
+            lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+            chosen = lp.gather(1, torch.tensor(tokens[c:c + chunk]).to(dev, non_blocking=True)[:, None])
+            top = lp.topk(max(counts[c:c + chunk]), dim=-1)
+            values, ids = torch.cat([chosen, top.values], dim=1).tolist(), top.indices.tolist()
+            for tok, n, vals, top_ids in zip(tokens[c:c + chunk], counts[c:c + chunk], values, ids):
+                entry = dict(zip(top_ids[:n], vals[1:n + 1]))
+                entry[tok] = vals[0]
+                out.append(entry)
+        return out

@@ -42,6 +42,7 @@ class Sequence:
     read_offset: int = 0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, if params.logprobs is set
     num_preemptions: int = 0
     # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
     # host work per running request between two launches), so what a caller does to that list changes nothing here

@@ -53,7 +53,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 def test_sampling_params_validate():
     SamplingParams().validate()
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial")):
+                dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial"), dict(logprobs=-1),
+                dict(logprobs=21), dict(logprobs=True), dict(logprobs=1.0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -457,6 +458,38 @@ def test_output_kinds_carry_the_same_tokens(hf_dir):
     whole = llm.generate(PROMPTS[1:3], [params[1], params[2]], use_tqdm=False)
     assert [o.token_ids for o in whole] == [want[1].token_ids, want[2].token_ids]
     assert [p.output_kind for p in params] == list(kinds)  # generate() changed none of the caller's params
+
+
+def test_logprobs_match_transformers(hf_dir):
+    """Each generated token reports its log-probability and those of the n most likely tokens under the model's
+    distribution (transformers' log_softmax over the same prefix), in whole and delta outputs alike; a sampled
+    request reports its draw's, before temperature."""
+    path, ref = hf_dir
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8)
+    params = [greedy(6, logprobs=3), greedy(5, logprobs=0, output_kind="delta"), greedy(4),
+              SamplingParams(max_tokens=5, temperature=1.5, top_k=20, seed=3, ignore_eos=True, logprobs=2)]
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+    outs: dict[str, list] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id].append(out)
+    whole, deltas, plain, sampled = (outs[i] for i in ids)
+    assert all(o.logprobs is None for o in plain)
+    assert [len(o.logprobs) for o in deltas] == [len(o.token_ids) for o in deltas] == [1] * 5
+    for out, n in ((whole[-1], 3), (deltas[-1], 0), (sampled[-1], 2)):
+        tokens = [t for o in (deltas if out is deltas[-1] else [out]) for t in o.token_ids]
+        logprobs = [e for o in (deltas if out is deltas[-1] else [out]) for e in o.logprobs]
+        prompt = out.prompt_token_ids
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1], dim=-1)
+        assert len(logprobs) == len(tokens)
+        for step, (tok, entry) in enumerate(zip(tokens, logprobs)):
+            top = torch.topk(want[step], n).indices.tolist()
+            assert set(entry) == {tok, *top}
+            for t, v in entry.items():
+                assert abs(v - want[step, t].item()) < 1e-4, (step, t)
+            if out is not sampled[-1]:
+                assert entry[tok] == max(entry.values())  # greedy: its own token is the most likely
 
 
 # ---------------------------------------------------------------- any-precision path and paging
