@@ -399,7 +399,7 @@ class LLM:
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
         while shorts and shorts * self._short_blocks(shorts) > free // 2:
             shorts -= 1
-        # sampled with a top-p filter: the sampler's sort and CDF are its largest temporaries (sampling.py)
+        # sampled with a top-p filter: the sampler's sort is its largest temporary (sampling.py)
         sampled = dict(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
         long_params = SamplingParams(max_tokens=6, **sampled)  # >= 2 steps of the widest decode
         room = free - shorts * self._short_blocks(shorts) - 2
