@@ -120,9 +120,9 @@ class AsyncEngine:
 
         ValueError from add_request (bad prompt or params) propagates before the first output. With `coalesce`,
         outputs that piled up while the caller was busy come as one (their delta texts joined, and their token ids
-        with output_kind "delta"): a consumer slower than the engine (a Serve hop per output) then ships fewer,
-        larger messages instead of falling further behind. A final_only request's one output is its last, so it
-        records no time to first token.
+        and log-probabilities with output_kind "delta"): a consumer slower than the engine (a Serve hop per output)
+        then ships fewer, larger messages instead of falling further behind. A final_only request's one output is its
+        last, so it records no time to first token.
         """
         kind = params.output_kind if params is not None else "cumulative"
         self.check_health()
@@ -139,7 +139,10 @@ class AsyncEngine:
                         out = queue.get_nowait()
                         joined.append(out)
                     ids = [t for o in joined for t in o.token_ids] if kind == "delta" else out.token_ids
-                    out = replace(out, token_ids=ids, delta_text="".join(o.delta_text for o in joined))
+                    logprobs = [e for o in joined for e in o.logprobs] \
+                        if kind == "delta" and out.logprobs is not None else out.logprobs
+                    out = replace(out, token_ids=ids, delta_text="".join(o.delta_text for o in joined),
+                                  logprobs=logprobs)
                 if first is None and kind != "final_only":
                     first = time.perf_counter() - start
                 finished = out.finished

@@ -70,6 +70,7 @@ class GenerationJob:
     stop: list[str]
     ignore_eos: bool
     request_id: str
+    logprobs: int | None = None  # alternatives each generated token reports with its own log-probability; None: off
 
 
 @dataclass
@@ -173,7 +174,8 @@ def render_chat(messages) -> str:
     return "".join(turns) + "assistant:"
 
 
-UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "suffix": None, "best_of": 1,
+MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same)
+UNSUPPORTED = {"echo": False, "suffix": None, "best_of": 1,
                "logit_bias": None, "tools": None, "functions": None, "presence_penalty": 0,
                "frequency_penalty": 0}
 
@@ -214,6 +216,16 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    if kind == "chat":  # "logprobs": true, and "top_logprobs": alternatives
+        wanted = body.get("logprobs") or False
+        if not isinstance(wanted, bool):
+            raise _bad("'logprobs' must be a boolean", "logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top and not wanted:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if wanted else None
+    else:  # "logprobs": alternatives
+        logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
     job = GenerationJob(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -221,7 +233,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         top_k=_integer(body, "top_k", 0, 0, 1 << 20),
         seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
         stop=stop, ignore_eos=ignore_eos,
-        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", logprobs=logprobs,
     )
     return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), job)
 
@@ -233,7 +245,23 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
     # the replica reads delta text and counts (token ids never leave it): delta outputs copy no generated tokens
     return SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
                           seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos,
-                          output_kind="delta").validate()
+                          output_kind="delta", logprobs=job.logprobs).validate()
+
+
+def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], n: int) -> list[dict]:
+    """Wire form of generated tokens' log-probabilities: per token its text, log-probability and UTF-8 bytes, and
+    "top": [text, log-probability, bytes] of its n most likely alternatives, most likely first. A token that ends
+    inside a UTF-8 character decodes (alone) to U+FFFD, and its bytes are that character's."""
+    def text(t: int, lp: float) -> list:
+        s = tokenizer.decode([t], skip_special_tokens=False)
+        return [s, lp, list(s.encode("utf-8"))]
+
+    wire = []
+    for tok, entry in zip(token_ids, entries):
+        token, logprob, raw = text(tok, entry[tok])
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+        wire.append({"token": token, "logprob": logprob, "bytes": raw, "top": [text(t, lp) for t, lp in top]})
+    return wire
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30,
@@ -287,14 +315,20 @@ class EngineReplica:
                 yield _bad(str(exc)).body()
                 return
             yield {"prompt_tokens": len(prompt_ids)}
+            logprobs: list[dict] = []  # tokens' log-probabilities not shipped yet
             while True:
                 if out.finish_reason == "error":
                     yield APIError(500, out.error or "engine error", type="server_error").body()
                     return
+                if job.logprobs is not None:
+                    logprobs += token_logprobs(llm.tokenizer, out.token_ids, out.logprobs, job.logprobs)
                 if out.finished or not final_only:
-                    yield {"delta": out.text if final_only else out.delta_text,
-                           "completion_tokens": out.completion_tokens,
-                           "finish_reason": out.finish_reason if out.finished else None}
+                    item = {"delta": out.text if final_only else out.delta_text,
+                            "completion_tokens": out.completion_tokens,
+                            "finish_reason": out.finish_reason if out.finished else None}
+                    if job.logprobs is not None:
+                        item["logprobs"], logprobs = logprobs, []
+                    yield item
                 if out.finished:
                     return
                 out = await anext(stream)
@@ -326,13 +360,31 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _final_body(req: ParsedRequest, text: str, finish: str | None, usage: dict) -> dict:
+def _logprobs_body(req: ParsedRequest, entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """A choice's "logprobs" (None unless the request asked): the chat API's "content" list, or the completions
+    API's parallel lists, whose "text_offset" counts characters of token text from `offset` on."""
+    if entries is None:
+        return None
+    if req.kind == "chat":
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e["top"]]}
+                            for e in entries]}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, lp, _ in e["top"]} for e in entries], "text_offset": offsets}
+
+
+def _final_body(req: ParsedRequest, text: str, finish: str | None, usage: dict,
+                logprobs: list[dict] | None = None) -> dict:
     base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": _logprobs_body(req, logprobs), "finish_reason": finish}
         return {**base, "object": "chat.completion", "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text, "logprobs": _logprobs_body(req, logprobs), "finish_reason": finish}
     return {**base, "object": "text_completion", "choices": [choice]}
 
 
@@ -348,17 +400,20 @@ async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
     if chat:
         yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
-    completion_tokens = 0
+    completion_tokens, offset = 0, 0
     async for chunk in chunks:
         if "error" in chunk:
             yield _event(chunk)
             break
         completion_tokens = chunk["completion_tokens"]
+        logprobs = _logprobs_body(req, chunk.get("logprobs"), offset)
+        offset += sum(len(e["token"]) for e in chunk.get("logprobs", ()))
         if chat:
             delta = {"content": chunk["delta"]} if chunk["delta"] else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk["finish_reason"]}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk["finish_reason"]}
         else:
-            choice = {"index": 0, "text": chunk["delta"], "logprobs": None, "finish_reason": chunk["finish_reason"]}
+            choice = {"index": 0, "text": chunk["delta"], "logprobs": logprobs,
+                      "finish_reason": chunk["finish_reason"]}
         yield _event({**base, "choices": [choice]})
     if req.include_usage:
         yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
@@ -462,14 +517,17 @@ class OpenAIIngress:
                 return _EngineStreamResponse(_sse(req, head["prompt_tokens"], chunks), call.cancel,
                                              media_type="text/event-stream", headers=SSE_HEADERS)
             text, usage, finish = [], None, None
+            logprobs = [] if req.job.logprobs is not None else None
             async for chunk in chunks:
                 if "error" in chunk:
                     settled = True
                     return JSONResponse(chunk, status_code=_status(chunk))
                 text.append(chunk["delta"])
+                if logprobs is not None:
+                    logprobs += chunk["logprobs"]
                 usage, finish = _usage(head["prompt_tokens"], chunk["completion_tokens"]), chunk["finish_reason"]
             settled = True
-            return _final_body(req, "".join(text), finish, usage)
+            return _final_body(req, "".join(text), finish, usage, logprobs)
         finally:
             if not settled:
                 call.cancel()

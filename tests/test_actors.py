@@ -192,7 +192,7 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     from pagedweight.actors.engine_actor import AsyncEngine, build_llm
 
     engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "coalesce")
-    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind).validate()
+    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind, logprobs=1).validate()
 
     async def run(coalesce: bool, slow: bool) -> list:
         outs = []
@@ -212,11 +212,15 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     assert len(plain) == 24 and plain[-1].finished
     assert joined[-1].finished and joined[-1].finish_reason == plain[-1].finish_reason == "length"
     assert "".join(o.delta_text for o in joined) == joined[-1].text == plain[-1].text
-    if kind == "delta":  # each joined output carries the tokens of the outputs it merged
+    if kind == "delta":  # each joined output carries the tokens (and log-probabilities) of the outputs it merged
         assert [t for o in joined for t in o.token_ids] == [t for o in plain for t in o.token_ids]
         assert len(plain[-1].token_ids) == 1
+        got, want = [e for o in joined for e in o.logprobs], [e for o in plain for e in o.logprobs]
     else:
         assert joined[-1].token_ids == plain[-1].token_ids
+        got, want = joined[-1].logprobs, plain[-1].logprobs
+    assert len(got) == len(want) == 24
+    assert all(g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-6 for t in g) for g, w in zip(got, want))
     assert [o.completion_tokens for o in plain] == list(range(1, 25)) and joined[-1].completion_tokens == 24
     assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
 

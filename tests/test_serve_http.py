@@ -43,8 +43,8 @@ def offline(ap_model_dir):
     torch.set_num_threads(1)
     llm = LLM(ap_model_dir, **ENGINE_OPTIONS)
 
-    def greedy(prompt: str, max_tokens: int = MAX_TOKENS):
-        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens), use_tqdm=False)[0]
+    def greedy(prompt: str, max_tokens: int = MAX_TOKENS, **kw):
+        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **kw), use_tqdm=False)[0]
 
     greedy.max_model_len = llm.max_model_len
     return greedy
@@ -119,6 +119,42 @@ def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    wait_idle()
+
+
+def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline):
+    """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset) and chat's (content: token,
+    logprob, bytes, top_logprobs) carry the offline engine's log-probabilities of the same greedy tokens, whole and
+    streamed alike."""
+    from pagedweight.actors.openai_app import render_chat
+
+    ref = offline(PROMPT, logprobs=2)
+    want = [entry[tok] for tok, entry in zip(ref.token_ids, ref.logprobs)]
+    kw = dict(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert "".join(lp.tokens) == ref.text and len(lp.token_logprobs) == len(ref.token_ids)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs, want))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for tok, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and abs(max(top.values()) - tok) < 1e-6  # greedy: its token is the most likely
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    assert [x for s in streamed for x in s.text_offset] == lp.text_offset
+    assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+
+    ref = offline(render_chat(MESSAGES), logprobs=3)
+    resp = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == ref.text and len(content) == len(ref.token_ids)
+    for c, tok, entry in zip(content, ref.token_ids, ref.logprobs):
+        assert abs(c.logprob - entry[tok]) < 1e-4 and c.bytes == list(c.token.encode())
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    plain = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
     wait_idle()
 
 
@@ -201,7 +237,13 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
         ("n=3", "/v1/completions", body(n=3), 400),
         ("stream not bool", "/v1/completions", body(stream="yes"), 400),
-        ("logprobs", "/v1/completions", body(logprobs=5), 400),
+        ("logprobs above 20", "/v1/completions", body(logprobs=21), 400),
+        ("logprobs not an integer", "/v1/completions", body(logprobs="2"), 400),
+        ("echo", "/v1/completions", body(echo=True), 400),
+        ("chat logprobs not a boolean", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], logprobs=2), 400),
+        ("chat top_logprobs without logprobs", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), 400),
         ("empty messages", "/v1/chat/completions", chat(messages=[]), 400),
         ("bad role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
         ("content not text", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400),
