@@ -75,21 +75,22 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def test_sampler_follows_the_filtered_distribution():
+    """On PAGEDWEIGHT_TEST_DEVICE (the H200: CUDA's sort, topk and RNG)."""
     torch.manual_seed(0)
-    row = torch.randn(40) * 2
+    n, row = 4000, torch.randn(40) * 2
+    rows = row.to(DEVICE).expand(n, -1)
     cases = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
              SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, top_k=12, top_p=0.8),
              SamplingParams(temperature=1.0, top_k=40, top_p=0.999)]
-    n = 4000
     for p in cases:
-        draws = sample_rows(row.expand(n, -1), [p] * n, [None] * n).numpy()
+        draws = sample_rows(rows, [p] * n, [None] * n).cpu().numpy()
         want = reference_probs(row, p).numpy()
         freq = np.bincount(draws, minlength=row.numel()) / n
         assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want)), p  # never a filtered-out token
         assert np.abs(freq - want).max() < 0.035, (p, np.abs(freq - want).max())
     # rows of other parameters in one call each follow their own distribution
     mixed = [cases[i % len(cases)] for i in range(n)]
-    draws = sample_rows(row.expand(n, -1), mixed, [None] * n).numpy()
+    draws = sample_rows(rows, mixed, [None] * n).cpu().numpy()
     for i, p in enumerate(cases):
         freq = np.bincount(draws[i::len(cases)], minlength=row.numel()) / (n // len(cases))
         assert np.abs(freq - reference_probs(row, p).numpy()).max() < 0.07, p
@@ -97,17 +98,17 @@ def test_sampler_follows_the_filtered_distribution():
 
 def test_sampler_batches_greedy_seeded_and_chunked_rows(monkeypatch):
     torch.manual_seed(0)
-    logits = torch.randn(6, 50)
+    logits = torch.randn(6, 50).to(DEVICE)
     sampler = Sampler()
     top = logits.argmax(-1).tolist()
     assert sampler(logits, [SamplingParams()] * 6, [None] * 6) == top
     assert sampler(logits, [SamplingParams(temperature=1.0, top_k=1)] * 6, [None] * 6) == top
     # a seeded request draws the same tokens whatever else is in the batch, greedy rows stay argmax beside it
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-    gen_a, gen_b = make_generator(7, "cpu"), make_generator(7, "cpu")
+    gen_a, gen_b = make_generator(7, DEVICE), make_generator(7, DEVICE)
     alone = [sampler(logits[1:2], [p], [gen_a])[0] for _ in range(20)]
     mixed = [sampler(logits[:3], [SamplingParams(temperature=1.0, seed=1), p, SamplingParams()],
-                     [make_generator(1, "cpu"), gen_b, None]) for _ in range(20)]
+                     [make_generator(1, DEVICE), gen_b, None]) for _ in range(20)]
     assert alone == [m[1] for m in mixed] and len(set(alone)) > 1
     assert all(m[2] == top[2] for m in mixed)
     # rows sampled in chunks (the temporaries' bound) draw what one batch draws
@@ -115,7 +116,7 @@ def test_sampler_batches_greedy_seeded_and_chunked_rows(monkeypatch):
     params[2] = SamplingParams()
 
     def gens() -> list[torch.Generator]:
-        return [make_generator(i, "cpu") for i in range(6)]
+        return [make_generator(i, DEVICE) for i in range(6)]
 
     whole = sampler(logits, params, gens())
     monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * sampling.FILTERED_BYTES_PER_ENTRY * 50)  # 2 rows
