@@ -1,12 +1,12 @@
 """Time and memory of one step's sampling: `Sampler` over a batch of last-position logits, through its host read.
 
-The sampler runs between a decode step's forward and the next step's launch, while the device idles. The OpenAI app
-samples at temperature 1 unless a request says otherwise, so this is the path of most HTTP traffic. Logits are random
-fp32 [B, V] on the device (V: Qwen1.5-MoE's vocabulary by default); every row of a case takes the same parameters,
-and the generator the engine gives such a request (`make_generator`: before c84a29a every sampled request had one of
-its own; now seeded requests only). Rows: per arm, case and batch, the median and P90 ms
-of a call (wall time, ending with its host read) and the peak bytes the call allocated beyond its inputs
-(`torch.cuda.max_memory_allocated`; not measured on the CPU).
+The sampler's host read ends a step: the next step launches after it. The OpenAI app samples at temperature 1 unless a
+request says otherwise, so this is the path of most HTTP traffic. Logits are random fp32 [B, V] on the device (V:
+Qwen1.5-MoE's vocabulary by default); every row of a case takes the same parameters, and the generator the engine
+gives such a request (`make_generator`: before eda0590 every sampled request had one of its own; since, seeded
+requests only). Rows: per arm, case and batch, the median and P90 ms of a call (wall time, ending with its host read)
+and the peak bytes the call allocated beyond its inputs (`torch.cuda.max_memory_allocated`; not measured on the
+CPU).
 
     python -m benchmarks.sampler_bench --label after
     git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
@@ -15,7 +15,6 @@ of a call (wall time, ending with its host read) and the peak bytes the call all
 from __future__ import annotations
 
 import argparse
-import inspect
 import statistics
 import time
 
@@ -45,9 +44,7 @@ def case_params(case: str, batch: int) -> list[SamplingParams]:
 
 def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int) -> dict:
     dev = logits.device
-    takes_device = len(inspect.signature(make_generator).parameters) > 1  # the old arm's (seed, device)
-    gens = [None if p.greedy else make_generator(p.seed, dev) if takes_device else make_generator(p.seed)
-            for p in params]
+    gens = [None if p.greedy else make_generator(p.seed, dev) for p in params]
     cuda = dev.type == "cuda"
     times, peak = [], None
     for rep in range(reps + 3):
