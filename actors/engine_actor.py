@@ -142,7 +142,8 @@ class AsyncEngine:
                     logprobs = [e for o in joined for e in o.logprobs] \
                         if kind == "delta" and out.logprobs is not None else out.logprobs
                     out = replace(out, token_ids=ids, delta_text="".join(o.delta_text for o in joined),
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, prompt_logprobs=joined[0].prompt_logprobs
+                                  if kind == "delta" else out.prompt_logprobs)
                 if first is None and kind != "final_only":
                     first = time.perf_counter() - start
                 finished = out.finished

@@ -42,7 +42,7 @@ from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted,
                               resolve_budget)
-from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, ap_weights, build_ap_model,
+from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, PromptRows, ap_weights, build_ap_model,
                                 install_ap_experts, planes_id)
 from pagedweight.sampling import Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
@@ -64,6 +64,9 @@ class RequestOutput:
     completion_tokens: int = 0  # generated so far, whatever token_ids holds
     # with SamplingParams.logprobs: per token of token_ids, {token id: log-probability} of it and the most likely ones
     logprobs: list[dict[int, float]] | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token the same, None for the first (nothing precedes it); in
+    # every output, but with output_kind "delta" only in the request's first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -577,7 +580,7 @@ class LLM:
                 self.router_stats.arm(batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
         to_sample, tokens, failure = [], [], None
         try:
-            to_sample, logits = self.runner.run(batch)
+            to_sample, logits, prompt_rows = self.runner.run(batch)
         except Exception as exc:  # a failed forward must not take the other requests down with it
             failure = exc
         finally:
@@ -594,6 +597,8 @@ class LLM:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
                 tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
                 self._logprobs(logits, to_sample, tokens)
+                if prompt_rows is not None:
+                    self._prompt_logprobs(prompt_rows)
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
         if failure is not None:
@@ -793,6 +798,16 @@ class LLM:
             for i, entry in zip(rows, entries):
                 seqs[i].logprobs.append(entry)
 
+    def _prompt_logprobs(self, rows: PromptRows) -> None:
+        """The scored prompt positions' entries, each sequence's appended in position order."""
+        targets = [t for seq, lo, hi in rows.spans for t in seq.prompt_token_ids[lo + 1:hi + 1]]
+        counts = [seq.params.prompt_logprobs for seq, lo, hi in rows.spans for _ in range(lo, hi)]
+        entries = self.sampler.prompt_logprobs(rows.hidden, self.model.lm_head, targets, counts)
+        i = 0
+        for seq, lo, hi in rows.spans:
+            seq.prompt_logprobs += entries[i:i + hi - lo]
+            i += hi - lo
+
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         """Add a sampled token, extend the text, and finish the request when a stop condition holds."""
         seq.append_token(token, now)
@@ -834,13 +849,18 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         delta = seq.text[seq.sent_text_len:]
         seq.sent_text_len = len(seq.text)
-        start = seq.num_prompt_tokens + (seq.sent_tokens if seq.params.output_kind == "delta" else 0)
+        by_delta = seq.params.output_kind == "delta"
+        start = seq.num_prompt_tokens + (seq.sent_tokens if by_delta else 0)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not (by_delta and seq.sent_tokens):
+            prompt_logprobs = [None, *seq.prompt_logprobs]
         seq.sent_tokens = seq.num_completion_tokens
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
         logprobs = seq.logprobs[start - seq.num_prompt_tokens:] if seq.params.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], seq.text, delta,
-                             seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs)
+                             seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs,
+                             prompt_logprobs)
 
     # ---- blocking and streaming front ends ----
     def generate(self, prompts: list[str | list[int]],

@@ -509,6 +509,15 @@ class DecodeGraphs:
         return logits, records
 
 
+@dataclass
+class PromptRows:
+    """Prompt positions of a step whose log-probabilities were asked for (SamplingParams.prompt_logprobs): `hidden`
+    [R, H] holds their final-norm outputs, in the order of `spans`, each (sequence, first position, end position)."""
+
+    spans: list[tuple[Sequence, int, int]]
+    hidden: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device, max_num_seqs: int = 0,
                  max_model_len: int | None = None, capture: bool | None = None, layer_kernels: bool = False) -> None:
@@ -517,6 +526,8 @@ class ModelRunner:
         for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`."""
         self.model, self.kv, self.device = model, kv, device
         self._rows: torch.Tensor | None = None
+        self._score: torch.Tensor | None = None  # rows whose final hidden states `_keep_sampled_rows` keeps
+        self._scored: torch.Tensor | None = None
         if device.type == "cuda":
             # cuDNN attention builds an execution plan for every new (tokens, context) shape, and a serving step
             # brings a new context length each time: 6.5 ms of host time per layer call on the H200
@@ -535,25 +546,36 @@ class ModelRunner:
         self.decode = None
 
     def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        """Final-norm hook: the LM head then sees only the rows that get sampled."""
+        """Final-norm hook: the LM head then sees only the rows that get sampled; rows whose prompt log-probabilities
+        were asked for are kept aside (their head runs in bounded chunks: `Sampler.prompt_logprobs`)."""
+        if self._score is not None:
+            self._scored = output[0, self._score]
         return output if self._rows is None else output[:, self._rows]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Compute the batch's new tokens; returns the sequences to sample and their logits [n, V] (float32)."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, PromptRows | None]:
+        """Compute the batch's new tokens; returns the sequences to sample, their logits [n, V] (float32) and the
+        prompt rows to score (None when no request of the batch asks for prompt log-probabilities)."""
         decode = all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
                      for s, n in zip(batch.seqs, batch.num_new_tokens))
         if decode and self.decode is not None and self.decode.fits(batch.seqs):
             logits = self.decode.run(batch.seqs)
             for seq in batch.seqs:
                 seq.num_computed_tokens += 1
-            return list(batch.seqs), logits
+            return list(batch.seqs), logits, None
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         to_sample: list[Sequence] = []
+        score: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:  # positions before the prompt's last, not scored before
+                lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    score.extend(range(len(ids) + lo - start, len(ids) + hi - start))
+                    spans.append((seq, lo, hi))
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
@@ -562,13 +584,16 @@ class ModelRunner:
         self.kv.prepare(batch.seqs, batch.num_new_tokens)
         t = len(ids)
         every_row = len(rows) == t  # all decodes: the LM head needs every row, no selection
-        packed = torch.tensor(ids + positions + ([] if every_row else rows), dtype=torch.long).to(self.device)
-        self._rows = None if every_row else packed[2 * t:]
+        sampled = [] if every_row else rows
+        packed = torch.tensor(ids + positions + sampled + score, dtype=torch.long).to(self.device)
+        self._rows = None if every_row else packed[2 * t:2 * t + len(sampled)]
+        self._score = packed[2 * t + len(sampled):] if score else None
         try:
             logits = self.model(packed[None, :t], packed[None, t:2 * t], cache=self.kv)[0]
+            prompt = PromptRows(spans, self._scored) if score else None
         finally:
-            self._rows = None
+            self._rows = self._score = self._scored = None
             self.kv.layout = None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        return to_sample, logits
+        return to_sample, logits, prompt

@@ -34,6 +34,9 @@ class SamplingParams:
     # `logprobs` most likely tokens, under the model's distribution (log_softmax of the raw logits, before
     # temperature and filters); None: none
     logprobs: int | None = None
+    # the same for every prompt token after the first (vLLM's prompt_logprobs; what OpenAI's `echo` with `logprobs`
+    # and lm-evaluation-harness's loglikelihood read): RequestOutput.prompt_logprobs, None for the first token
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,9 +64,10 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         return self
 
 
@@ -168,11 +172,35 @@ class Sampler:
         for c in range(0, len(rows), chunk):
             index = torch.tensor(rows[c:c + chunk]).to(dev, non_blocking=True)
             lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-            chosen = lp.gather(1, torch.tensor(tokens[c:c + chunk]).to(dev, non_blocking=True)[:, None])
-            top = lp.topk(max(counts[c:c + chunk]), dim=-1)
-            values, ids = torch.cat([chosen, top.values], dim=1).tolist(), top.indices.tolist()
-            for tok, n, vals, top_ids in zip(tokens[c:c + chunk], counts[c:c + chunk], values, ids):
-                entry = dict(zip(top_ids[:n], vals[1:n + 1]))
-                entry[tok] = vals[0]
-                out.append(entry)
+            out += _entries(lp, tokens[c:c + chunk], counts[c:c + chunk])
         return out
+
+    @staticmethod
+    @torch.inference_mode()
+    def prompt_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: list[int],
+                        counts: list[int]) -> list[dict[int, float]]:
+        """The same for prompt positions, from their final hidden states [R, H]: row i's entry scores tokens[i] (the
+        prompt's next token) and its counts[i] most likely tokens. The LM head runs on a chunk of rows at a time, its
+        output (the model's dtype) cast to float32 inside log_softmax: a prefill chunk of any length keeps at most
+        SAMPLE_CHUNK_BYTES of [rows, V] temporaries, never the [T, V] logits of the whole chunk."""
+        per_entry = hidden.element_size() + 4
+        chunk = max(1, SAMPLE_CHUNK_BYTES // (per_entry * head.weight.shape[0]))
+        out = []
+        for c in range(0, len(tokens), chunk):
+            lp = torch.log_softmax(head(hidden[c:c + chunk]), dim=-1, dtype=torch.float32)
+            out += _entries(lp, tokens[c:c + chunk], counts[c:c + chunk])
+        return out
+
+
+def _entries(lp: torch.Tensor, tokens: list[int], counts: list[int]) -> list[dict[int, float]]:
+    """Rows of log-probabilities [r, V] -> per row {token id: log-probability} of tokens[i] and of the counts[i] most
+    likely ids; two host reads."""
+    chosen = lp.gather(1, torch.tensor(tokens).to(lp.device, non_blocking=True)[:, None])
+    top = lp.topk(max(counts), dim=-1)
+    values, ids = torch.cat([chosen, top.values], dim=1).tolist(), top.indices.tolist()
+    out = []
+    for tok, n, vals, top_ids in zip(tokens, counts, values, ids):
+        entry = dict(zip(top_ids[:n], vals[1:n + 1]))
+        entry[tok] = vals[0]
+        out.append(entry)
+    return out

@@ -43,6 +43,9 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, if params.logprobs is set
+    # per prompt token after the first, if params.prompt_logprobs is set: entry i scores prompt token i + 1 (from
+    # position i's logits); a recompute after preemption scores only the positions not yet here
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_preemptions: int = 0
     # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
     # host work per running request between two launches), so what a caller does to that list changes nothing here

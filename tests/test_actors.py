@@ -192,7 +192,8 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     from pagedweight.actors.engine_actor import AsyncEngine, build_llm
 
     engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "coalesce")
-    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind, logprobs=1).validate()
+    params = SamplingParams(max_tokens=24, ignore_eos=True, output_kind=kind, logprobs=1,
+                            prompt_logprobs=1).validate()
 
     async def run(coalesce: bool, slow: bool) -> list:
         outs = []
@@ -223,6 +224,13 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
     assert all(g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-6 for t in g) for g, w in zip(got, want))
     assert [o.completion_tokens for o in plain] == list(range(1, 25)) and joined[-1].completion_tokens == 24
     assert len(joined) < len(plain)  # outputs piled up while the consumer slept were merged
+    # the prompt's log-probabilities: in the first output only (delta) or in every output
+    assert joined[0].prompt_logprobs == plain[0].prompt_logprobs
+    assert len(plain[0].prompt_logprobs) == plain[0].prompt_tokens
+    if kind == "delta":
+        assert all(o.prompt_logprobs is None for o in joined[1:] + plain[1:])
+    else:
+        assert joined[-1].prompt_logprobs == plain[-1].prompt_logprobs == plain[0].prompt_logprobs
 
 
 def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_dir):

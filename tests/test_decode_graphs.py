@@ -44,9 +44,9 @@ def log_logits(llm: LLM) -> list[tuple[list[str], torch.Tensor]]:
     log, run = [], llm.runner.run
 
     def logged(batch):
-        seqs, logits = run(batch)
+        seqs, logits, prompt = run(batch)
         log.append(([s.request_id for s in seqs], logits.float().cpu().clone()))
-        return seqs, logits
+        return seqs, logits, prompt
     llm.runner.run = logged
     return log
 

@@ -54,7 +54,8 @@ def test_sampling_params_validate():
     SamplingParams().validate()
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
                 dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial"), dict(logprobs=-1),
-                dict(logprobs=21), dict(logprobs=True), dict(logprobs=1.0)):
+                dict(logprobs=21), dict(logprobs=True), dict(logprobs=1.0), dict(prompt_logprobs=-1),
+                dict(prompt_logprobs=21), dict(prompt_logprobs=False)):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -235,13 +236,17 @@ def test_batching_equals_one_at_a_time(hf_dir):
 
 def test_preemption_recomputes_without_changing_outputs(hf_dir):
     path, _ = hf_dir
-    free = LLM(path, block_size=4).generate(PROMPTS, greedy(24), use_tqdm=False)
+    free = LLM(path, block_size=4).generate(PROMPTS, greedy(24, prompt_logprobs=1), use_tqdm=False)
     # 12 KV blocks of 4 tokens (4 layers x 4 KiB each): the four requests (up to ~40 tokens) cannot all fit
     tiny = LLM(path, block_size=4, kv_cache_bytes=12 * 4 * 4096, max_num_batched_tokens=16)
     assert tiny.stats()["kv_total_blocks"] == 12
-    outs = tiny.generate(PROMPTS, greedy(24), use_tqdm=False)
+    outs = tiny.generate(PROMPTS, greedy(24, prompt_logprobs=1), use_tqdm=False)
     assert tiny.stats()["preemptions"] > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    for out, ref in zip(outs, free):  # a recomputed prompt is not scored twice
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == out.prompt_tokens
+        assert all(a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+                   for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]))
     assert tiny.stats()["kv_free_blocks"] == 12
 
 
@@ -491,6 +496,53 @@ def test_logprobs_match_transformers(hf_dir):
                 assert abs(v - want[step, t].item()) < 1e-4, (step, t)
             if out is not sampled[-1]:
                 assert entry[tok] == max(entry.values())  # greedy: its own token is the most likely
+
+
+def test_prompt_logprobs_match_transformers(hf_dir):
+    """Prompt tokens after the first report their log-probability and those of the n most likely tokens under the
+    model's distribution (transformers' log_softmax over the same prefix), across prefill chunks of 8 tokens; with
+    output_kind "delta" only the first output carries them; requests that do not ask get None."""
+    path, ref = hf_dir
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8)
+    params = [greedy(3, prompt_logprobs=2), greedy(3, prompt_logprobs=0, output_kind="delta"), greedy(2),
+              SamplingParams(max_tokens=3, temperature=1.2, seed=5, prompt_logprobs=3, logprobs=1)]
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+    outs: dict[str, list] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id].append(out)
+    whole, deltas, plain, sampled = (outs[i] for i in ids)
+    assert all(o.prompt_logprobs is None for o in plain + deltas[1:])
+    assert max(o.prompt_tokens for o in (whole[-1], deltas[0], sampled[-1])) > 8  # some prompts took two chunks
+    for out, n in ((whole[-1], 2), (deltas[0], 0), (sampled[-1], 3)):
+        prompt, got = out.prompt_token_ids, out.prompt_logprobs
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([prompt])).logits[0], dim=-1)
+        assert len(got) == len(prompt) and got[0] is None
+        for pos, (tok, entry) in enumerate(zip(prompt[1:], got[1:])):
+            assert set(entry) == {tok, *torch.topk(want[pos], n).indices.tolist()}
+            assert all(abs(v - want[pos, t].item()) < 1e-4 for t, v in entry.items()), pos
+    assert len(sampled[-1].logprobs) == len(sampled[-1].token_ids) == 3
+
+
+def test_prompt_logprobs_chunk_the_lm_head(hf_dir, monkeypatch):
+    """The LM head over scored prompt rows runs a chunk at a time within SAMPLE_CHUNK_BYTES, with the values of
+    one whole pass."""
+    path, _ = hf_dir
+    llm = LLM(path, block_size=4)
+    want = llm.generate(PROMPTS[1:2], greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
+    rows = []  # the prompt path calls the head on [rows, H]; the forward's own call is [1, rows, H]
+    hook = llm.model.lm_head.register_forward_pre_hook(lambda _, x: rows.append(len(x[0])) if x[0].dim() == 2 else None)
+    per_entry = 4 + 4  # float32 hidden states, float32 log-probabilities
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * per_entry * llm.config.vocab_size)  # two rows a chunk
+    try:
+        got = llm.generate(PROMPTS[1:2], greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
+    finally:
+        hook.remove()
+    scored = want.prompt_tokens - 1
+    assert scored > 2 and rows == [2] * (scored // 2) + [1] * (scored % 2)
+    assert all(a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+               for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]))
 
 
 # ---------------------------------------------------------------- any-precision path and paging
