@@ -71,6 +71,9 @@ class GenerationJob:
     ignore_eos: bool
     request_id: str
     logprobs: int | None = None  # alternatives each generated token reports with its own log-probability; None: off
+    # completions: the answer starts with the prompt (and its tokens' log-probabilities with `logprobs`: what
+    # lm-evaluation-harness's loglikelihood reads); max_tokens may then be 0, the prompt alone
+    echo: bool = False
 
 
 @dataclass
@@ -175,7 +178,7 @@ def render_chat(messages) -> str:
 
 
 MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same)
-UNSUPPORTED = {"echo": False, "suffix": None, "best_of": 1,
+UNSUPPORTED = {"suffix": None, "best_of": 1,
                "logit_bias": None, "tools": None, "functions": None, "presence_penalty": 0,
                "frequency_penalty": 0}
 
@@ -200,14 +203,19 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise _bad("'echo' must be a boolean", "echo")
     if kind == "chat":
+        if echo:
+            raise _bad("'echo' is not supported by chat completions", "echo", "unsupported_parameter")
         prompt = render_chat(body.get("messages"))
         tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_tokens = None
     else:
         prompt = _prompt(body.get("prompt"))
         tokens_field, default_tokens = "max_tokens", 16
-    max_tokens = _integer(body, tokens_field, default_tokens, 1, max_model_len)
+    max_tokens = _integer(body, tokens_field, default_tokens, 0 if echo else 1, max_model_len)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -233,7 +241,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         top_k=_integer(body, "top_k", 0, 0, 1 << 20),
         seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
         stop=stop, ignore_eos=ignore_eos,
-        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", logprobs=logprobs,
+        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", logprobs=logprobs, echo=echo,
     )
     return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), job)
 
@@ -244,20 +252,25 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
 
     # the replica reads delta text and counts (token ids never leave it): delta outputs copy no generated tokens
     return SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-                          seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos,
-                          output_kind="delta", logprobs=job.logprobs).validate()
+                          seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos, output_kind="delta",
+                          logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None).validate()
 
 
-def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], n: int) -> list[dict]:
-    """Wire form of generated tokens' log-probabilities: per token its text, log-probability and UTF-8 bytes, and
-    "top": [text, log-probability, bytes] of its n most likely alternatives, most likely first. A token that ends
-    inside a UTF-8 character decodes (alone) to U+FFFD, and its bytes are that character's."""
-    def text(t: int, lp: float) -> list:
+def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], n: int) -> list[dict]:
+    """Wire form of tokens' log-probabilities: per token its text, log-probability and UTF-8 bytes, and "top":
+    [text, log-probability, bytes] of its n most likely alternatives, most likely first (a prompt's first token,
+    entry None: no log-probability, no alternatives). A token that ends inside a UTF-8 character decodes (alone) to
+    U+FFFD, and its bytes are that character's."""
+    def text(t: int, lp: float | None) -> list:
         s = tokenizer.decode([t], skip_special_tokens=False)
         return [s, lp, list(s.encode("utf-8"))]
 
     wire = []
     for tok, entry in zip(token_ids, entries):
+        if entry is None:
+            token, _, raw = text(tok, None)
+            wire.append({"token": token, "logprob": None, "bytes": raw, "top": None})
+            continue
         token, logprob, raw = text(tok, entry[tok])
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:n]
         wire.append({"token": token, "logprob": logprob, "bytes": raw, "top": [text(t, lp) for t, lp in top]})
@@ -302,8 +315,9 @@ class EngineReplica:
                        f"{len(prompt_ids)} in the prompt + {job.max_tokens} to generate exceed it",
                        "max_tokens", "context_length_exceeded").body()
             return
+        prompt_only = job.max_tokens == 0  # echo of the prompt alone: the engine samples one token, never sent
         try:
-            params = _sampling_params(job, job.max_tokens or room)
+            params = _sampling_params(job, 1 if prompt_only else job.max_tokens or room)
         except ValueError as exc:
             yield _bad(str(exc)).body()
             return
@@ -314,11 +328,22 @@ class EngineReplica:
             except ValueError as exc:  # the engine refused the request (add_request)
                 yield _bad(str(exc)).body()
                 return
-            yield {"prompt_tokens": len(prompt_ids)}
+            head = {"prompt_tokens": len(prompt_ids)}
+            if job.echo:  # the first output carries the prompt's log-probabilities
+                head["echo"] = job.prompt if isinstance(job.prompt, str) else \
+                    llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+                if job.logprobs is not None:
+                    head["echo_logprobs"] = token_logprobs(llm.tokenizer, prompt_ids, out.prompt_logprobs,
+                                                           job.logprobs)
+            yield head
             logprobs: list[dict] = []  # tokens' log-probabilities not shipped yet
             while True:
                 if out.finish_reason == "error":
                     yield APIError(500, out.error or "engine error", type="server_error").body()
+                    return
+                if prompt_only:
+                    yield {"delta": "", "completion_tokens": 0, "finish_reason": "length",
+                           **({"logprobs": []} if job.logprobs is not None else {})}
                     return
                 if job.logprobs is not None:
                     logprobs += token_logprobs(llm.tokenizer, out.token_ids, out.logprobs, job.logprobs)
@@ -374,7 +399,8 @@ def _logprobs_body(req: ParsedRequest, entries: list[dict] | None, offset: int =
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, lp, _ in e["top"]} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e["top"] is None else {t: lp for t, lp, _ in e["top"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _final_body(req: ParsedRequest, text: str, finish: str | None, usage: dict,
@@ -392,8 +418,9 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
-    """Server-Sent Events: one chunk per engine step, a usage chunk when asked, then [DONE]."""
+async def _sse(req: ParsedRequest, head: dict, chunks):
+    """Server-Sent Events: the echoed prompt (completions with `echo`), one chunk per engine step, a usage chunk when
+    asked, then [DONE]."""
     chat = req.kind == "chat"
     base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -401,6 +428,11 @@ async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
         yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
     completion_tokens, offset = 0, 0
+    if "echo" in head:
+        echoed = head.get("echo_logprobs")
+        yield _event({**base, "choices": [{"index": 0, "text": head["echo"], "logprobs": _logprobs_body(req, echoed),
+                                           "finish_reason": None}]})
+        offset = sum(len(e["token"]) for e in echoed or ())
     async for chunk in chunks:
         if "error" in chunk:
             yield _event(chunk)
@@ -416,7 +448,7 @@ async def _sse(req: ParsedRequest, prompt_tokens: int, chunks):
                       "finish_reason": chunk["finish_reason"]}
         yield _event({**base, "choices": [choice]})
     if req.include_usage:
-        yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield _event({**base, "choices": [], "usage": _usage(head["prompt_tokens"], completion_tokens)})
     yield "data: [DONE]\n\n"
 
 
@@ -514,10 +546,10 @@ class OpenAIIngress:
                 return JSONResponse(head, status_code=_status(head))
             if req.stream:
                 settled = True  # the response owns the call from here
-                return _EngineStreamResponse(_sse(req, head["prompt_tokens"], chunks), call.cancel,
+                return _EngineStreamResponse(_sse(req, head, chunks), call.cancel,
                                              media_type="text/event-stream", headers=SSE_HEADERS)
-            text, usage, finish = [], None, None
-            logprobs = [] if req.job.logprobs is not None else None
+            text, usage, finish = [head.get("echo", "")], None, None
+            logprobs = list(head.get("echo_logprobs", ())) if req.job.logprobs is not None else None
             async for chunk in chunks:
                 if "error" in chunk:
                     settled = True

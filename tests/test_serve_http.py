@@ -158,6 +158,55 @@ def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline
     wait_idle()
 
 
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(serve_app, offline):
+    """lm-evaluation-harness's loglikelihood request (local-completions: token-id prompt, temperature 0, max_tokens 1,
+    logprobs 1, echo): the answer starts with the prompt, token_logprobs[0] and top_logprobs[0] are null, and the
+    prompt tokens' values are the offline engine's prompt log-probabilities; streamed alike; max_tokens 0 echoes the
+    prompt alone."""
+    headers = {"Authorization": f"Bearer {serve_app.api_key}"}
+    ref = offline(PROMPT, max_tokens=1, prompt_logprobs=1, logprobs=1)
+    ids = ref.prompt_token_ids
+    want = [None] + [entry[tok] for tok, entry in zip(ids[1:], ref.prompt_logprobs[1:])] + \
+        [ref.logprobs[0][ref.token_ids[0]]]
+    body = {"model": serve_app.model, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    with httpx.Client(base_url=serve_app.base_url, timeout=60, headers=headers) as http:
+        (choice,) = http.post("/v1/completions", json=body).json()["choices"]
+        lp = choice["logprobs"]
+        assert choice["text"] == PROMPT + ref.text and "".join(lp["tokens"]) == choice["text"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert len(lp["token_logprobs"]) == len(want) == len(ids) + 1
+        assert all(abs(a - b) < 1e-4 for a, b in zip(lp["token_logprobs"][1:], want[1:]))
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        ctxlen = 2  # lm-eval: the continuation's log-likelihood and whether greedy decoding would produce it
+        cont = lp["token_logprobs"][ctxlen:-1]
+        greedy = all(tok == max(top.values()) for tok, top in zip(cont, lp["top_logprobs"][ctxlen:-1]))
+        assert abs(sum(cont) - sum(want[ctxlen:-1])) < 1e-3
+        scored = zip(ids[ctxlen + 1:], ref.prompt_logprobs[ctxlen + 1:])
+        assert greedy == all(max(e.values()) == e[t] for t, e in scored)
+
+        events = stream_events(http, {**body, "stream": True})
+        assert events[0]["choices"][0]["text"] == PROMPT  # the prompt first, then the completion
+        assert [x for e in events for x in e["choices"][0]["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+
+        alone = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+        assert alone["choices"][0]["text"] == PROMPT and alone["usage"]["completion_tokens"] == 0
+        assert alone["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+        plain = http.post("/v1/completions", json={**body, "logprobs": None, "max_tokens": 0}).json()["choices"][0]
+        assert plain["text"] == PROMPT and plain["logprobs"] is None
+    wait_idle()
+
+
+def stream_events(http: httpx.Client, body: dict) -> list[dict]:
+    """The data events of a streamed completion, [DONE] excluded."""
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
 def test_sampling_with_seed_is_reproducible(client, serve_app):
     kw = dict(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -239,7 +288,8 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("stream not bool", "/v1/completions", body(stream="yes"), 400),
         ("logprobs above 20", "/v1/completions", body(logprobs=21), 400),
         ("logprobs not an integer", "/v1/completions", body(logprobs="2"), 400),
-        ("echo", "/v1/completions", body(echo=True), 400),
+        ("echo not a boolean", "/v1/completions", body(echo="yes"), 400),
+        ("chat echo", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"}], echo=True), 400),
         ("chat logprobs not a boolean", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "hi"}], logprobs=2), 400),
         ("chat top_logprobs without logprobs", "/v1/chat/completions",
