@@ -164,22 +164,26 @@ class AsyncEngine:
         self._wake.set()
         return rid
 
-    def score(self, windows: list[list[int]]) -> tuple[float, int]:
-        """(summed next-token NLL in nats, tokens scored) of token windows, one forward each. Runs between
-        engine steps (under the lock), so the weights it reads cannot move while it runs."""
-        import torch
-        import torch.nn.functional as F
+    async def score(self, windows: list[list[int]]) -> tuple[float, int]:
+        """(summed next-token NLL in nats, tokens scored) of token windows. Each window is a request of the engine
+        whose prompt tokens report their log-probabilities (SamplingParams.prompt_logprobs): windows batch with
+        each other and with whatever else runs, their prefill is chunked, their KV cache and LM-head chunks stay
+        within the budget, and the weights are read at the widths the paging loop has committed, as for any
+        request. The one token each window samples is not scored."""
+        from pagedweight.sampling import SamplingParams
 
-        nll, count = 0.0, 0
-        for window in windows:
-            ids = torch.tensor([window], dtype=torch.long, device=self.llm.device)
-            with self._lock, torch.inference_mode():
-                # the last step's router observer expects that step's batch; every step installs its own again
-                self.llm.model.set_router_observer(None)
-                logits = self.llm.model(ids[:, :-1]).float()
-            nll += F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
-            count += len(window) - 1
-        return nll, count
+        params = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0, output_kind="final_only")
+
+        async def one(window: list[int]) -> float:
+            out = None
+            async for out in self.generate(window, params):
+                pass
+            if out.finish_reason == "error":
+                raise RuntimeError(f"scoring a window of {len(window)} tokens failed: {out.error}")
+            return -sum(entry[t] for t, entry in zip(window[1:], out.prompt_logprobs[1:]))
+
+        nll = await asyncio.gather(*(one(w) for w in windows))
+        return float(sum(nll)), sum(len(w) - 1 for w in windows)
 
     def call(self, fn, *args):
         """fn(llm, *args) between engine steps (under the lock): benchmarks and diagnostics that need the
@@ -326,7 +330,7 @@ class EngineActor:
 
     async def score(self, windows: list[list[int]]) -> tuple[float, int]:
         """Summed NLL and token count of token windows (perplexity evaluation)."""
-        return await asyncio.to_thread(self.engine.score, windows)
+        return await self.engine.score(windows)
 
     async def call(self, fn, *args):
         """fn(llm, *args) in this engine's process between steps (see AsyncEngine.call)."""

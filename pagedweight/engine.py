@@ -573,7 +573,7 @@ class LLM:
         # launch_marks-nvidia-h200-20261130-s13.json)
         observe = self.router_stats is not None and self.num_steps % self.options.observe_every == 0
         if self.router_stats is not None:
-            if getattr(self._first_mlp, "observer", None) is not self.router_stats:  # e.g. scoring reset it
+            if getattr(self._first_mlp, "observer", None) is not self.router_stats:  # a direct forward reset it
                 self.model.set_router_observer(self.router_stats)
             if observe:
                 self._read_routing()  # an unread earlier window (observe_every == 1) before the next one starts

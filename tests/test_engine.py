@@ -970,7 +970,7 @@ def test_routing_read_lands_one_step_later(ap_dir):
 def test_router_observer_stays_installed_and_folds_only_observed_steps(ap_dir):
     """The engine installs its RouterStats once and only arms it for observed steps: before a step's launch it
     writes no observer (24 writes a step cost host time there), and an unobserved step's forward folds nothing.
-    An observer someone else replaced (scoring sets None) is installed again at the next step."""
+    An observer someone else replaced (a direct forward of the model sets None) is installed again at the next step."""
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
     stats = llm.router_stats
     llm.add_request(PROMPTS[0], greedy(8))
@@ -983,7 +983,7 @@ def test_router_observer_stays_installed_and_folds_only_observed_steps(ap_dir):
     assert not stats._ids and stats._acc is None and stats._copy is None
     llm.step()  # step 2 observed: a new window of its own tokens only
     assert writes == [] and llm._routing_unread and stats.mass.sum() > 0
-    install(None)  # what EngineActor.score does before its own forward
+    install(None)  # what a direct forward of the model does (calibration, planner_quality)
     llm.step()
     assert writes == [stats] and llm.model.layers[-1].mlp.observer is stats
 
