@@ -302,8 +302,21 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
 
 
 def sampling_of(args: argparse.Namespace) -> dict:
-    """The requests' sampling (`--temperature`, `--top-p`), each request seeded by the engine's global RNG."""
-    return {} if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p}
+    """The requests' sampling (`--temperature`, `--top-p`), each request seeded by the engine's global RNG, and
+    their prompt log-probabilities (`--prompt-logprobs`)."""
+    out = {} if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p}
+    if args.prompt_logprobs is not None:
+        out["prompt_logprobs"] = args.prompt_logprobs
+    return out
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The options `sampling_of` reads."""
+    p.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature (0: "
+                   "greedy, as in every earlier run)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="every request scores its prompt's tokens with N alternatives (SamplingParams.prompt_logprobs)")
 
 
 def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: int, batch: int, seq_len: int,
@@ -583,9 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--gen", type=int, default=32, help="generated tokens per request (inside seq-len)")
     p.add_argument("--batches", default="1,4")
-    p.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature (0: "
-                   "greedy, as in every earlier run)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
+    add_sampling_args(p)
     p.add_argument("--bits", default="4,3,6,5", help="uniform AP widths, most important first")
     p.add_argument("--parent-bits", type=int, default=6)
     p.add_argument("--block-size", type=int, default=16)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.engine_bench import (SHAPES, ap_weights, expert_pool_bytes, kv_bytes, model_config, outside_bytes,
-                                     page_bytes, random_model, sampling_of, serve)
+from benchmarks.engine_bench import (SHAPES, add_sampling_args, ap_weights, expert_pool_bytes, kv_bytes, model_config,
+                                     outside_bytes, page_bytes, random_model, sampling_of, serve)
 from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
 from pagedweight.engine import LLM, release_cached, round_up
 
@@ -176,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="bench workload: every request samples at this "
-                   "temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
+    add_sampling_args(p)  # the bench workload's
     p.add_argument("--reserve", default="",
                    help="then run again at budget + the measured gap with activation_reserve = that gap (rounded up "
                         "to 2 MiB; 'measured') and/or at budget + twice the gap with 'auto' (the engine's start-up "

@@ -793,7 +793,7 @@ class LLM:
         """Each sequence that asks for log-probabilities gets its new token's (no work when none asks)."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if rows:
-            entries = self.sampler.logprobs(logits, rows, [tokens[i] for i in rows],
+            entries = Sampler.logprobs(logits, rows, [tokens[i] for i in rows],
                                             [seqs[i].params.logprobs for i in rows])
             for i, entry in zip(rows, entries):
                 seqs[i].logprobs.append(entry)
@@ -802,7 +802,7 @@ class LLM:
         """The scored prompt positions' entries, each sequence's appended in position order."""
         targets = [t for seq, lo, hi in rows.spans for t in seq.prompt_token_ids[lo + 1:hi + 1]]
         counts = [seq.params.prompt_logprobs for seq, lo, hi in rows.spans for _ in range(lo, hi)]
-        entries = self.sampler.prompt_logprobs(rows.hidden, self.model.lm_head, targets, counts)
+        entries = Sampler.prompt_logprobs(rows.hidden, self.model.lm_head, targets, counts)
         i = 0
         for seq, lo, hi in rows.spans:
             seq.prompt_logprobs += entries[i:i + hi - lo]

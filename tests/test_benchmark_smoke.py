@@ -14,7 +14,8 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     from benchmarks import engine_bench
 
     assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--skip-fp16",
-                              "--paged-home", "parent,match", "--gen", "4", "--trace", "--out-dir", str(tmp_path)]) == 0
+                              "--paged-home", "parent,match", "--gen", "4", "--trace", "--prompt-logprobs", "1",
+                              "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("engine_bench-*.json")
     res = json.loads(path.read_text())
     assert [r["config"] for r in res["rows"]] == ["ap3-uniform", "pagedweight@ap3-memory", "pagedweight-home3@ap3-memory"]

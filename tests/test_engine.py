@@ -561,6 +561,24 @@ def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
     llm.table.check()
 
 
+def test_prompt_logprobs_equal_generated_logprobs(ap_dir):
+    """Teacher forcing: the log-probabilities that generated tokens reported (decode steps: on CUDA the decode graphs
+    and kernels) are those the same tokens report as a prompt (prefill: the LM head on the kept hidden rows). On
+    CUDA, fp16 and the kernels' atomic sums allow 0.05 and may reorder near ties among the alternatives."""
+    llm = LLM(ap_dir, device=DEVICE, block_size=4, page_store_dir=str(ap_dir / "store"))
+    first = llm.generate(PROMPTS[:2], greedy(8, logprobs=2), use_tqdm=False)
+    again = llm.generate([o.prompt_token_ids + o.token_ids[:-1] for o in first], greedy(1, prompt_logprobs=2),
+                         use_tqdm=False)
+    tol = 1e-4 if DEVICE == "cpu" else 5e-2
+    for a, b in zip(first, again):
+        assert len(b.prompt_logprobs) == a.prompt_tokens + 7
+        for tok, generated, scored in zip(a.token_ids, a.logprobs, b.prompt_logprobs[a.prompt_tokens:]):
+            assert abs(generated[tok] - scored[tok]) < tol
+            if DEVICE == "cpu":
+                assert generated.keys() == scored.keys()
+                assert all(abs(generated[t] - scored[t]) < tol for t in generated)
+
+
 def test_reference_experts_are_installed_by_the_build(ap_dir):
     """expert_impl="reference" gives every layer the kernel's torch twin from the first build on (an "auto" reserve's
     profile then measures the twin, not a kernel it never runs; the Serve/Ray engine actor used to swap it in after
