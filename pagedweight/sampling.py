@@ -166,14 +166,14 @@ class Sampler:
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]) -> list[dict[int, float]]:
         """For each of `rows` of logits [B, V]: {token id: log-probability} of its sampled token and of its counts[i]
         most likely tokens (log_softmax of the raw logits). Batched in chunks of the sampler's bound (the rows'
-        logits gathered and their log_softmax: 8 bytes a logit); two host reads a chunk."""
-        dev, out = logits.device, []
+        logits gathered and their log_softmax: 8 bytes a logit); two host reads in all."""
+        dev, k, picked = logits.device, max(counts), []
         chunk = max(1, SAMPLE_CHUNK_BYTES // (PLAIN_BYTES_PER_ENTRY * logits.shape[1]))
         for c in range(0, len(rows), chunk):
             index = torch.tensor(rows[c:c + chunk]).to(dev, non_blocking=True)
-            lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-            out += _entries(lp, tokens[c:c + chunk], counts[c:c + chunk])
-        return out
+            picked.append(_pick(torch.log_softmax(logits.index_select(0, index).float(), dim=-1), tokens[c:c + chunk],
+                                k))
+        return _entries(picked, tokens, counts)
 
     @staticmethod
     @torch.inference_mode()
@@ -182,22 +182,29 @@ class Sampler:
         """The same for prompt positions, from their final hidden states [R, H]: row i's entry scores tokens[i] (the
         prompt's next token) and its counts[i] most likely tokens. The LM head runs on a chunk of rows at a time, its
         output (the model's dtype) cast to float32 inside log_softmax: a prefill chunk of any length keeps at most
-        SAMPLE_CHUNK_BYTES of [rows, V] temporaries, never the [T, V] logits of the whole chunk."""
-        per_entry = hidden.element_size() + 4
-        chunk = max(1, SAMPLE_CHUNK_BYTES // (per_entry * head.weight.shape[0]))
-        out = []
+        SAMPLE_CHUNK_BYTES of [rows, V] temporaries, never the [T, V] logits of the whole chunk. Two host reads."""
+        k, picked = max(counts), []
+        chunk = max(1, SAMPLE_CHUNK_BYTES // ((hidden.element_size() + 4) * head.weight.shape[0]))
         for c in range(0, len(tokens), chunk):
             lp = torch.log_softmax(head(hidden[c:c + chunk]), dim=-1, dtype=torch.float32)
-            out += _entries(lp, tokens[c:c + chunk], counts[c:c + chunk])
-        return out
+            picked.append(_pick(lp, tokens[c:c + chunk], k))
+        return _entries(picked, tokens, counts)
 
 
-def _entries(lp: torch.Tensor, tokens: list[int], counts: list[int]) -> list[dict[int, float]]:
-    """Rows of log-probabilities [r, V] -> per row {token id: log-probability} of tokens[i] and of the counts[i] most
-    likely ids; two host reads."""
+def _pick(lp: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of log-probabilities [r, V] -> ([r, 1 + k] values: tokens[i]'s, then the k largest; [r, k] their ids),
+    on the device."""
     chosen = lp.gather(1, torch.tensor(tokens).to(lp.device, non_blocking=True)[:, None])
-    top = lp.topk(max(counts), dim=-1)
-    values, ids = torch.cat([chosen, top.values], dim=1).tolist(), top.indices.tolist()
+    top = lp.topk(k, dim=-1)
+    return torch.cat([chosen, top.values], dim=1), top.indices
+
+
+def _entries(picked: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[int],
+             counts: list[int]) -> list[dict[int, float]]:
+    """`_pick`'s chunks -> per row {token id: log-probability} of tokens[i] and of its counts[i] most likely ids (two
+    host reads)."""
+    values = torch.cat([v for v, _ in picked]).tolist()
+    ids = torch.cat([i for _, i in picked]).tolist()
     out = []
     for tok, n, vals, top_ids in zip(tokens, counts, values, ids):
         entry = dict(zip(top_ids[:n], vals[1:n + 1]))
