@@ -11,6 +11,12 @@ CPU).
     python -m benchmarks.sampler_bench --label after
     git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
     python -m benchmarks.sampler_bench --old /tmp/old_sampling.py --label ab   # the old file's Sampler beside it
+    python -m benchmarks.sampler_bench --prompt 73,512,2048 --chunk-mib 64,256 --label plp
+
+`--prompt R,...` times `Sampler.prompt_logprobs` instead: R prompt rows' final hidden states [R, H] (fp16 on CUDA, H:
+Qwen1.5-MoE's 2048) through an LM head [V, H] in chunks of SAMPLE_CHUNK_BYTES (`--chunk-mib`), with 0, 1 and 5
+alternatives per row, beside the head's GEMM over all R rows at once (arm "head", [R, V] logits, no log-softmax): what
+the chunking and the log-probabilities add to the floor of the head's own work.
 """
 from __future__ import annotations
 
@@ -66,6 +72,37 @@ def measure(sampler, make_generator, logits: torch.Tensor, params: list[Sampling
             "peak_extra_mib": None if peak is None else round(peak / 2**20, 2)}
 
 
+def prompt_rows(args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """`--prompt`: Sampler.prompt_logprobs at each row count and chunk bound, and the head alone."""
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    head = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=dev, dtype=dtype)
+    torch.nn.init.normal_(head.weight, std=0.02)
+    rows, default = [], sampling.SAMPLE_CHUNK_BYTES
+    for r in [int(x) for x in args.prompt.split(",")]:
+        hidden = torch.randn(r, args.hidden, device=dev, dtype=dtype)
+        tokens = torch.randint(0, args.vocab, (r,)).tolist()
+        params = [SamplingParams()] * r
+
+        def head_only(*_):
+            with torch.inference_mode():
+                return head(hidden).argmax(dim=-1).tolist()  # one host read, as the call ends with its own
+        row = {"arm": "head", "case": "all-rows", "batch": r, "vocab": args.vocab,
+               **measure(head_only, lambda *_: None, hidden, params, args.reps)}
+        print(row, flush=True)
+        rows.append(row)
+        for mib in [int(x) for x in args.chunk_mib.split(",")]:
+            sampling.SAMPLE_CHUNK_BYTES = mib << 20
+            for n in (0, 1, 5):
+                def call(*_, n=n):
+                    return sampling.Sampler.prompt_logprobs(hidden, head, tokens, [n] * r)
+                row = {"arm": f"chunk{mib}MiB", "case": f"prompt-lp{n}", "batch": r, "vocab": args.vocab,
+                       **measure(call, lambda *_: None, hidden, params, args.reps)}
+                print(row, flush=True)
+                rows.append(row)
+        sampling.SAMPLE_CHUNK_BYTES = default
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
+    p.add_argument("--prompt", default=None, metavar="R,...", help="time prompt log-probabilities of R rows instead")
+    p.add_argument("--hidden", type=int, default=2048, help="with --prompt: the LM head's input width")
+    p.add_argument("--chunk-mib", default="64", help="with --prompt: SAMPLE_CHUNK_BYTES values to try, MiB")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
@@ -83,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.old:
         old = old_functions(args.old, ["Sampler", "make_generator"], vars(sampling))
         arms = {"old": (old["Sampler"](), old["make_generator"]), **arms}
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    rows = prompt_rows(args, dev) if args.prompt else []
+    for batch in [] if args.prompt else [int(b) for b in args.batches.split(",")]:
         logits = torch.randn(batch, args.vocab, device=dev) * 3
         for case in args.cases.split(","):
             params = case_params(case, batch)
