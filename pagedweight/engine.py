@@ -44,7 +44,7 @@ from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePo
                               resolve_budget)
 from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, PromptRows, ap_weights, build_ap_model,
                                 install_ap_experts, planes_id)
-from pagedweight.sampling import Sampler, SamplingParams, make_generator
+from pagedweight.sampling import MAX_LOGPROBS, Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
 from pagedweight.signals import RouterStats, RoutingTracker, normalize_mass
@@ -382,7 +382,8 @@ class LLM:
 
     def _profile_steps(self) -> None:
         """The largest steps the engine schedules. First one prompt as long as the KV cache and max_model_len allow,
-        alone: its chunks of max_num_batched_tokens at the longest context. Then the widest decode at the longest
+        alone: its chunks of max_num_batched_tokens at the longest context, each chunk's tokens scored with the most
+        alternatives (prompt_logprobs: the LM head's chunks beside the chunk's hidden states). Then the widest decode at the longest
         block table, its tokens sampled through a top-p filter (the sampler's largest temporaries): such a prompt
         again beside as many one-token prompts as a step can decode with it, which keep decoding until it decodes
         too. A decode graph gathers every row padded to the longest table
@@ -395,8 +396,8 @@ class LLM:
             n = max(1, min(self.max_model_len - gen, room_blocks * bs))
             return [(7 * i + 3) % vocab for i in range(n)]
 
-        self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)], SamplingParams(max_tokens=3, ignore_eos=True),
-                      use_tqdm=False)
+        self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)],
+                      SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=MAX_LOGPROBS), use_tqdm=False)
         # as many one-token prompts as fit in half the KV cache
         free = self.kv.num_free_blocks
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1

@@ -165,14 +165,13 @@ class Sampler:
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]) -> list[dict[int, float]]:
         """For each of `rows` of logits [B, V]: {token id: log-probability} of its sampled token and of its counts[i]
-        most likely tokens (log_softmax of the raw logits). Batched in chunks of the sampler's bound (the rows'
-        logits gathered and their log_softmax: 8 bytes a logit); two host reads in all."""
+        most likely tokens (the raw logits' log-softmax). Batched in chunks of the sampler's bound (the rows' logits
+        gathered and `_pick`'s temporary: 8 bytes a logit); two host reads in all."""
         dev, k, picked = logits.device, max(counts), []
         chunk = max(1, SAMPLE_CHUNK_BYTES // (PLAIN_BYTES_PER_ENTRY * logits.shape[1]))
         for c in range(0, len(rows), chunk):
             index = torch.tensor(rows[c:c + chunk]).to(dev, non_blocking=True)
-            picked.append(_pick(torch.log_softmax(logits.index_select(0, index).float(), dim=-1), tokens[c:c + chunk],
-                                k))
+            picked.append(_pick(logits.index_select(0, index), tokens[c:c + chunk], k))
         return _entries(picked, tokens, counts)
 
     @staticmethod
@@ -180,23 +179,31 @@ class Sampler:
     def prompt_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: list[int],
                         counts: list[int]) -> list[dict[int, float]]:
         """The same for prompt positions, from their final hidden states [R, H]: row i's entry scores tokens[i] (the
-        prompt's next token) and its counts[i] most likely tokens. The LM head runs on a chunk of rows at a time, its
-        output (the model's dtype) cast to float32 inside log_softmax: a prefill chunk of any length keeps at most
-        SAMPLE_CHUNK_BYTES of [rows, V] temporaries, never the [T, V] logits of the whole chunk. Two host reads."""
+        prompt's next token) and its counts[i] most likely tokens. The LM head runs on a chunk of rows at a time:
+        a prefill chunk of any length keeps at most SAMPLE_CHUNK_BYTES of [rows, V] temporaries (the chunk's logits
+        in the model's dtype and `_pick`'s temporary of the same size), never the [T, V] logits of the whole chunk.
+        Two host reads."""
         k, picked = max(counts), []
-        chunk = max(1, SAMPLE_CHUNK_BYTES // ((hidden.element_size() + 4) * head.weight.shape[0]))
+        chunk = max(1, SAMPLE_CHUNK_BYTES // ((2 * hidden.element_size() + 1) * head.weight.shape[0]))
         for c in range(0, len(tokens), chunk):
-            lp = torch.log_softmax(head(hidden[c:c + chunk]), dim=-1, dtype=torch.float32)
-            picked.append(_pick(lp, tokens[c:c + chunk], k))
+            picked.append(_pick(head(hidden[c:c + chunk]), tokens[c:c + chunk], k))
         return _entries(picked, tokens, counts)
 
 
-def _pick(lp: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of log-probabilities [r, V] -> ([r, 1 + k] values: tokens[i]'s, then the k largest; [r, k] their ids),
-    on the device."""
-    chosen = lp.gather(1, torch.tensor(tokens).to(lp.device, non_blocking=True)[:, None])
-    top = lp.topk(k, dim=-1)
-    return torch.cat([chosen, top.values], dim=1), top.indices
+def _pick(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits [r, V] -> ([r, 1 + k] float32 log-probabilities: tokens[i]'s, then the k largest; [r, k] their
+    ids), on the device. The log-softmax is taken only where it is read: the picked logits minus each row's
+    logsumexp, whose exponentials ([r, V] in the logits' dtype, the one temporary) are summed in float32; with fp16
+    logits its error (~1e-4 nats) is far below their own rounding (up to 0.008 at a logit of 16). k = 1 is the
+    row's maximum, found with the logsumexp's."""
+    best, best_id = logits.max(dim=-1, keepdim=True)
+    lse = (logits - best).exp_().sum(dim=-1, keepdim=True, dtype=torch.float32).log_().add_(best.float())
+    chosen = logits.gather(1, torch.tensor(tokens).to(logits.device, non_blocking=True)[:, None])
+    if k == 1:
+        top_values, top_ids = best, best_id
+    else:
+        top_values, top_ids = logits.topk(k, dim=-1)
+    return torch.cat([chosen, top_values], dim=1).float().sub_(lse), top_ids
 
 
 def _entries(picked: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[int],

@@ -369,17 +369,21 @@ def test_auto_activation_reserve_profiles_then_rebuilds(hf_dir, ap_dir, monkeypa
 def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch):
     """The profile's steps include a pure decode step of min(max_num_seqs, max_num_batched_tokens) rows whose longest
     block table is the longest max_model_len allows (a decode graph pads every row to it: its largest gather), and
-    a prefill step of max_num_batched_tokens tokens; with the budget's room (first) or with the pool those steps
+    a prefill step of max_num_batched_tokens tokens whose every token is scored with the most alternatives (the
+    LM head's prompt chunks); with the budget's room (first) or with the pool those steps
     need (second: far less than half of a large room, which leaves the gap more of the budget at start-up)."""
     from pagedweight import runner
 
-    steps, pools = [], []
+    steps, pools, scored = [], [], []
     run, build = runner.ModelRunner.run, LLM._build
 
     def recorded(self, batch):
         steps.append((len(batch.seqs), all(n == 1 for n in batch.num_new_tokens),
                       max(len(seq.block_table) for seq in batch.seqs), batch.num_tokens))
-        return run(self, batch)
+        out = run(self, batch)
+        if out[2] is not None:
+            scored.append((len(out[2].hidden), out[2].spans[0][0].params.prompt_logprobs))
+        return out
 
     def built(self, pool_bytes, weights):
         pools.append(pool_bytes)
@@ -392,12 +396,13 @@ def test_auto_profile_reaches_the_widest_decode_at_the_longest_table(monkeypatch
     # 176 blocks: half the room (88) is less than the steps need (a 64-block row and 7 one-block shorts, the shorts
     # twice over, in whole 2 MiB), so the profile gets half; 2,000: it gets what its steps need
     for blocks in (176, 2000):
-        steps.clear(), pools.clear()
+        steps.clear(), pools.clear(), scored.clear()
         LLM(BUNDLED, probe.weights_outside_bytes + blocks * probe.kv.block_bytes, block_size=16, max_num_seqs=8,
             max_num_batched_tokens=64, activation_reserve="auto")
         widest = max((rows, table) for rows, decode, table, _ in steps if decode)
         assert widest == (8, longest), (blocks, widest)
         assert max(tokens for *_, tokens in steps) == 64
+        assert max(scored) == (64, sampling.MAX_LOGPROBS)
         profile_blocks = pools[0] // probe.kv.block_bytes
         assert (profile_blocks == blocks // 2) if blocks == 176 else (longest < profile_blocks < blocks // 8), pools
 
@@ -533,7 +538,7 @@ def test_prompt_logprobs_chunk_the_lm_head(hf_dir, monkeypatch):
     want = llm.generate(PROMPTS[1:2], greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
     rows = []  # the prompt path calls the head on [rows, H]; the forward's own call is [1, rows, H]
     hook = llm.model.lm_head.register_forward_pre_hook(lambda _, x: rows.append(len(x[0])) if x[0].dim() == 2 else None)
-    per_entry = 4 + 4  # float32 hidden states, float32 log-probabilities
+    per_entry = 2 * 4 + 1  # float32 logits and _pick's temporary, and a byte to spare
     monkeypatch.setattr(sampling, "SAMPLE_CHUNK_BYTES", 2 * per_entry * llm.config.vocab_size)  # two rows a chunk
     try:
         got = llm.generate(PROMPTS[1:2], greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
