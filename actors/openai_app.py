@@ -14,11 +14,12 @@ Resources: the ingress takes no CPU; an engine replica takes one GPU (or `engine
 the cluster has no GPU).
 """
 
+import asyncio
 import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -82,7 +83,8 @@ class ParsedRequest:
     model: str
     stream: bool
     include_usage: bool
-    job: GenerationJob
+    request_id: str
+    jobs: list[GenerationJob]  # one per prompt: choice i answers jobs[i] (completions take a list of prompts)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -137,9 +139,17 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     return value
 
 
+def _prompts(value) -> list[str | list[int]]:
+    """The completions API's prompt: a string, a list of token ids, or a list of up to MAX_PROMPTS of either (what
+    lm-evaluation-harness sends at a batch size above 1)."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise _bad(f"at most {MAX_PROMPTS} prompts a request, got {len(value)}", "prompt")
+        return [_prompt(v) for v in value]
+    return [_prompt(value)]
+
+
 def _prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
     if isinstance(value, str):
         if not value:
             raise _bad("'prompt' must not be empty", "prompt")
@@ -148,8 +158,6 @@ def _prompt(value) -> str | list[int]:
         if min(value) < 0:
             raise _bad("'prompt' token ids must be >= 0", "prompt")
         return value
-    if isinstance(value, list) and len(value) > 1:
-        raise _bad("batched prompts are not supported: send one request per prompt", "prompt")
     raise _bad("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
@@ -178,6 +186,9 @@ def render_chat(messages) -> str:
 
 
 MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same)
+# prompts of one completions request: its choices are held whole in the ingress until the last one ends (vLLM takes
+# any number; a bound keeps one request from holding an ingress's memory for thousands)
+MAX_PROMPTS = 256
 UNSUPPORTED = {"suffix": None, "best_of": 1,
                "logit_bias": None, "tools": None, "functions": None, "presence_penalty": 0,
                "frequency_penalty": 0}
@@ -209,11 +220,11 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     if kind == "chat":
         if echo:
             raise _bad("'echo' is not supported by chat completions", "echo", "unsupported_parameter")
-        prompt = render_chat(body.get("messages"))
+        prompts = [render_chat(body.get("messages"))]
         tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_tokens = None
     else:
-        prompt = _prompt(body.get("prompt"))
+        prompts = _prompts(body.get("prompt"))
         tokens_field, default_tokens = "max_tokens", 16
     max_tokens = _integer(body, tokens_field, default_tokens, 0 if echo else 1, max_model_len)
     stop = body.get("stop")
@@ -234,16 +245,19 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         logprobs = (top or 0) if wanted else None
     else:  # "logprobs": alternatives
         logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     job = GenerationJob(
-        prompt=prompt, max_tokens=max_tokens,
+        prompt=prompts[0], max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_integer(body, "top_k", 0, 0, 1 << 20),
         seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
         stop=stop, ignore_eos=ignore_eos,
-        request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", logprobs=logprobs, echo=echo,
+        request_id=request_id, logprobs=logprobs, echo=echo,
     )
-    return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), job)
+    jobs = [job] if len(prompts) == 1 else \
+        [replace(job, prompt=prompt, request_id=f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
+    return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), request_id, jobs)
 
 
 # ---------------------------------------------------------------- engine replica
@@ -403,52 +417,103 @@ def _logprobs_body(req: ParsedRequest, entries: list[dict] | None, offset: int =
             "text_offset": offsets}
 
 
-def _final_body(req: ParsedRequest, text: str, finish: str | None, usage: dict,
-                logprobs: list[dict] | None = None) -> dict:
-    base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
+async def _collect(req: ParsedRequest, head: dict, chunks) -> dict:
+    """One prompt's whole answer from its replica chunks: {"text", "logprobs", "finish_reason", "completion_tokens"}
+    (the echoed prompt first), or the error chunk that ended it."""
+    text, logprobs = [head.get("echo", "")], list(head.get("echo_logprobs", ()))
+    out = {"finish_reason": None, "completion_tokens": 0}
+    async for chunk in chunks:
+        if "error" in chunk:
+            return chunk
+        text.append(chunk["delta"])
+        logprobs += chunk.get("logprobs", ())
+        out = {"finish_reason": chunk["finish_reason"], "completion_tokens": chunk["completion_tokens"]}
+    return {**out, "text": "".join(text), "logprobs": logprobs if req.jobs[0].logprobs is not None else None}
+
+
+def _final_body(req: ParsedRequest, heads: list[dict], answers: list[dict]) -> dict:
+    usage = _usage(sum(h["prompt_tokens"] for h in heads), sum(a["completion_tokens"] for a in answers))
+    base = {"id": req.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": _logprobs_body(req, logprobs), "finish_reason": finish}
+        (a,) = answers
+        choice = {"index": 0, "message": {"role": "assistant", "content": a["text"]},
+                  "logprobs": _logprobs_body(req, a["logprobs"]), "finish_reason": a["finish_reason"]}
         return {**base, "object": "chat.completion", "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": _logprobs_body(req, logprobs), "finish_reason": finish}
-    return {**base, "object": "text_completion", "choices": [choice]}
+    choices = [{"index": i, "text": a["text"], "logprobs": _logprobs_body(req, a["logprobs"]),
+                "finish_reason": a["finish_reason"]} for i, a in enumerate(answers)]
+    return {**base, "object": "text_completion", "choices": choices}
 
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _sse(req: ParsedRequest, head: dict, chunks):
-    """Server-Sent Events: the echoed prompt (completions with `echo`), one chunk per engine step, a usage chunk when
-    asked, then [DONE]."""
+async def _merged(streams: list):
+    """(index, chunk) of every stream as each comes; closing it stops the readers."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, stream) -> None:
+        async for chunk in stream:
+            await queue.put((i, chunk))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, chunk = await queue.get()
+            if chunk is None:
+                open_streams -= 1
+            else:
+                yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
+    """Server-Sent Events: the echoed prompts (completions with `echo`), one chunk per engine step of each prompt
+    (choice `index`), a usage chunk when asked, then [DONE]. An error ends the stream and `cancel`s the other
+    prompts' calls."""
     chat = req.kind == "chat"
-    base = {"id": req.job.request_id, "created": int(time.time()), "model": req.model,
+    base = {"id": req.request_id, "created": int(time.time()), "model": req.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     if chat:
         yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
-    completion_tokens, offset = 0, 0
-    if "echo" in head:
-        echoed = head.get("echo_logprobs")
-        yield _event({**base, "choices": [{"index": 0, "text": head["echo"], "logprobs": _logprobs_body(req, echoed),
-                                           "finish_reason": None}]})
-        offset = sum(len(e["token"]) for e in echoed or ())
-    async for chunk in chunks:
-        if "error" in chunk:
-            yield _event(chunk)
-            break
-        completion_tokens = chunk["completion_tokens"]
-        logprobs = _logprobs_body(req, chunk.get("logprobs"), offset)
-        offset += sum(len(e["token"]) for e in chunk.get("logprobs", ()))
-        if chat:
-            delta = {"content": chunk["delta"]} if chunk["delta"] else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk["finish_reason"]}
-        else:
-            choice = {"index": 0, "text": chunk["delta"], "logprobs": logprobs,
-                      "finish_reason": chunk["finish_reason"]}
-        yield _event({**base, "choices": [choice]})
+    completion_tokens, offsets = [0] * len(heads), [0] * len(heads)
+    for i, head in enumerate(heads):
+        if "echo" in head:
+            echoed = head.get("echo_logprobs")
+            yield _event({**base, "choices": [{"index": i, "text": head["echo"],
+                                               "logprobs": _logprobs_body(req, echoed), "finish_reason": None}]})
+            offsets[i] = sum(len(e["token"]) for e in echoed or ())
+    chunks = _merged(streams)
+    try:
+        async for i, chunk in chunks:
+            if "error" in chunk:
+                cancel()
+                yield _event(chunk)
+                break
+            completion_tokens[i] = chunk["completion_tokens"]
+            logprobs = _logprobs_body(req, chunk.get("logprobs"), offsets[i])
+            offsets[i] += sum(len(e["token"]) for e in chunk.get("logprobs", ()))
+            if chat:
+                delta = {"content": chunk["delta"]} if chunk["delta"] else {}
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": chunk["finish_reason"]}
+            else:
+                choice = {"index": i, "text": chunk["delta"], "logprobs": logprobs,
+                          "finish_reason": chunk["finish_reason"]}
+            yield _event({**base, "choices": [choice]})
+    finally:
+        await chunks.aclose()
     if req.include_usage:
-        yield _event({**base, "choices": [], "usage": _usage(head["prompt_tokens"], completion_tokens)})
+        usage = _usage(sum(h["prompt_tokens"] for h in heads), sum(completion_tokens))
+        yield _event({**base, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 
 
@@ -537,32 +602,31 @@ class OpenAIIngress:
                                    info["max_model_len"])
         except APIError as exc:
             return exc.response()
-        call = self.engine.options(stream=True).generate.remote(req.job, final_only=not req.stream)
-        chunks, settled = _guarded(call), False
-        try:  # a handler cancelled here (the client went away) cancels the engine call at once
-            head = await anext(chunks)
-            if "error" in head:
-                settled = True
-                return JSONResponse(head, status_code=_status(head))
+        calls = [self.engine.options(stream=True).generate.remote(job, final_only=not req.stream)
+                 for job in req.jobs]
+        streams, settled = [_guarded(call) for call in calls], False
+
+        def cancel() -> None:
+            for call in calls:
+                call.cancel()
+        try:  # a handler cancelled here (the client went away) cancels the engine calls at once
+            heads = list(await asyncio.gather(*(anext(stream) for stream in streams)))
+            error = next((h for h in heads if "error" in h), None)
+            if error is not None:  # the other prompts' calls are cancelled below
+                return JSONResponse(error, status_code=_status(error))
             if req.stream:
-                settled = True  # the response owns the call from here
-                return _EngineStreamResponse(_sse(req, head, chunks), call.cancel,
+                settled = True  # the response owns the calls from here
+                return _EngineStreamResponse(_sse(req, heads, streams, cancel), cancel,
                                              media_type="text/event-stream", headers=SSE_HEADERS)
-            text, usage, finish = [head.get("echo", "")], None, None
-            logprobs = list(head.get("echo_logprobs", ())) if req.job.logprobs is not None else None
-            async for chunk in chunks:
-                if "error" in chunk:
-                    settled = True
-                    return JSONResponse(chunk, status_code=_status(chunk))
-                text.append(chunk["delta"])
-                if logprobs is not None:
-                    logprobs += chunk["logprobs"]
-                usage, finish = _usage(head["prompt_tokens"], chunk["completion_tokens"]), chunk["finish_reason"]
+            answers = await asyncio.gather(*(_collect(req, h, stream) for h, stream in zip(heads, streams)))
+            error = next((a for a in answers if "error" in a), None)
+            if error is not None:
+                return JSONResponse(error, status_code=_status(error))
             settled = True
-            return _final_body(req, "".join(text), finish, usage, logprobs)
+            return _final_body(req, heads, answers)
         finally:
             if not settled:
-                call.cancel()
+                cancel()
 
 
 # ---------------------------------------------------------------- application builder

@@ -198,6 +198,43 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(serve_app, offline):
     wait_idle()
 
 
+def test_batched_prompts_answer_each_in_its_choice(serve_app, offline, n_tokens):
+    """A list of prompts (strings or token-id lists, as lm-evaluation-harness sends at batch sizes above 1) gets one
+    choice per prompt, in order, each the offline engine's answer; usage sums over them; streamed events carry their
+    choice's index. One prompt past the context fails the request (400) and its other prompts are cancelled."""
+    headers = {"Authorization": f"Bearer {serve_app.api_key}"}
+    prompts = [PROMPT, "class Stack:", "import os\n"]
+    refs = [offline(p, max_tokens=6, prompt_logprobs=1, logprobs=1) for p in prompts]
+    body = {"model": serve_app.model, "prompt": [prompts[0], refs[1].prompt_token_ids, prompts[2]],
+            "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=serve_app.base_url, timeout=60, headers=headers) as http:
+        resp = http.post("/v1/completions", json=body).json()
+        assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in resp["choices"]] == [r.text for r in refs]
+        assert resp["usage"]["prompt_tokens"] == sum(n_tokens(p) for p in prompts)
+        assert resp["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in refs)
+
+        events = stream_events(http, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        texts = ["", "", ""]
+        for e in events[:-1]:
+            (choice,) = e["choices"]
+            texts[choice["index"]] += choice["text"]
+        assert texts == [r.text for r in refs] and events[-1]["usage"] == resp["usage"]
+
+        scored = http.post("/v1/completions", json={**body, "max_tokens": 1, "logprobs": 1, "echo": True}).json()
+        for choice, ref in zip(scored["choices"], refs):
+            want = [entry[t] for t, entry in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+            got = choice["logprobs"]["token_logprobs"]
+            assert got[0] is None and len(got) == len(want) + 2
+            assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:-1], want))
+
+        too_long = [1] * (offline.max_model_len + 1)
+        r = http.post("/v1/completions", json={**body, "prompt": [prompts[0], too_long], "max_tokens": 200,
+                                                 "ignore_eos": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    wait_idle()
+
+
 def stream_events(http: httpx.Client, body: dict) -> list[dict]:
     """The data events of a streamed completion, [DONE] excluded."""
     with http.stream("POST", "/v1/completions", json=body) as r:
@@ -272,6 +309,9 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("prompt longer than context", "/v1/completions", body(prompt=long_prompt), 400),
         ("prompt + max_tokens over context", "/v1/completions", body(max_tokens=max_model_len - 1), 400),
         ("token id outside vocab", "/v1/completions", body(prompt=[1, 2, 10**9]), 400),
+        ("too many prompts", "/v1/completions", body(prompt=["x"] * 257), 400),
+        ("an empty prompt in a batch", "/v1/completions", body(prompt=["x", ""]), 400),
+        ("a bad token id in a batch", "/v1/completions", body(prompt=[[1, 2], [-1]]), 400),
         ("negative max_tokens", "/v1/completions", body(max_tokens=-5), 400),
         ("zero max_tokens", "/v1/completions", body(max_tokens=0), 400),
         ("absurd max_tokens", "/v1/completions", body(max_tokens=10**12), 400),
