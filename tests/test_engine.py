@@ -49,6 +49,16 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
+def step_all(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[list]:
+    """Every RequestOutput of each request, stepping the engine until all have finished; in prompt order."""
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    outs: dict[str, list] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id].append(out)
+    return [outs[i] for i in ids]
+
+
 # ---------------------------------------------------------------- sampling
 def test_sampling_params_validate():
     SamplingParams().validate()
@@ -452,12 +462,7 @@ def test_output_kinds_carry_the_same_tokens(hf_dir):
     kinds = ("cumulative", "delta", "final_only")
     params = [SamplingParams(max_tokens=n, ignore_eos=True, output_kind=k) for n, k in zip((12, 9, 7), kinds)]
     want = llm.generate(PROMPTS[:3], [greedy(p.max_tokens) for p in params], use_tqdm=False)
-    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
-    seen: dict[str, list] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        for out in llm.step():
-            seen[out.request_id].append(out)
-    cumulative, delta, final = (seen[i] for i in ids)
+    cumulative, delta, final = step_all(llm, PROMPTS, params)
     assert [o.completion_tokens for o in cumulative] == [len(o.token_ids) for o in cumulative]
     assert cumulative[-1].token_ids == want[0].token_ids and cumulative[-1].text == want[0].text
     assert len(delta) == 9 and all(len(o.token_ids) == 1 for o in delta)  # one token a step once prefilled
@@ -479,12 +484,7 @@ def test_logprobs_match_transformers(hf_dir):
     llm = LLM(path, block_size=4, max_num_batched_tokens=8)
     params = [greedy(6, logprobs=3), greedy(5, logprobs=0, output_kind="delta"), greedy(4),
               SamplingParams(max_tokens=5, temperature=1.5, top_k=20, seed=3, ignore_eos=True, logprobs=2)]
-    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
-    outs: dict[str, list] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        for out in llm.step():
-            outs[out.request_id].append(out)
-    whole, deltas, plain, sampled = (outs[i] for i in ids)
+    whole, deltas, plain, sampled = step_all(llm, PROMPTS, params)
     assert all(o.logprobs is None for o in plain)
     assert [len(o.logprobs) for o in deltas] == [len(o.token_ids) for o in deltas] == [1] * 5
     for out, n in ((whole[-1], 3), (deltas[-1], 0), (sampled[-1], 2)):
@@ -511,12 +511,7 @@ def test_prompt_logprobs_match_transformers(hf_dir):
     llm = LLM(path, block_size=4, max_num_batched_tokens=8)
     params = [greedy(3, prompt_logprobs=2), greedy(3, prompt_logprobs=0, output_kind="delta"), greedy(2),
               SamplingParams(max_tokens=3, temperature=1.2, seed=5, prompt_logprobs=3, logprobs=1)]
-    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
-    outs: dict[str, list] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        for out in llm.step():
-            outs[out.request_id].append(out)
-    whole, deltas, plain, sampled = (outs[i] for i in ids)
+    whole, deltas, plain, sampled = step_all(llm, PROMPTS, params)
     assert all(o.prompt_logprobs is None for o in plain + deltas[1:])
     assert max(o.prompt_tokens for o in (whole[-1], deltas[0], sampled[-1])) > 8  # some prompts took two chunks
     for out, n in ((whole[-1], 2), (deltas[0], 0), (sampled[-1], 3)):
