@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from benchmarks.common import old_functions, write_result
@@ -37,6 +38,10 @@ CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its 
     "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
     "t0.7-k50": dict(temperature=0.7, top_k=50),
     "half-greedy-t1": None,  # even rows greedy, odd rows at temperature 1
+    # adjusted rows (sampling.adjust_logits): the penalties count `--history` generated tokens a row
+    "greedy-penalties": dict(presence_penalty=0.5, frequency_penalty=0.5),
+    "t1-penalties": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
+    "greedy-bias": dict(logit_bias={t: 5.0 for t in range(0, 3000, 30)}),  # 100 biased tokens a row
 }
 
 
@@ -48,7 +53,8 @@ def case_params(case: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(seed=i if seeded else None, **fields) for i in range(batch)]
 
 
-def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int) -> dict:
+def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int,
+            history: list | None = None) -> dict:
     dev = logits.device
     gens = [None if p.greedy else make_generator(p.seed, dev) for p in params]
     cuda = dev.type == "cuda"
@@ -59,7 +65,7 @@ def measure(sampler, make_generator, logits: torch.Tensor, params: list[Sampling
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        tokens = sampler(logits, params, gens)
+        tokens = sampler(logits, params, gens, *([history] if history is not None else []))
         elapsed = time.perf_counter() - t0
         if len(tokens) != len(params):
             raise RuntimeError(f"{len(tokens)} tokens for {len(params)} rows")
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
+    p.add_argument("--history", type=int, default=1024, help="generated tokens a penalized row counts")
     p.add_argument("--prompt", default=None, metavar="R,...", help="time prompt log-probabilities of R rows instead")
     p.add_argument("--hidden", type=int, default=2048, help="with --prompt: the LM head's input width")
     p.add_argument("--chunk-mib", default="64", help="with --prompt: SAMPLE_CHUNK_BYTES values to try, MiB")
@@ -128,9 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         logits = torch.randn(batch, args.vocab, device=dev) * 3
         for case in args.cases.split(","):
             params = case_params(case, batch)
+            history = None
+            if any(p.penalized for p in params):
+                rng = np.random.default_rng(batch)
+                history = [rng.integers(0, args.vocab, args.history) for _ in params]
             for arm, (sampler, make_generator) in arms.items():
+                if history is not None and arm == "old":
+                    continue  # no penalties before session 36
                 row = {"arm": arm, "case": case, "batch": batch, "vocab": args.vocab,
-                       **measure(sampler, make_generator, logits, params, args.reps)}
+                       **measure(sampler, make_generator, logits, params, args.reps, history),
+                       **({"history": args.history} if history is not None else {})}
                 print(row, flush=True)
                 rows.append(row)
     path = write_result("sampler_bench", rows, out_dir=args.out_dir, label=args.label,

@@ -521,6 +521,8 @@ class LLM:
             raise ValueError("the prompt is empty (zero tokens)")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.config.vocab_size})")
         gen = None if params.greedy else make_generator(params.seed, self.device)
         seq = Sequence(request_id, ids, params, generator=gen)
         self._requests[request_id] = seq
@@ -596,7 +598,9 @@ class LLM:
         if failure is None:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
-                tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+                params = [s.params for s in to_sample]
+                history = [s.generated_ids() for s in to_sample] if any(p.penalized for p in params) else None
+                tokens = self.sampler(logits, params, [s.generator for s in to_sample], history)
                 self._logprobs(logits, to_sample, tokens)
                 if prompt_rows is not None:
                     self._prompt_logprobs(prompt_rows)

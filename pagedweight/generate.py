@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from loguru import logger
 
@@ -41,7 +42,8 @@ def generate(model: MoEForCausalLM, prompt_ids: list[list[int]], params: Samplin
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     for step in range(params.max_tokens):
-        tokens = sampler(logits, [params] * b, generators)
+        history = [np.asarray(o, dtype=np.int64) for o in out] if params.penalized else None
+        tokens = sampler(logits, [params] * b, generators, history)
         for row, tok in enumerate(tokens):
             if not done[row]:
                 out[row].append(tok)

@@ -5,13 +5,17 @@ others (batch composition never shifts its random stream); unseeded requests sha
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs bound
+MAX_PENALTY = 2.0  # the OpenAI API's presence_penalty / frequency_penalty bound
+MAX_LOGIT_BIAS, MAX_BIASED_TOKENS = 100.0, 300  # the OpenAI API's logit_bias bounds
 
 
 @dataclass
@@ -37,6 +41,12 @@ class SamplingParams:
     # the same for every prompt token after the first (vLLM's prompt_logprobs; what OpenAI's `echo` with `logprobs`
     # and lm-evaluation-harness's loglikelihood read): RequestOutput.prompt_logprobs, None for the first token
     prompt_logprobs: int | None = None
+    # the OpenAI API's penalties on the tokens generated so far: each token's logit less frequency_penalty x its count
+    # and presence_penalty if it occurs (vLLM's reading: the prompt's tokens do not count), in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> added to its logit before sampling (or the greedy pick), in [-100, 100], at most 300 tokens
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +55,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Its logits change before the pick (penalties or a logit bias): the sampler takes its row apart."""
+        return self.penalized or bool(self.logit_bias)
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError with a one-line reason when a field is out of range; returns self."""
@@ -64,6 +83,20 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_BIASED_TOKENS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_BIASED_TOKENS} token ids, got {bias!r}")
+            for t, v in bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v)
+                                                                                  and abs(v) <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {v!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
@@ -87,10 +120,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
 # probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and about 4
 # more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
-# …-s35-chunks.json). The engine's start-up profile samples its widest decode step with a top-p filter, so the
-# activation reserve holds a chunk's worth.
+# …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts: 4 bytes (computed).
+# The engine's start-up profile samples its widest decode step with a top-p filter, so the activation reserve holds a
+# chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
+ADJUSTED_BYTES_PER_ENTRY = 4
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -136,30 +171,71 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return x.sub_(noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
 
 
+def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[np.ndarray | None]) -> None:
+    """In place on float32 rows x [R, V]: each row's logit_bias added, then frequency_penalty x count and
+    presence_penalty x (count > 0) subtracted for the tokens of its history (the ids it generated so far; None: no
+    penalty). The counts of a chunk are one [R, V] float32 tensor filled by a single index_add_ of every history's
+    ids (whole numbers: exact in any order), from one host-to-device copy."""
+    rows, vocab = x.shape
+    dev = x.device
+    biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    if biased:
+        r, t, v = zip(*biased)
+        x.index_put_((torch.tensor(r).to(dev, non_blocking=True), torch.tensor(t).to(dev, non_blocking=True)),
+                     torch.tensor(v, dtype=x.dtype).to(dev, non_blocking=True), accumulate=True)
+    ids = [h.astype(np.int64) + i * vocab for i, (p, h) in enumerate(zip(params, history))
+           if p.penalized and h is not None and len(h)]
+    if not ids:
+        return
+    flat = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
+    counts = torch.zeros_like(x)
+    counts.view(-1).index_add_(0, flat, torch.ones(len(flat), dtype=x.dtype, device=dev))
+    for name in ("frequency_penalty", "presence_penalty"):
+        if name == "presence_penalty":
+            counts.clamp_(max=1.0)  # occurs or not
+        values = [getattr(p, name) for p in params]
+        if any(values):
+            penalty = _per_row(values, dev)
+            if isinstance(penalty, torch.Tensor):
+                x.addcmul_(counts, penalty, value=-1.0)
+            else:
+                x.add_(counts, alpha=-penalty)
+
+
 class Sampler:
     """Picks one next token per row of last-position logits: every row of a step in a few batched ops and one host
     read (a per-row loop cost a dozen launches and a host read per sampled row)."""
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG)."""
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 history: list[np.ndarray | None] | None = None) -> list[int]:
+        """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG).
+        history: each row's generated token ids, for its penalties (`adjust_logits`; None: none). Rows whose logits
+        are adjusted are gathered and adjusted apart (greedy ones and sampled ones), so `logits` stay the model's
+        own: log-probabilities are read from them afterwards."""
+        adjusted = [i for i, p in enumerate(params) if p.adjusts]
+        sampled = [i for i, p in enumerate(params) if not p.greedy and not p.adjusts]
+        if not sampled and not adjusted:
             return logits.argmax(dim=-1).tolist()
-        filtered = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sampled)
-        per_entry = (FILTERED_BYTES_PER_ENTRY if filtered else PLAIN_BYTES_PER_ENTRY) + \
-            (GATHERED_BYTES_PER_ENTRY if len(sampled) < len(params) else 0)
-        chunk = max(1, SAMPLE_CHUNK_BYTES // (per_entry * logits.shape[1]))
-        if len(sampled) == len(params):
+        if len(sampled) == len(params):  # no gather
+            chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False)
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
                      for i in range(0, len(params), chunk)]
             return (torch.cat(picks) if len(picks) > 1 else picks[0]).tolist()
         tokens = logits.argmax(dim=-1)
-        for i in range(0, len(sampled), chunk):
-            rows = sampled[i:i + chunk]
-            index = torch.tensor(rows).to(logits.device, non_blocking=True)
-            tokens[index] = sample_rows(logits.index_select(0, index), [params[r] for r in rows],
-                                        [generators[r] for r in rows])
+        groups = (sampled, [i for i in adjusted if params[i].greedy], [i for i in adjusted if not params[i].greedy])
+        for rows, adjust in zip(groups, (False, True, True)):
+            if not rows:
+                continue
+            ps = [params[r] for r in rows]
+            chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust)
+            for c in range(0, len(rows), chunk):
+                index = torch.tensor(rows[c:c + chunk]).to(logits.device, non_blocking=True)
+                x = logits.index_select(0, index).float()
+                if adjust:
+                    adjust_logits(x, ps[c:c + chunk], [None if history is None else history[r]
+                                                       for r in rows[c:c + chunk]])
+                tokens[index] = x.argmax(dim=-1) if ps[0].greedy else \
+                    sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]])
         return tokens.tolist()
 
     @staticmethod
@@ -188,6 +264,15 @@ class Sampler:
         for c in range(0, len(tokens), chunk):
             picked.append(_pick(head(hidden[c:c + chunk]), tokens[c:c + chunk], k))
         return _entries(picked, tokens, counts)
+
+
+def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool) -> int:
+    """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted)."""
+    sampled = [p for p in params if not p.greedy]
+    per_entry = (FILTERED_BYTES_PER_ENTRY if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else
+                 PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
+        (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
+    return max(1, SAMPLE_CHUNK_BYTES // (max(per_entry, 1) * vocab))
 
 
 def _pick(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedweight.sampling import SamplingParams
@@ -47,6 +48,9 @@ class Sequence:
     # position i's logits); a recompute after preemption scores only the positions not yet here
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_preemptions: int = 0
+    # generated token ids as an array (grown by doubling), kept for requests with presence or frequency penalties:
+    # the sampler counts them every step, and a list would be converted anew each time
+    penalty_ids: np.ndarray | None = None
     # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
     # host work per running request between two launches), so what a caller does to that list changes nothing here
     num_prompt_tokens: int = field(init=False)
@@ -55,6 +59,8 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.penalized:
+            self.penalty_ids = np.empty(16, dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +78,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def generated_ids(self) -> np.ndarray | None:
+        """The generated token ids (a view), if the request is penalized."""
+        return None if self.penalty_ids is None else self.penalty_ids[:self.num_completion_tokens]
+
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
+        if self.penalty_ids is not None:
+            n = self.num_completion_tokens
+            if n > len(self.penalty_ids):
+                self.penalty_ids = np.concatenate([self.penalty_ids, np.empty_like(self.penalty_ids)])
+            self.penalty_ids[n - 1] = token_id
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)

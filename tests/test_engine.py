@@ -65,7 +65,10 @@ def test_sampling_params_validate():
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
                 dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial"), dict(logprobs=-1),
                 dict(logprobs=21), dict(logprobs=True), dict(logprobs=1.0), dict(prompt_logprobs=-1),
-                dict(prompt_logprobs=21), dict(prompt_logprobs=False)):
+                dict(prompt_logprobs=21), dict(prompt_logprobs=False), dict(presence_penalty=2.5),
+                dict(frequency_penalty=-3), dict(presence_penalty=True), dict(logit_bias={-1: 1.0}),
+                dict(logit_bias={1: 101}), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 1.0}),
+                dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)])):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -170,6 +173,47 @@ def _ran(batch) -> None:
         seq.num_computed_tokens += n
         if seq.num_uncomputed_tokens == 0:
             seq.append_token(1, 0.0)
+
+
+def test_adjust_logits_matches_a_per_token_reference():
+    """Logit bias added, frequency x count and presence x occurrence subtracted, per row and token, with per-row
+    values and with one value every row shares (no device copy)."""
+    gen = torch.Generator().manual_seed(0)
+    history = [np.array([1, 1, 4, 9, 1]), None, np.array([2, 2, 2]), np.array([5]), np.array([], dtype=np.int64)]
+    for params in ([SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
+                    SamplingParams(logit_bias={3: 5.0, 7: -100}),
+                    SamplingParams(frequency_penalty=-1.0, logit_bias={2: 1.5, 49: 0.25}), SamplingParams(),
+                    SamplingParams(presence_penalty=-2.0)],
+                   [SamplingParams(presence_penalty=0.7, frequency_penalty=0.2)] * 5):
+        x = torch.randn(5, 50, generator=gen)
+        want, x = x.clone(), x.to(DEVICE)
+        for row, (p, h) in enumerate(zip(params, history)):
+            for t, v in (p.logit_bias or {}).items():
+                want[row, t] += v
+            if p.penalized and h is not None:
+                for t in set(h.tolist()):
+                    want[row, t] -= p.frequency_penalty * h.tolist().count(t) + p.presence_penalty
+        sampling.adjust_logits(x, params, history)
+        assert torch.allclose(x.cpu(), want, atol=1e-6)
+
+
+def test_sampler_adjusts_only_its_rows_and_keeps_the_logits():
+    """Adjusted rows (greedy or sampled) pick from their adjusted logits; the other rows pick as without them, and
+    the logits the engine reads log-probabilities from afterwards are unchanged."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=gen).to(DEVICE)
+    before = logits.clone()
+    top = logits.argmax(dim=-1)
+    params = [SamplingParams(), SamplingParams(logit_bias={5: 100.0}),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, seed=2, logit_bias={9: 100.0}),
+              SamplingParams(frequency_penalty=2.0), SamplingParams(temperature=1.0, seed=8, top_k=5)]
+    history = [None, None, None, None, np.array([int(top[4])] * 50), None]
+    gens = [make_generator(p.seed, DEVICE) for p in params]
+    tokens = Sampler()(logits, params, gens, history)
+    assert torch.equal(logits, before)
+    assert tokens[0] == top[0] and tokens[1] == 5 and tokens[3] == 9 and tokens[4] != top[4]
+    alone = Sampler()(logits[[2, 5]], [params[2], params[5]], [make_generator(3, DEVICE), make_generator(8, DEVICE)])
+    assert [tokens[2], tokens[5]] == alone  # seeded rows draw the same beside adjusted rows
 
 
 def test_blocks_demand_counts_what_requests_will_still_need():
@@ -501,6 +545,46 @@ def test_logprobs_match_transformers(hf_dir):
                 assert abs(v - want[step, t].item()) < 1e-4, (step, t)
             if out is not sampled[-1]:
                 assert entry[tok] == max(entry.values())  # greedy: its own token is the most likely
+
+
+class OpenAIPenalties(transformers.LogitsProcessor):
+    """The reference: the OpenAI API's penalties over the generated tokens and its logit bias, row by row."""
+
+    def __init__(self, prompt_len: int, params: SamplingParams) -> None:
+        self.prompt_len, self.params = prompt_len, params
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        for row in range(scores.shape[0]):
+            counts = torch.bincount(input_ids[row, self.prompt_len:], minlength=scores.shape[1]).to(scores.dtype)
+            scores[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+            for t, v in (p.logit_bias or {}).items():
+                scores[row, t] += v
+        return scores
+
+
+def test_penalties_and_logit_bias_match_transformers(hf_dir):
+    """Greedy requests with presence / frequency penalties and a logit bias, batched with plain ones, generate what
+    transformers' greedy generate does under the same adjustments; a seeded sampled request with penalties draws the
+    same tokens alone and batched."""
+    path, ref = hf_dir
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16)
+    plain = llm.generate(PROMPTS, greedy(16), use_tqdm=False)
+    banned = plain[3].token_ids[0]  # its first pick, biased out
+    cases = [greedy(16, frequency_penalty=1.5), greedy(16, presence_penalty=2.0, frequency_penalty=-0.5), greedy(16),
+             greedy(16, logit_bias={banned: -100.0, 100: 6.0}, presence_penalty=0.7)]
+    outs = llm.generate(PROMPTS, cases, use_tqdm=False)
+    for out, params in zip(outs, cases):
+        ids = torch.tensor([out.prompt_token_ids])
+        want = ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            logits_processor=transformers.LogitsProcessorList([OpenAIPenalties(ids.shape[1], params)]))
+        assert out.token_ids == want[0, ids.shape[1]:].tolist(), params
+    assert outs[2].token_ids == plain[2].token_ids
+    assert all(o.token_ids != p.token_ids for o, p in zip(outs[:2] + outs[3:], plain[:2] + plain[3:]))
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=4, frequency_penalty=1.0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, [sampled] + cases[1:], use_tqdm=False)[0]
+    assert alone.token_ids == batched.token_ids
 
 
 def test_prompt_logprobs_match_transformers(hf_dir):
