@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -65,6 +66,13 @@ class SamplingParams:
         """Its logits change before the pick (penalties or a logit bias): the sampler takes its row apart."""
         return self.penalized or bool(self.logit_bias)
 
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (int64 token ids, float32 biases), built once: the sampler reads them every step (a dict of
+        100 tokens in 256 rows took 21 ms a step as Python tuples, sampler_bench-…-s36-penalties.json)."""
+        bias = self.logit_bias or {}
+        return np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias))
+
     def validate(self) -> "SamplingParams":
         """Raise ValueError with a one-line reason when a field is out of range; returns self."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -120,12 +128,13 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
 # probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and about 4
 # more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
-# …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts: 4 bytes (computed).
-# The engine's start-up profile samples its widest decode step with a top-p filter, so the activation reserve holds a
-# chunk's worth.
+# …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts, 4 bytes a logit,
+# priced at 5: greedy rows with penalties allocated 64.4 MiB in 55-row chunks priced at 4 (the ids and their
+# offsets beside the counts, sampler_bench-nvidia-h200-20261203-s36-penalties.json). The engine's start-up profile
+# samples its widest decode step with a top-p filter, so the activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
-ADJUSTED_BYTES_PER_ENTRY = 4
+ADJUSTED_BYTES_PER_ENTRY = 5
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -178,11 +187,11 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[n
     ids (whole numbers: exact in any order), from one host-to-device copy."""
     rows, vocab = x.shape
     dev = x.device
-    biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    biased = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]
     if biased:
-        r, t, v = zip(*biased)
-        x.index_put_((torch.tensor(r).to(dev, non_blocking=True), torch.tensor(t).to(dev, non_blocking=True)),
-                     torch.tensor(v, dtype=x.dtype).to(dev, non_blocking=True), accumulate=True)
+        flat = torch.from_numpy(np.concatenate([ids + i * vocab for i, (ids, _) in biased]))
+        values = torch.from_numpy(np.concatenate([v for _, (_, v) in biased]))
+        x.view(-1).index_add_(0, flat.to(dev, non_blocking=True), values.to(dev, non_blocking=True))
     ids = [h.astype(np.int64) + i * vocab for i, (p, h) in enumerate(zip(params, history))
            if p.penalized and h is not None and len(h)]
     if not ids:
