@@ -75,6 +75,9 @@ class GenerationJob:
     # completions: the answer starts with the prompt (and its tokens' log-probabilities with `logprobs`: what
     # lm-evaluation-harness's loglikelihood reads); max_tokens may then be 0, the prompt alone
     echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias
 
 
 @dataclass
@@ -84,7 +87,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     request_id: str
-    jobs: list[GenerationJob]  # one per prompt: choice i answers jobs[i] (completions take a list of prompts)
+    # one per prompt and sample: choice i answers jobs[i], the (i % n)-th sample of prompt i // n (completions take a
+    # list of prompts; both APIs take n)
+    jobs: list[GenerationJob]
+    n: int = 1
 
 
 def parse_body(raw: bytes) -> dict:
@@ -186,12 +192,29 @@ def render_chat(messages) -> str:
 
 
 MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same)
-# prompts of one completions request: its choices are held whole in the ingress until the last one ends (vLLM takes
-# any number; a bound keeps one request from holding an ingress's memory for thousands)
+# choices of one request (prompts x n), each an engine request: they are held whole in the ingress until the last one
+# ends (vLLM takes any number; a bound keeps one request from holding an ingress's memory for thousands)
 MAX_PROMPTS = 256
-UNSUPPORTED = {"suffix": None, "best_of": 1,
-               "logit_bias": None, "tools": None, "functions": None, "presence_penalty": 0,
-               "frequency_penalty": 0}
+UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None}
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    """The API's logit_bias: {"token id": bias}; token ids beyond the vocabulary are refused by the engine."""
+    from pagedweight.sampling import MAX_BIASED_TOKENS, MAX_LOGIT_BIAS
+
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_BIASED_TOKENS:
+        raise _bad(f"'logit_bias' must be an object of at most {MAX_BIASED_TOKENS} token ids", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise _bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise _bad(f"'logit_bias' values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
+                       "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def validate_request(body: dict, kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
@@ -206,8 +229,6 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         value = body.get(name)
         if value is not None and value != neutral and value != {} and value != []:
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    if body.get("n") not in (None, 1):
-        raise _bad("only n=1 is supported", "n", "unsupported_parameter")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
@@ -227,6 +248,9 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         prompts = _prompts(body.get("prompt"))
         tokens_field, default_tokens = "max_tokens", 16
     max_tokens = _integer(body, tokens_field, default_tokens, 0 if echo else 1, max_model_len)
+    n = _integer(body, "n", 1, 1, MAX_PROMPTS)
+    if len(prompts) * n > MAX_PROMPTS:
+        raise _bad(f"prompts x n must be at most {MAX_PROMPTS}, got {len(prompts)} x {n}", "n")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -251,13 +275,19 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_integer(body, "top_k", 0, 0, 1 << 20),
-        seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
+        seed=_integer(body, "seed", None, 0, (1 << 63) - 1 - MAX_PROMPTS),
         stop=stop, ignore_eos=ignore_eos,
         request_id=request_id, logprobs=logprobs, echo=echo,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
-    jobs = [job] if len(prompts) == 1 else \
-        [replace(job, prompt=prompt, request_id=f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
-    return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), request_id, jobs)
+    # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
+    jobs = [job] if len(prompts) * n == 1 else \
+        [replace(job, prompt=prompt, request_id=f"{request_id}-{i * n + j}",
+                 seed=None if job.seed is None else job.seed + j)
+         for i, prompt in enumerate(prompts) for j in range(n)]
+    return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), request_id, jobs, n)
 
 
 # ---------------------------------------------------------------- engine replica
@@ -267,7 +297,9 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
     # the replica reads delta text and counts (token ids never leave it): delta outputs copy no generated tokens
     return SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
                           seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos, output_kind="delta",
-                          logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None).validate()
+                          logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None,
+                          presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+                          logit_bias=job.logit_bias).validate()
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], n: int) -> list[dict]:
@@ -431,14 +463,19 @@ async def _collect(req: ParsedRequest, head: dict, chunks) -> dict:
     return {**out, "text": "".join(text), "logprobs": logprobs if req.jobs[0].logprobs is not None else None}
 
 
+def _prompt_tokens(req: ParsedRequest, heads: list[dict]) -> int:
+    """Prompt tokens of the request: each prompt once, however many samples (n) it has."""
+    return sum(h["prompt_tokens"] for h in heads[::req.n])
+
+
 def _final_body(req: ParsedRequest, heads: list[dict], answers: list[dict]) -> dict:
-    usage = _usage(sum(h["prompt_tokens"] for h in heads), sum(a["completion_tokens"] for a in answers))
+    usage = _usage(_prompt_tokens(req, heads), sum(a["completion_tokens"] for a in answers))
     base = {"id": req.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
     if req.kind == "chat":
-        (a,) = answers
-        choice = {"index": 0, "message": {"role": "assistant", "content": a["text"]},
-                  "logprobs": _logprobs_body(req, a["logprobs"]), "finish_reason": a["finish_reason"]}
-        return {**base, "object": "chat.completion", "choices": [choice]}
+        choices = [{"index": i, "message": {"role": "assistant", "content": a["text"]},
+                    "logprobs": _logprobs_body(req, a["logprobs"]), "finish_reason": a["finish_reason"]}
+                   for i, a in enumerate(answers)]
+        return {**base, "object": "chat.completion", "choices": choices}
     choices = [{"index": i, "text": a["text"], "logprobs": _logprobs_body(req, a["logprobs"]),
                 "finish_reason": a["finish_reason"]} for i, a in enumerate(answers)]
     return {**base, "object": "text_completion", "choices": choices}
@@ -483,8 +520,9 @@ async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
     base = {"id": req.request_id, "created": int(time.time()), "model": req.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     if chat:
-        yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+        for i in range(len(heads)):
+            yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]})
     completion_tokens, offsets = [0] * len(heads), [0] * len(heads)
     for i, head in enumerate(heads):
         if "echo" in head:
@@ -512,7 +550,7 @@ async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
     finally:
         await chunks.aclose()
     if req.include_usage:
-        usage = _usage(sum(h["prompt_tokens"] for h in heads), sum(completion_tokens))
+        usage = _usage(_prompt_tokens(req, heads), sum(completion_tokens))
         yield _event({**base, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 

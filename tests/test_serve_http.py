@@ -235,6 +235,44 @@ def test_batched_prompts_answer_each_in_its_choice(serve_app, offline, n_tokens)
     wait_idle()
 
 
+def test_n_samples_each_prompt(client, serve_app, offline, n_tokens):
+    """n > 1: n choices per prompt (prompt-major), the j-th drawn with seed + j, so each is the offline engine's
+    answer at that seed; prompt tokens count once per prompt; chat's choices likewise, streamed with their index."""
+    kw = dict(max_tokens=8, temperature=1.0, seed=11)
+    resp = client.completions.create(model=serve_app.model, prompt=[PROMPT, "class Stack:"], n=3, **kw)
+    assert [c.index for c in resp.choices] == list(range(6))
+    want = [offline(p, seed=11 + j, **{k: v for k, v in kw.items() if k != "seed"}).text
+            for p in (PROMPT, "class Stack:") for j in range(3)]
+    assert [c.text for c in resp.choices] == want and len(set(want[:3])) > 1
+    assert resp.usage.prompt_tokens == n_tokens(PROMPT) + n_tokens("class Stack:")
+    chunks = list(client.chat.completions.create(model=serve_app.model, messages=MESSAGES, n=2, max_tokens=6,
+                                                 temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, n=2, max_tokens=6, temperature=0)
+    assert texts[0] == texts[1] == whole.choices[0].message.content == whole.choices[1].message.content
+    wait_idle()
+
+
+def test_penalties_and_logit_bias_match_offline_engine(client, serve_app, offline):
+    """presence_penalty, frequency_penalty and logit_bias reach the engine: the greedy text is the offline engine's
+    under the same adjustments, and a bias of +100 makes every token the biased one."""
+    kw = dict(presence_penalty=1.2, frequency_penalty=0.8, logit_bias={"13": 3.0})
+    ref = offline(PROMPT, presence_penalty=1.2, frequency_penalty=0.8, logit_bias={13: 3.0})
+    assert ref.text != offline(PROMPT).text
+    resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     **kw)
+    assert resp.choices[0].text == ref.text
+    forced = offline(PROMPT, max_tokens=4, logit_bias={13: 100.0}, ignore_eos=True)
+    assert forced.token_ids == [13] * 4
+    chat = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logit_bias={"13": 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == forced.text
+    wait_idle()
+
+
 def stream_events(http: httpx.Client, body: dict) -> list[dict]:
     """The data events of a streamed completion, [DONE] excluded."""
     with http.stream("POST", "/v1/completions", json=body) as r:
@@ -310,6 +348,11 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("prompt + max_tokens over context", "/v1/completions", body(max_tokens=max_model_len - 1), 400),
         ("token id outside vocab", "/v1/completions", body(prompt=[1, 2, 10**9]), 400),
         ("too many prompts", "/v1/completions", body(prompt=["x"] * 257), 400),
+        ("presence_penalty above 2", "/v1/completions", body(presence_penalty=2.5), 400),
+        ("frequency_penalty not a number", "/v1/completions", body(frequency_penalty="1"), 400),
+        ("logit_bias key not a token id", "/v1/completions", body(logit_bias={"a": 1}), 400),
+        ("logit_bias above 100", "/v1/completions", body(logit_bias={"1": 101}), 400),
+        ("logit_bias id outside vocab", "/v1/completions", body(logit_bias={"999999999": 1}), 400),
         ("an empty prompt in a batch", "/v1/completions", body(prompt=["x", ""]), 400),
         ("a bad token id in a batch", "/v1/completions", body(prompt=[[1, 2], [-1]]), 400),
         ("negative max_tokens", "/v1/completions", body(max_tokens=-5), 400),
@@ -324,7 +367,8 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("negative top_k", "/v1/completions", body(top_k=-1), 400),
         ("negative seed", "/v1/completions", body(seed=-1), 400),
         ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
-        ("n=3", "/v1/completions", body(n=3), 400),
+        ("n=0", "/v1/completions", body(n=0), 400),
+        ("prompts x n above 256", "/v1/completions", body(prompt=["x", "y"], n=200), 400),
         ("stream not bool", "/v1/completions", body(stream="yes"), 400),
         ("logprobs above 20", "/v1/completions", body(logprobs=21), 400),
         ("logprobs not an integer", "/v1/completions", body(logprobs="2"), 400),
