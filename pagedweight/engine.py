@@ -150,6 +150,17 @@ RESERVE_HINT = (" The reserve was measured at start-up (activation_reserve='auto
                 "activation_reserve=0 for a budget of the weights and the pool only.")
 
 
+@dataclass
+class _History:
+    """The sampler's history[i]: row i's generated token ids, looked up only for rows it adjusts (no pass over the
+    step's rows)."""
+
+    seqs: list[Sequence]
+
+    def __getitem__(self, i: int) -> np.ndarray | None:
+        return self.seqs[i].generated_ids()
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """torch.device(device), refused with a ValueError (a clear CLI error, not a traceback) when it names no device
     kind torch knows or CUDA where there is none."""
@@ -598,9 +609,8 @@ class LLM:
         if failure is None:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
-                params = [s.params for s in to_sample]
-                history = [s.generated_ids() for s in to_sample] if any(p.penalized for p in params) else None
-                tokens = self.sampler(logits, params, [s.generator for s in to_sample], history)
+                tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+                                      _History(to_sample))
                 self._logprobs(logits, to_sample, tokens)
                 if prompt_rows is not None:
                     self._prompt_logprobs(prompt_rows)

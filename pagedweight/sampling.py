@@ -6,6 +6,7 @@ others (batch composition never shifts its random stream); unseeded requests sha
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -64,7 +65,7 @@ class SamplingParams:
     @property
     def adjusts(self) -> bool:
         """Its logits change before the pick (penalties or a logit bias): the sampler takes its row apart."""
-        return self.penalized or bool(self.logit_bias)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -216,13 +217,19 @@ class Sampler:
     read (a per-row loop cost a dozen launches and a host read per sampled row)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 history: list[np.ndarray | None] | None = None) -> list[int]:
+                 history: SequenceOf[np.ndarray | None] | None = None) -> list[int]:
         """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG).
-        history: each row's generated token ids, for its penalties (`adjust_logits`; None: none). Rows whose logits
-        are adjusted are gathered and adjusted apart (greedy ones and sampled ones), so `logits` stay the model's
-        own: log-probabilities are read from them afterwards."""
-        adjusted = [i for i, p in enumerate(params) if p.adjusts]
-        sampled = [i for i, p in enumerate(params) if not p.greedy and not p.adjusts]
+        history[i]: row i's generated token ids, for its penalties (`adjust_logits`; None: none), read only for
+        adjusted rows. Rows whose logits are adjusted are gathered and adjusted apart (greedy ones and sampled ones),
+        so `logits` stay the model's own: log-probabilities are read from them afterwards. The rows are classed in
+        one pass over params: at 256 rows each further pass cost the step ~0.1 ms of host time
+        (sampler_bench-cpu-2c-20261203-s36-host.json)."""
+        sampled, adjusted = [], []
+        for i, p in enumerate(params):
+            if p.adjusts:
+                adjusted.append(i)
+            elif not p.greedy:
+                sampled.append(i)
         if not sampled and not adjusted:
             return logits.argmax(dim=-1).tolist()
         if len(sampled) == len(params):  # no gather
