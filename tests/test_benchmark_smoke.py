@@ -357,3 +357,25 @@ def test_run_budgets_collects_each_runs_summary_and_a_refusal(ap_dir, tmp_path):
     assert ok["widths_dropped"] and ok["widths_returned"] and ok["offload_triggers"] >= 1
     assert ok["warnings"] == []
     assert refused["rc"] != 0 and "budget" in refused["error"] and "requests" not in refused
+
+
+def test_serving_quality_scores_both_waves_of_every_config(ap_dir, tmp_path):
+    """Each configuration scores the light and then the heavy wave (every window's tokens once), with perplexity,
+    steps and widths; a static width the budget cannot hold gets a row with the budget's refusal."""
+    from benchmarks import serving_quality
+
+    assert serving_quality.main(["--model", str(ap_dir), "--windows", "4", "--light", "1", "--ctx", "32", "--gen", "4",
+                                 "--widths", "3,8", "--page-store-dir", str(tmp_path / "store"),
+                                 "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("serving_quality-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["8-bit, no budget", "pagedweight", "uniform-3", "uniform-8"]
+    for row in rows:
+        if "error" in row:
+            assert "gpu_memory_budget too small" in row["error"]
+            continue
+        assert row["light"]["scored_tokens"] == 32 and row["heavy"]["scored_tokens"] == 4 * 32
+        assert row["heavy"]["preemptions"] >= 0 and 3 <= row["heavy"]["mean_width"] <= 8
+        assert np.isfinite(row["ppl"]) and row["ppl"] > 1
+    assert rows[0]["light"]["mean_width"] == rows[0]["heavy"]["mean_width"] == 8.0
+    assert rows[2]["heavy"]["mean_width"] == 3.0 and rows[2]["ppl"] != rows[0]["ppl"]
