@@ -193,23 +193,24 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[n
         flat = torch.from_numpy(np.concatenate([ids + i * vocab for i, (ids, _) in biased]))
         values = torch.from_numpy(np.concatenate([v for _, (_, v) in biased]))
         x.view(-1).index_add_(0, flat.to(dev, non_blocking=True), values.to(dev, non_blocking=True))
-    ids = [h.astype(np.int64) + i * vocab for i, (p, h) in enumerate(zip(params, history))
-           if p.penalized and h is not None and len(h)]
+    ids = [h + i * vocab for i, (p, h) in enumerate(zip(params, history)) if p.penalized and h is not None and len(h)]
     if not ids:
         return
     flat = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
     counts = torch.zeros_like(x)
     counts.view(-1).index_add_(0, flat, torch.ones(len(flat), dtype=x.dtype, device=dev))
-    for name in ("frequency_penalty", "presence_penalty"):
-        if name == "presence_penalty":
-            counts.clamp_(max=1.0)  # occurs or not
-        values = [getattr(p, name) for p in params]
-        if any(values):
-            penalty = _per_row(values, dev)
-            if isinstance(penalty, torch.Tensor):
-                x.addcmul_(counts, penalty, value=-1.0)
-            else:
-                x.add_(counts, alpha=-penalty)
+    _subtract_scaled(x, counts, [p.frequency_penalty for p in params])
+    _subtract_scaled(x, counts.clamp_(max=1.0), [p.presence_penalty for p in params])  # occurs or not
+
+
+def _subtract_scaled(x: torch.Tensor, counts: torch.Tensor, per_row: list[float]) -> None:
+    """x -= per_row[i] x counts[i], in place (nothing when every value is 0)."""
+    if any(per_row):
+        scale = _per_row(per_row, x.device)
+        if isinstance(scale, torch.Tensor):
+            x.addcmul_(counts, scale, value=-1.0)
+        else:
+            x.add_(counts, alpha=-scale)
 
 
 class Sampler:
