@@ -162,6 +162,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,
+        "mean_width_avg": float(np.mean(mean_w)) if mean_w else None,  # over steps: the widths the work was served at
         "mean_width_reversals": reversals(np.asarray(mean_w)) if mean_w else 0,
         "mean_width_swings": swings(mean_w, SWING_BITS),  # reversals of at least SWING_BITS bits
         "blocks_with_2plus_reversals": int(sum(r >= 2 for r in block_rev)),
@@ -171,8 +172,9 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     }
 
 
-SPREAD_METRICS = ("mean_width_reversals", "mean_width_swings", "blocks_with_2plus_reversals", "offload_triggers",
-                  "reload_triggers", "bytes_offloaded", "bytes_reloaded", "ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
+SPREAD_METRICS = ("mean_width_avg", "mean_width_reversals", "mean_width_swings", "blocks_with_2plus_reversals",
+                  "offload_triggers", "reload_triggers", "bytes_offloaded", "bytes_reloaded", "ttft_p50_ms",
+                  "ttft_p99_ms", "tokens_per_s")
 
 
 def run_spread(rows: list[dict]) -> dict:
