@@ -1,8 +1,8 @@
 """The engine: `LLM` (SPEC.md's engine contract) and the per-step loop that ties the pieces together.
 
 One step = (1) the paging loop at the step boundary: the planner sees KV pressure (free blocks, counting the
-pages that moves in flight give back, against the most blocks the admitted requests will hold at once, so it
-frees room once when work arrives rather than one prefill chunk at a time), routing statistics and prompt features,
+pages that moves in flight give back, against every block the admitted requests will still need, so it frees
+room once when work arrives rather than one prefill chunk at a time), routing statistics and prompt features,
 and the mover commits whatever is ready (lower widths free pool pages for KV; higher widths come back when
 pressure falls); (2) the scheduler packs running and waiting requests into a token budget, preempting the
 newest when even the largest safe release leaves the KV cache short; (3) the runner computes the batch;
@@ -760,9 +760,9 @@ class LLM:
         """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on).
 
         Offloads first: their new LUTs need pages. A reload starts only if it leaves `keep_free_bytes` free (the KV
-        blocks the admitted requests will still take at their peak, plus the trigger margin): it takes its pages
-        when it starts and holds the old LUT until its commit, briefly more than the planner priced, and must not
-        take blocks a running request is about to write. After the first reload refused, the rest wait for a later boundary
+        blocks the admitted requests still need, plus the trigger margin): it takes its pages when it starts and
+        holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
+        running request is about to write. After the first reload refused, the rest wait for a later boundary
         (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run,
         at most `reload_starts_per_step` reloads start per boundary.
         """

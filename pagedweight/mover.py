@@ -210,7 +210,7 @@ class PageMover:
 
         A reload takes its pages at once and holds the old LUT until its commit; with `keep_free_pages` > 0 it is
         refused unless that peak leaves this many pages free outside the reserve (the engine keeps the KV blocks
-        that admitted requests will still take). Call only at a step boundary: allocating a reload's runs may relocate
+        that admitted requests still need). Call only at a step boundary: allocating a reload's runs may relocate
         KV pages (see PagePool._compact); with `relocate` False a run that fits no free extent as it lies refuses
         the move instead (a compaction scans the pool: the engine rations them while requests run).
         """

@@ -442,10 +442,9 @@ class _SignalsCache:
 class KVState:
     """What the KV allocator reports at a step boundary.
 
-    `target_free_blocks` is the demand: the blocks beyond those held that the admitted work will hold at its
-    fullest (the engine's scheduler steps the remaining prompts and tokens still to generate through its token
-    budget, `Scheduler.blocks_demand`), so one release covers the requests until their peak has passed and the free
-    blocks minus the target stay put while they run; a reload needs that margin to grow (a request ends).
+    `target_free_blocks` is the demand: every block the admitted work will still need (the engine's scheduler
+    counts remaining prompt and tokens still to generate), so one release covers a request for its whole life and
+    the free blocks minus the target stay put while it runs; a reload needs that margin to grow (a request ends).
     `transit_bytes` are pool bytes that moves hold beyond the committed widths' footprint (PageMover.transit_bytes).
     `used_blocks` are the blocks the requests hold now: with the target, what the KV cache needs whatever the widths.
     """
