@@ -67,6 +67,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token the same, None for the first (nothing precedes it); in
     # every output, but with output_kind "delta" only in the request's first
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were found computed when it started (prefix sharing)
 
     @property
     def prompt_tokens(self) -> int:
@@ -89,6 +90,9 @@ class EngineOptions:
     # of the same shapes. 0: the budget covers the weights and the pool only
     activation_reserve: int | str = 0
     detokenize: bool = True
+    # requests share the computed KV blocks of a common prefix (a system prompt, the samples of one prompt, a chat's
+    # earlier turns): PagedKVCache's prefix sharing, live blocks only
+    prefix_caching: bool = True
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
     paging: bool = True  # False = static uniform `bits` (no planner, no mover traffic)
@@ -315,7 +319,8 @@ class LLM:
         self.table = self.mover = self.planner = self.router_stats = None
         if weights is not None:
             self._setup_weights(model, weights)
-        self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size, opts.decode_attention_kernel)
+        self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size, opts.decode_attention_kernel,
+                               opts.prefix_caching)
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
@@ -600,6 +605,8 @@ class LLM:
         finally:
             if self.mover is not None:
                 self.mover.end_step()  # fences this step's reads of the pages it used
+        if failure is None:
+            self.kv.publish(batch.seqs)  # blocks this step filled: later requests with the same prefix read them
         if observe:  # the copy of its statistics, queued right behind the forward: the next step reads it
             self.router_stats.prefetch()
             self.router_stats.active = False
@@ -874,7 +881,7 @@ class LLM:
         logprobs = seq.logprobs[start - seq.num_prompt_tokens:] if seq.params.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], seq.text, delta,
                              seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs,
-                             prompt_logprobs)
+                             prompt_logprobs, seq.num_cached_tokens)
 
     # ---- blocking and streaming front ends ----
     def generate(self, prompts: list[str | list[int]],
@@ -939,6 +946,9 @@ class LLM:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            # prefix sharing: prompt tokens of the requests that looked their prefix up, and those found computed
+            "prefix_query_tokens": self.kv.prefix_query_tokens,
+            "prefix_hit_tokens": self.kv.prefix_hit_tokens,
             # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),
@@ -1073,6 +1083,8 @@ def add_parser(subparsers) -> "argparse.ArgumentParser":
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
     p.add_argument("--page-store-dir", default=None,
                    help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
@@ -1107,7 +1119,9 @@ def run(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve)
+              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
+              prefix_caching=args.prefix_caching)
+
     def mean_width(hist: list[list[int]]) -> float:
         counts = np.asarray(hist).sum(axis=0)
         return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))

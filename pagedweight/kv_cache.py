@@ -14,6 +14,14 @@ mask, as a static decode step does. So prefill chunks and decodes of different s
 without attending to each other, and no query is scored against another sequence's keys: a block-diagonal mask
 over every sequence's context (before session 16) cost a [T, S_total] host-built mask and T x S_total scores.
 
+Prefix sharing (`prefix_caching`): a block whose `block_size` tokens are all computed is published under a key,
+(the logical block before it, its token ids), so equal keys mean equal K/V all the way back to the first token. A
+request that starts (or restarts after preemption) looks its prompt's full blocks up in order and takes the ones
+found instead of computing them: it holds a reference, and a block goes back to the pool when its last holder lets
+go. Only live blocks are shared (none is kept once every holder is gone), so a byte the KV cache holds is always a
+byte some request reads, and a freed block is free at once for the KV cache or the weights. Shared blocks are full
+and never written again: a request's own tokens go to blocks after them.
+
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
 derives everything from device tensors (no host data, no page id baked in). In both kinds of step, on CUDA, the
@@ -77,10 +85,11 @@ class DecodeLayout:
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16,
-                 decode_kernel: bool = True) -> None:
+                 decode_kernel: bool = True, prefix_caching: bool = True) -> None:
         """`decode_kernel`: on CUDA, decode rows (static decode steps and the one-token rows of packed steps) attend
         with the paged decode attention kernel (keys read in place, split over the context) where it supports the
-        dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask."""
+        dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask.
+        `prefix_caching`: requests share the computed full blocks of a common prefix (module docstring)."""
         self.num_layers = cfg.num_hidden_layers
         self.block_size = block_size
         self.pool = pool
@@ -99,6 +108,13 @@ class PagedKVCache:
         self._page_owner: dict[int, tuple[int, int]] = {}  # pool block -> (logical block, layer)
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
         self._ids = itertools.count()
+        self.prefix_caching = prefix_caching
+        self._refs: dict[int, int] = {}  # logical block -> sequences holding it
+        self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
+        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
+        self._published: dict[str, int] = {}  # request id -> how many of its leading blocks are published
+        self.prefix_query_tokens = 0  # prompt tokens of the requests that looked their prefix up
+        self.prefix_hit_tokens = 0  # of those, tokens found computed
         self.layout: StepLayout | DecodeLayout | None = None
         self._kernels = None  # cuda/attention_kernels.py when decode rows use it
         # grouped query heads too: against the gather + SDPA the engine runs (cuDNN's SDPA off, heads folded:
@@ -143,18 +159,69 @@ class PagedKVCache:
             block = pages[j * self.num_layers:(j + 1) * self.num_layers]
             lid = next(self._ids)
             self.block_pages[lid] = block
+            self._refs[lid] = 1
             self._page_owner.update((p, (lid, layer)) for layer, p in enumerate(block))
             seq.block_table.append(lid)
 
     def free(self, seq: Sequence) -> None:
-        """Give every block of seq back to the pool now (finish, abort, preemption)."""
+        """Let go of every block of seq now (finish, abort, preemption): a block no other sequence holds goes back
+        to the pool."""
         self._tables.pop(seq.request_id, None)
-        pages = [p for b in seq.block_table for p in self.block_pages.pop(b)]
+        self._published.pop(seq.request_id, None)
+        pages = []
+        for b in seq.block_table:
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            del self._refs[b]
+            key = self._key.pop(b, None)
+            if key is not None:
+                del self._shared[key]
+            pages += self.block_pages.pop(b)
         for p in pages:
             del self._page_owner[p]
         if pages:
             self.pool.free_kv_blocks(pages)
         seq.block_table = []
+
+    def share_prefix(self, seq: Sequence) -> int:
+        """A sequence about to compute from its first token takes the published blocks its tokens begin with (all
+        but its last token: that one's logits are needed); returns the tokens found. None with prompt
+        log-probabilities, which need every position's logits."""
+        if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+            return 0
+        bs, ids, parent = self.block_size, seq.token_ids, -1
+        self.prefix_query_tokens += seq.num_tokens
+        for j in range((seq.num_tokens - 1) // bs):
+            lid = self._shared.get((parent, tuple(ids[j * bs:(j + 1) * bs])))
+            if lid is None:
+                break
+            self._refs[lid] += 1
+            seq.block_table.append(lid)
+            parent = lid
+        found = len(seq.block_table) * bs
+        seq.num_computed_tokens = found
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = min(found, seq.num_prompt_tokens)
+        self._published[seq.request_id] = len(seq.block_table)
+        self.prefix_hit_tokens += found
+        return found
+
+    def publish(self, seqs: list[Sequence]) -> None:
+        """After a step computed them: publish the blocks of `seqs` that are now full (not those whose key another
+        block already has)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for seq in seqs:
+            done, full = self._published.get(seq.request_id, 0), min(seq.num_computed_tokens // bs,
+                                                                       len(seq.block_table))
+            for j in range(done, full):
+                lid = seq.block_table[j]
+                key = (seq.block_table[j - 1] if j else -1, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
+                if lid not in self._key and key not in self._shared:
+                    self._shared[key], self._key[lid] = lid, key
+            self._published[seq.request_id] = max(done, full)
 
     def _relocated(self, moves: dict[int, int]) -> None:
         """The pool moved pool blocks old -> new (bytes already copied on the compute stream): follow them.

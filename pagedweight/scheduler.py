@@ -2,7 +2,8 @@
 
 One loop serves prefill and decode: each step has a token budget; running sequences go first (a decode
 costs one token, an unfinished prompt continues in chunks), then waiting sequences start with what is
-left (chunked prefill). When the KV cache cannot hold a running sequence's next tokens, the newest
+left (chunked prefill), after the computed blocks of a prefix they share with running ones
+(`PagedKVCache.share_prefix`). When the KV cache cannot hold a running sequence's next tokens, the newest
 running sequence is preempted: its blocks go back at once and it re-enters the front of the waiting
 queue to be recomputed later. The engine asks the weight planner for room before this happens: its demand
 (`blocks_demand`) is every block the running requests and the waiting ones that have a seat will still need
@@ -34,6 +35,8 @@ class BlockSpace(Protocol):
     def tokens_fit(self, seq: Sequence) -> int: ...
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None: ...
+
+    def share_prefix(self, seq: Sequence) -> int: ...
 
     def free(self, seq: Sequence) -> None: ...
 
@@ -183,9 +186,13 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                self.kv.share_prefix(seq)  # the computed blocks of a prefix it shares with running requests
             n = self._fit(seq, self._chunk(seq, budget))
             if n == 0:
                 if self.running:
+                    self.kv.free(seq)  # a waiting request holds no block
+                    seq.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
                 self._fail(seq, batch)

@@ -48,6 +48,7 @@ class Sequence:
     # position i's logits); a recompute after preemption scores only the positions not yet here
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V it found computed when it started (prefix sharing)
     # generated token ids as an array (grown by doubling), kept for requests with presence or frequency penalties:
     # the sampler counts them every step, and a list would be converted anew each time
     penalty_ids: np.ndarray | None = None

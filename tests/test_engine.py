@@ -19,7 +19,7 @@ import transformers
 
 from pagedweight import kv_cache
 from pagedweight.apformat import load_ap_model
-from pagedweight.engine import LLM, add_parser, parse_budget, run, serving_reserve
+from pagedweight.engine import LLM, RequestOutput, add_parser, parse_budget, run, serving_reserve
 from pagedweight.generate import generate
 from pagedweight import sampling
 from pagedweight.sampling import Sampler, SamplingParams, make_generator, sample_rows
@@ -162,6 +162,9 @@ class CountingKV:
         self.num_free_blocks += len(seq.block_table)
         seq.block_table = []
 
+    def share_prefix(self, seq: Sequence) -> int:
+        return 0
+
 
 def _seq(rid: str, prompt: int, max_tokens: int) -> Sequence:
     return Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens))
@@ -302,6 +305,41 @@ def test_preemption_recomputes_without_changing_outputs(hf_dir):
         assert all(a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
                    for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]))
     assert tiny.stats()["kv_free_blocks"] == 12
+
+
+def test_prefix_sharing_keeps_outputs_and_shares_blocks(hf_dir):
+    """Requests that share a system prompt with a running one start after its computed blocks and generate what
+    they generate without sharing (greedy and seeded sampling); the shared blocks are held once and all come back."""
+    path, _ = hf_dir
+    system = "You are a careful assistant. Answer in one line of Python.\n"
+    prompts = [system + q for q in ("Reverse a list.", "Sum a list.", "Reverse a list.")]
+    params = [greedy(12), greedy(12), SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)]
+
+    def serve(prefix_caching: bool) -> tuple[list[RequestOutput], LLM, list[int]]:
+        llm = LLM(path, block_size=4, max_num_batched_tokens=8, prefix_caching=prefix_caching)
+        first = llm.add_request(prompts[0], params[0])
+        while not llm._requests[first].num_completion_tokens:  # its prompt is computed
+            llm.step()
+        ids = [first] + [llm.add_request(p, sp) for p, sp in zip(prompts[1:], params[1:])]
+        outs, shared = {}, []
+        while llm.has_unfinished():
+            for out in llm.step():
+                outs[out.request_id] = out
+            held = sum(len(s.block_table) for s in llm.scheduler.running)
+            shared.append(held - llm.kv.num_used_blocks)
+        assert llm.kv.num_free_blocks == llm.stats()["kv_total_blocks"]
+        return [outs[i] for i in ids], llm, shared
+
+    plain, plain_llm, plain_shared = serve(False)
+    outs, llm, shared = serve(True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[0] == 0 and all(c >= 8 and c % 4 == 0 for c in cached[1:])  # the system prompt's full blocks
+    assert cached[2] > cached[1]  # the repeated question shares its blocks too
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] == sum(cached) and stats["prefix_query_tokens"] >= sum(o.prompt_tokens for o in outs)
+    assert max(shared) >= cached[1] // 4 and max(plain_shared) == 0 and plain_llm.stats()["prefix_hit_tokens"] == 0
+    assert llm.num_steps < plain_llm.num_steps  # fewer prompt tokens to compute
 
 
 def test_abort_frees_blocks_at_once(hf_dir):

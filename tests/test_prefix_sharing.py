@@ -1,0 +1,127 @@
+"""Prefix sharing in the paged KV cache (PagedKVCache.share_prefix / publish) under the scheduler, without a model:
+each computed token's K/V is stood in for by a hash of the tokens up to it (as K/V depend on every earlier token),
+written where the engine's step would write it, so a request that read a block of another history would read the
+wrong values."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedweight.kv_cache import PagedKVCache
+from pagedweight.models import ModelConfig
+from pagedweight.pool import PAGE_ALIGN, PagePool
+from pagedweight.sampling import SamplingParams
+from pagedweight.scheduler import Scheduler
+from pagedweight.sequence import Sequence
+
+BS, LAYERS, BLOCKS = 4, 2, 14
+CFG = ModelConfig(family="olmoe", vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=LAYERS,
+                  num_experts=2, top_k=1, norm_topk_prob=False, num_attention_heads=1, num_key_value_heads=1,
+                  head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)
+# common prefixes; the third repeats the first's second block at the start, where its history differs
+FAMILIES = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 20, 21, 22, 23], [9, 10, 11, 12, 30, 31, 32]]
+
+
+def make(budget: int, seats: int) -> tuple[PagedKVCache, Scheduler]:
+    pool = PagePool(BLOCKS * LAYERS * PAGE_ALIGN, PAGE_ALIGN)
+    kv = PagedKVCache(CFG, pool, torch.float32, block_size=BS, decode_kernel=False)
+    return kv, Scheduler(kv, max_num_seqs=seats, max_num_batched_tokens=budget)
+
+
+def stand_in(ids: list[int], pos: int) -> float:
+    """The K/V of position pos: a function of ids[:pos + 1], exact in float32."""
+    h = 0
+    for t in ids[:pos + 1]:
+        h = (h * 31 + t) % 1_000_003
+    return float(h)
+
+
+def pages(kv: PagedKVCache, seq: Sequence, pos: int) -> list[int]:
+    return kv.block_pages[seq.block_table[pos // BS]]
+
+
+def run_step(kv: PagedKVCache, sched: Scheduler) -> None:
+    """One engine step: write each scheduled token's stand-in K/V, publish, sample (a function of the history, so
+    equal prompts continue alike) and end requests at max_tokens."""
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            assert seq.block_table[pos // BS] not in kv._key  # a published block is never written again
+            kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0] = stand_in(seq.token_ids, pos)
+        seq.num_computed_tokens += n
+    kv.publish(batch.seqs)
+    for seq in batch.seqs:
+        if seq.num_uncomputed_tokens == 0:
+            seq.append_token(sum(seq.token_ids[-3:]) * 7 % 50 + 3, 0.0)
+            if seq.num_completion_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+
+
+def check(kv: PagedKVCache, sched: Scheduler) -> None:
+    for seq in sched.running:  # every computed position holds this request's own history
+        for pos in range(seq.num_computed_tokens):
+            assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
+    assert all(not seq.block_table for seq in sched.waiting)
+    held = Counter(b for seq in sched.running for b in seq.block_table)
+    assert kv._refs == dict(held) and set(kv.block_pages) == set(held)  # a block lives while someone holds it
+    assert {lid: key for key, lid in kv._shared.items()} == kv._key and set(kv._key) <= set(held)
+    assert kv.num_free_blocks + kv.num_used_blocks == BLOCKS
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(3, 60), max_size=6),
+                                    st.integers(1, 8)),
+                          st.tuples(st.just("step")), st.tuples(st.just("step")),
+                          st.tuples(st.just("abort"), st.integers(0, 20))), max_size=40),
+       st.integers(3, 12), st.integers(1, 4))
+def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats):
+    """Random arrivals of prompts with common prefixes (and repeats), steps and aborts in a cache short enough to
+    preempt: every request reads only its own tokens, blocks live exactly while held, and all come back."""
+    kv, sched = make(budget, seats)
+    added = []
+    for op in ops:
+        if op[0] == "add":
+            prompt = FAMILIES[op[1]] + op[2]
+            seq = Sequence(str(len(added)), prompt, SamplingParams(max_tokens=op[3]))
+            added.append(seq)
+            sched.add(seq)
+        elif op[0] == "abort" and op[1] < len(added):
+            sched.abort(added[op[1]].request_id)
+        else:
+            run_step(kv, sched)
+        check(kv, sched)
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        run_step(kv, sched)
+        check(kv, sched)
+    assert not sched.has_unfinished() and kv.num_used_blocks == 0 and not kv._shared
+
+
+def test_a_later_request_starts_after_the_shared_blocks():
+    """Two requests of one prompt and a third with its first two blocks: the later ones take the computed blocks
+    (each keeps its last prompt token to compute), hold them beside the first, and the blocks outlive the first."""
+    kv, sched = make(budget=16, seats=4)
+    prompt = FAMILIES[0] + [40, 41]  # 12 tokens: 3 full blocks
+    first = Sequence("a", prompt, SamplingParams(max_tokens=6))
+    sched.add(first)
+    run_step(kv, sched)
+    assert first.num_computed_tokens == 12 and len(kv._shared) == 3
+    again, cousin = Sequence("b", prompt, SamplingParams(max_tokens=6)), Sequence("c", FAMILIES[0][:8] + [1, 2],
+                                                                                  SamplingParams(max_tokens=2))
+    sched.add(again)
+    sched.add(cousin)
+    run_step(kv, sched)
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == first.block_table[:2]  # not the 3rd: 11 at most
+    assert cousin.num_cached_tokens == 8 and cousin.block_table[:2] == first.block_table[:2]
+    assert kv.prefix_hit_tokens == 16 and kv.num_used_blocks < sum(len(s.block_table) for s in sched.running)
+    sched.abort("a")
+    assert kv._refs[again.block_table[0]] == 3 - 1 and len(kv._shared) >= 2
+    check(kv, sched)
+    logprobs = Sequence("d", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    sched.add(logprobs)
+    run_step(kv, sched)
+    assert logprobs.num_cached_tokens == 0  # every prompt position's logits are needed
