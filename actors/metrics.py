@@ -36,6 +36,9 @@ COUNTERS = {
     "offload_triggers": ("offload_triggers", "Times KV pressure triggered a precision drop."),
     "reload_triggers": ("reload_triggers", "Times free KV blocks triggered a precision raise."),
     "preemptions": ("preemptions", "Requests preempted for lack of KV blocks."),
+    "prefix_query_tokens": ("prefix_query_tokens", "Prompt tokens of requests that looked for a shared prefix."),
+    "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold "
+                                               "(prefix sharing)."),
 }
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 

@@ -374,7 +374,7 @@ class EngineReplica:
             except ValueError as exc:  # the engine refused the request (add_request)
                 yield _bad(str(exc)).body()
                 return
-            head = {"prompt_tokens": len(prompt_ids)}
+            head = {"prompt_tokens": len(prompt_ids), "cached_tokens": out.num_cached_tokens}
             if job.echo:  # the first output carries the prompt's log-probabilities
                 head["echo"] = job.prompt if isinstance(job.prompt, str) else \
                     llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -426,9 +426,13 @@ async def _guarded(chunks):
                        code="engine_unavailable").body()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(req: ParsedRequest, heads: list[dict], completion_tokens: int) -> dict:
+    """Each prompt counted once, however many samples (n) it has; its cached tokens (prompt tokens whose KV the
+    engine found computed: prefix sharing) are its first sample's."""
+    prompt_tokens = sum(h["prompt_tokens"] for h in heads[::req.n])
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(h["cached_tokens"] for h in heads[::req.n])}}
 
 
 def _logprobs_body(req: ParsedRequest, entries: list[dict] | None, offset: int = 0) -> dict | None:
@@ -463,13 +467,8 @@ async def _collect(req: ParsedRequest, head: dict, chunks) -> dict:
     return {**out, "text": "".join(text), "logprobs": logprobs if req.jobs[0].logprobs is not None else None}
 
 
-def _prompt_tokens(req: ParsedRequest, heads: list[dict]) -> int:
-    """Prompt tokens of the request: each prompt once, however many samples (n) it has."""
-    return sum(h["prompt_tokens"] for h in heads[::req.n])
-
-
 def _final_body(req: ParsedRequest, heads: list[dict], answers: list[dict]) -> dict:
-    usage = _usage(_prompt_tokens(req, heads), sum(a["completion_tokens"] for a in answers))
+    usage = _usage(req, heads, sum(a["completion_tokens"] for a in answers))
     base = {"id": req.request_id, "created": int(time.time()), "model": req.model, "usage": usage}
     if req.kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": a["text"]},
@@ -550,7 +549,7 @@ async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
     finally:
         await chunks.aclose()
     if req.include_usage:
-        usage = _usage(_prompt_tokens(req, heads), sum(completion_tokens))
+        usage = _usage(req, heads, sum(completion_tokens))
         yield _event({**base, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 

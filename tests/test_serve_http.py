@@ -212,6 +212,7 @@ def test_batched_prompts_answer_each_in_its_choice(serve_app, offline, n_tokens)
         assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
         assert [c["text"] for c in resp["choices"]] == [r.text for r in refs]
         assert resp["usage"]["prompt_tokens"] == sum(n_tokens(p) for p in prompts)
+        assert resp["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # no common full block
         assert resp["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in refs)
 
         events = stream_events(http, {**body, "stream": True, "stream_options": {"include_usage": True}})
@@ -558,7 +559,8 @@ def test_replica_ships_one_final_item_for_a_non_streaming_request(ap_model_dir):
         streamed = asyncio.run(items("stream", False))
     finally:
         replica.engine.shutdown()
-    assert len(final) == 2 and final[0] == streamed[0] == {"prompt_tokens": final[0]["prompt_tokens"]}
+    assert len(final) == 2 and final[0] == streamed[0] == {"prompt_tokens": final[0]["prompt_tokens"],
+                                                           "cached_tokens": 0}
     assert final[1]["finish_reason"] == streamed[-1]["finish_reason"] == "length"
     assert final[1]["completion_tokens"] == streamed[-1]["completion_tokens"] == 12
     assert final[1]["delta"] == "".join(c["delta"] for c in streamed[1:])
