@@ -45,13 +45,15 @@ def budget_and_options(cfg, weights, parent_bits: int, outside: int, page: int, 
     return budget, dict(max_num_seqs=64, max_num_batched_tokens=chunk, max_model_len=longest + 16)
 
 
-def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int
+def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int, shared: int = 0
              ) -> list[tuple[float, list[int]]]:
-    """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate."""
+    """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate; every prompt starts with
+    the same `shared` tokens (a system prompt) before its own prompt_lo..prompt_hi."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     arrivals -= arrivals[0]
-    return [(float(t), rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
+    system = rng.integers(0, vocab, shared).tolist()
+    return [(float(t), system + rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
             for t in arrivals]
 
 
@@ -104,6 +106,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
+    hits0, queries0 = llm.kv.prefix_hit_tokens, llm.kv.prefix_query_tokens
     phases = StepPhases(llm) if trace is not None else None
     t0 = time.perf_counter()
     while finished < len(requests):
@@ -159,6 +162,8 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
         "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
         "sync_waits": llm.paging.syncs,
+        # prefix sharing: prompt tokens found computed in blocks other requests held, of those looked up
+        "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0, "prefix_query_tokens": st["prefix_query_tokens"] - queries0,
         "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,
@@ -220,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-bits", default=None,
                    help="static uniform widths to compare (default: parent,4; 'none': PagedWeight alone)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt) before its own --prompt-len")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="every mode computes each prompt whole (default: requests share a common prefix's blocks)")
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -255,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = ap_weights(cfg, args.parent_bits, seed=args.seed, heads=args.heads)
     outside = outside_bytes(cfg, dtype, args.device)
     kv_block = page * cfg.num_hidden_layers
-    budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk, hi + gen)
-    options.update(detokenize=False, block_size=args.block_size)
-    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed)
+    budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk,
+                                         args.shared_prefix + hi + gen)
+    options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching)
+    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
     # untimed replays first: the first engine of a process pays one-time costs (kernel modules loaded, cuBLAS
@@ -269,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
             "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
-            "residual_heads": "random" if args.heads else None}
+            "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
+            "prefix_caching": args.prefix_caching}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
