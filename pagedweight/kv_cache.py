@@ -184,26 +184,38 @@ class PagedKVCache:
             self.pool.free_kv_blocks(pages)
         seq.block_table = []
 
-    def share_prefix(self, seq: Sequence) -> int:
-        """A sequence about to compute from its first token takes the published blocks its tokens begin with (all
-        but its last token: that one's logits are needed); returns the tokens found. None with prompt
-        log-probabilities, which need every position's logits."""
+    def _prefix_run(self, seq: Sequence) -> list[int]:
+        """The published blocks seq's tokens begin with, in order (all but its last token: that one's logits are
+        needed); none with prompt log-probabilities, which need every position's logits."""
         if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
-            return 0
-        bs, ids, parent = self.block_size, seq.token_ids, -1
-        self.prefix_query_tokens += seq.num_tokens
+            return []
+        bs, ids, run = self.block_size, seq.token_ids, []
         for j in range((seq.num_tokens - 1) // bs):
-            lid = self._shared.get((parent, tuple(ids[j * bs:(j + 1) * bs])))
+            lid = self._shared.get((run[-1] if run else -1, tuple(ids[j * bs:(j + 1) * bs])))
             if lid is None:
                 break
+            run.append(lid)
+        return run
+
+    def shared_blocks(self, seq: Sequence) -> int:
+        """Blocks a waiting seq would take from others if it started now (the scheduler's demand leaves them out)."""
+        return len(self._prefix_run(seq))
+
+    def share_prefix(self, seq: Sequence) -> int:
+        """A sequence about to compute from its first token takes the published blocks its tokens begin with
+        (`_prefix_run`) and holds a reference to each; returns the tokens found."""
+        if not self.prefix_caching or seq.num_computed_tokens:
+            return 0
+        self.prefix_query_tokens += seq.num_tokens
+        run = self._prefix_run(seq)
+        for lid in run:
             self._refs[lid] += 1
-            seq.block_table.append(lid)
-            parent = lid
-        found = len(seq.block_table) * bs
+        seq.block_table += run
+        found = len(run) * self.block_size
         seq.num_computed_tokens = found
         if not seq.num_preemptions:
             seq.num_cached_tokens = min(found, seq.num_prompt_tokens)
-        self._published[seq.request_id] = len(seq.block_table)
+        self._published[seq.request_id] = len(run)
         self.prefix_hit_tokens += found
         return found
 

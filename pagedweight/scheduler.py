@@ -38,6 +38,8 @@ class BlockSpace(Protocol):
 
     def share_prefix(self, seq: Sequence) -> int: ...
 
+    def shared_blocks(self, seq: Sequence) -> int: ...
+
     def free(self, seq: Sequence) -> None: ...
 
 
@@ -149,11 +151,14 @@ class Scheduler:
 
     def blocks_demand(self) -> int:
         """KV blocks that the running requests, and the waiting ones a seat is free for, still need until they
-        finish (remaining prompt and every token still to generate): the planner's target. An upper bound, since
-        a request may stop early."""
+        finish (remaining prompt and every token still to generate), a waiting one's prefix shared with running
+        requests left out: the planner's target. An upper bound, since a request may stop early."""
         seats = max(self.max_num_seqs - len(self.running), 0)
-        seqs = self.running + list(itertools.islice(self.waiting, seats))
-        return sum(self.kv.blocks_needed(seq, self.final_kv_tokens(seq) - seq.num_computed_tokens) for seq in seqs)
+        need = sum(self.kv.blocks_needed(seq, self.final_kv_tokens(seq) - seq.num_computed_tokens)
+                   for seq in self.running)
+        for seq in itertools.islice(self.waiting, seats):  # less the blocks it will share with running requests
+            need += self.kv.blocks_needed(seq, self.final_kv_tokens(seq)) - self.kv.shared_blocks(seq)
+        return need
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

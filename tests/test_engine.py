@@ -165,6 +165,9 @@ class CountingKV:
     def share_prefix(self, seq: Sequence) -> int:
         return 0
 
+    def shared_blocks(self, seq: Sequence) -> int:
+        return 0
+
 
 def _seq(rid: str, prompt: int, max_tokens: int) -> Sequence:
     return Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens))

@@ -114,6 +114,8 @@ def test_a_later_request_starts_after_the_shared_blocks():
                                                                                   SamplingParams(max_tokens=2))
     sched.add(again)
     sched.add(cousin)
+    # the planner's demand leaves out what the waiting ones will share: first 5 - 3 held, again 5 - 2, cousin 3 - 2
+    assert kv.shared_blocks(again) == kv.shared_blocks(cousin) == 2 and sched.blocks_demand() == 2 + 3 + 1
     run_step(kv, sched)
     assert again.num_cached_tokens == 8 and again.block_table[:2] == first.block_table[:2]  # not the 3rd: 11 at most
     assert cousin.num_cached_tokens == 8 and cousin.block_table[:2] == first.block_table[:2]
