@@ -106,7 +106,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
-    hits0, queries0 = llm.kv.prefix_hit_tokens, llm.kv.prefix_query_tokens
+    hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
     phases = StepPhases(llm) if trace is not None else None
     t0 = time.perf_counter()
     while finished < len(requests):
@@ -163,7 +163,8 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
         "sync_waits": llm.paging.syncs,
         # prefix sharing: prompt tokens found computed in blocks other requests held, of those looked up
-        "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0, "prefix_query_tokens": st["prefix_query_tokens"] - queries0,
+        "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0,
+        "prefix_query_tokens": st["prefix_query_tokens"] - queries0,
         "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,

@@ -947,8 +947,8 @@ class LLM:
             "num_waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             # prefix sharing: prompt tokens of the requests that looked their prefix up, and those found computed
-            "prefix_query_tokens": self.kv.prefix_query_tokens,
-            "prefix_hit_tokens": self.kv.prefix_hit_tokens,
+            "prefix_query_tokens": self.scheduler.prefix_query_tokens,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
             # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),

@@ -113,8 +113,6 @@ class PagedKVCache:
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
         self._published: dict[str, int] = {}  # request id -> how many of its leading blocks are published
-        self.prefix_query_tokens = 0  # prompt tokens of the requests that looked their prefix up
-        self.prefix_hit_tokens = 0  # of those, tokens found computed
         self.layout: StepLayout | DecodeLayout | None = None
         self._kernels = None  # cuda/attention_kernels.py when decode rows use it
         # grouped query heads too: against the gather + SDPA the engine runs (cuDNN's SDPA off, heads folded:
@@ -201,12 +199,12 @@ class PagedKVCache:
         """Blocks a waiting seq would take from others if it started now (the scheduler's demand leaves them out)."""
         return len(self._prefix_run(seq))
 
-    def share_prefix(self, seq: Sequence) -> int:
+    def share_prefix(self, seq: Sequence) -> int | None:
         """A sequence about to compute from its first token takes the published blocks its tokens begin with
-        (`_prefix_run`) and holds a reference to each; returns the tokens found."""
-        if not self.prefix_caching or seq.num_computed_tokens:
-            return 0
-        self.prefix_query_tokens += seq.num_tokens
+        (`_prefix_run`) and holds a reference to each; returns the tokens found, None if it may not look (prefix
+        caching off, prompt log-probabilities)."""
+        if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+            return None
         run = self._prefix_run(seq)
         for lid in run:
             self._refs[lid] += 1
@@ -216,7 +214,6 @@ class PagedKVCache:
         if not seq.num_preemptions:
             seq.num_cached_tokens = min(found, seq.num_prompt_tokens)
         self._published[seq.request_id] = len(run)
-        self.prefix_hit_tokens += found
         return found
 
     def publish(self, seqs: list[Sequence]) -> None:

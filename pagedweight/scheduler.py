@@ -36,7 +36,7 @@ class BlockSpace(Protocol):
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None: ...
 
-    def share_prefix(self, seq: Sequence) -> int: ...
+    def share_prefix(self, seq: Sequence) -> int | None: ...
 
     def shared_blocks(self, seq: Sequence) -> int: ...
 
@@ -70,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # tokens of the requests that started after looking for a shared prefix
+        self.prefix_hit_tokens = 0  # of those, tokens found computed
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -191,8 +193,8 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                self.kv.share_prefix(seq)  # the computed blocks of a prefix it shares with running requests
+            # the computed blocks of a prefix it shares with running requests
+            found = self.kv.share_prefix(seq) if seq.num_computed_tokens == 0 else None
             n = self._fit(seq, self._chunk(seq, budget))
             if n == 0:
                 if self.running:
@@ -203,6 +205,9 @@ class Scheduler:
                 self._fail(seq, batch)
                 continue
             self.waiting.popleft()
+            if found is not None:
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += found
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -162,8 +162,8 @@ class CountingKV:
         self.num_free_blocks += len(seq.block_table)
         seq.block_table = []
 
-    def share_prefix(self, seq: Sequence) -> int:
-        return 0
+    def share_prefix(self, seq: Sequence) -> int | None:
+        return None
 
     def shared_blocks(self, seq: Sequence) -> int:
         return 0
@@ -340,7 +340,8 @@ def test_prefix_sharing_keeps_outputs_and_shares_blocks(hf_dir):
     assert cached[0] == 0 and all(c >= 8 and c % 4 == 0 for c in cached[1:])  # the system prompt's full blocks
     assert cached[2] > cached[1]  # the repeated question shares its blocks too
     stats = llm.stats()
-    assert stats["prefix_hit_tokens"] == sum(cached) and stats["prefix_query_tokens"] >= sum(o.prompt_tokens for o in outs)
+    assert stats["prefix_hit_tokens"] == sum(cached)
+    assert stats["prefix_query_tokens"] == sum(o.prompt_tokens for o in outs)  # each looked once, as it started
     assert max(shared) >= cached[1] // 4 and max(plain_shared) == 0 and plain_llm.stats()["prefix_hit_tokens"] == 0
     assert llm.num_steps < plain_llm.num_steps  # fewer prompt tokens to compute
 

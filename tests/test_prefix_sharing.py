@@ -119,7 +119,8 @@ def test_a_later_request_starts_after_the_shared_blocks():
     run_step(kv, sched)
     assert again.num_cached_tokens == 8 and again.block_table[:2] == first.block_table[:2]  # not the 3rd: 11 at most
     assert cousin.num_cached_tokens == 8 and cousin.block_table[:2] == first.block_table[:2]
-    assert kv.prefix_hit_tokens == 16 and kv.num_used_blocks < sum(len(s.block_table) for s in sched.running)
+    assert sched.prefix_hit_tokens == 16 and sched.prefix_query_tokens == 12 + 12 + 10
+    assert kv.num_used_blocks < sum(len(s.block_table) for s in sched.running)
     sched.abort("a")
     assert kv._refs[again.block_table[0]] == 3 - 1 and len(kv._shared) >= 2
     check(kv, sched)
