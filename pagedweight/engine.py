@@ -90,8 +90,8 @@ class EngineOptions:
     # of the same shapes. 0: the budget covers the weights and the pool only
     activation_reserve: int | str = 0
     detokenize: bool = True
-    # requests share the computed KV blocks of a common prefix (a system prompt, the samples of one prompt, a chat's
-    # earlier turns): PagedKVCache's prefix sharing, live blocks only
+    # requests share the computed KV blocks of a prefix common with running requests (a system prompt, the samples
+    # of one prompt, a recompute after preemption): PagedKVCache's prefix sharing, live blocks only
     prefix_caching: bool = True
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width

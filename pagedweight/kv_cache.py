@@ -182,11 +182,12 @@ class PagedKVCache:
             self.pool.free_kv_blocks(pages)
         seq.block_table = []
 
-    def _prefix_run(self, seq: Sequence) -> list[int]:
+    def _prefix_run(self, seq: Sequence) -> list[int] | None:
         """The published blocks seq's tokens begin with, in order (all but its last token: that one's logits are
-        needed); none with prompt log-probabilities, which need every position's logits."""
+        needed); None if it may not look: prefix caching off, K/V already computed, or prompt log-probabilities
+        (every position's logits are needed)."""
         if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
-            return []
+            return None
         bs, ids, run = self.block_size, seq.token_ids, []
         for j in range((seq.num_tokens - 1) // bs):
             lid = self._shared.get((run[-1] if run else -1, tuple(ids[j * bs:(j + 1) * bs])))
@@ -197,15 +198,14 @@ class PagedKVCache:
 
     def shared_blocks(self, seq: Sequence) -> int:
         """Blocks a waiting seq would take from others if it started now (the scheduler's demand leaves them out)."""
-        return len(self._prefix_run(seq))
+        return len(self._prefix_run(seq) or ())
 
     def share_prefix(self, seq: Sequence) -> int | None:
         """A sequence about to compute from its first token takes the published blocks its tokens begin with
-        (`_prefix_run`) and holds a reference to each; returns the tokens found, None if it may not look (prefix
-        caching off, prompt log-probabilities)."""
-        if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
-            return None
+        (`_prefix_run`) and holds a reference to each; returns the tokens found, None if it may not look."""
         run = self._prefix_run(seq)
+        if run is None:
+            return None
         for lid in run:
             self._refs[lid] += 1
         seq.block_table += run
