@@ -13,7 +13,8 @@ PREFIX = "pagedweight_"
 
 # snapshot value in LLM.stats() -> (metric name, description)
 GAUGES = {
-    "kv_free_blocks": ("kv_free_blocks", "Free KV-cache blocks."),
+    "kv_free_blocks": ("kv_free_blocks", "Free KV-cache blocks (kept prefix blocks included)."),
+    "kv_cached_blocks": ("kv_cached_blocks", "KV blocks no request holds, kept for their prefix and counted free."),
     "kv_total_blocks": ("kv_total_blocks", "KV-cache blocks the page pool holds now (free + used)."),
     "resident_weight_bytes": ("resident_weight_bytes", "Bytes of expert bit-planes and LUTs resident on the device."),
     "pages_in_flight": ("pages_in_flight", "Weight pages being copied host->device or released."),
@@ -37,8 +38,9 @@ COUNTERS = {
     "reload_triggers": ("reload_triggers", "Times free KV blocks triggered a precision raise."),
     "preemptions": ("preemptions", "Requests preempted for lack of KV blocks."),
     "prefix_query_tokens": ("prefix_query_tokens", "Prompt tokens of requests that looked for a shared prefix."),
-    "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold "
-                                               "(prefix sharing)."),
+    "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold or "
+                                               "that were kept (prefix sharing)."),
+    "kv_evicted_blocks": ("kv_evicted_blocks", "Kept prefix blocks given back for KV or weight pages."),
 }
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 

@@ -45,16 +45,28 @@ def budget_and_options(cfg, weights, parent_bits: int, outside: int, page: int, 
     return budget, dict(max_num_seqs=64, max_num_batched_tokens=chunk, max_model_len=longest + 16)
 
 
-def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int, shared: int = 0
-             ) -> list[tuple[float, list[int]]]:
+def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int, shared: int = 0,
+             turns: int = 1) -> list[tuple[float, list[int]]]:
     """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate; every prompt starts with
-    the same `shared` tokens (a system prompt) before its own prompt_lo..prompt_hi."""
+    the same `shared` tokens (a system prompt) before its own prompt_lo..prompt_hi.
+
+    With `turns` > 1 the requests are conversations of that many turns: request i is turn i // C of conversation
+    i % C (C = ceil(n / turns) conversations, so a conversation's turns are C arrivals apart), and a turn's prompt is
+    the previous turn's followed by prompt_lo/4..prompt_hi/4 new tokens. The replay is open-loop, so a turn does not
+    carry the previous turn's answer: it finds the previous turn's prompt blocks computed if they are still held or
+    were kept (a client resending a growing context, as a chat or an agent does)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     arrivals -= arrivals[0]
     system = rng.integers(0, vocab, shared).tolist()
-    return [(float(t), system + rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
-            for t in arrivals]
+    convs, prompts = -(-n // turns), []
+    for i in range(n):
+        if i < convs:
+            prompts.append(system + rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
+        else:
+            more = int(rng.integers(prompt_lo // 4, prompt_hi // 4 + 1))
+            prompts.append(prompts[i - convs] + rng.integers(0, vocab, more).tolist())
+    return [(float(t), ids) for t, ids in zip(arrivals, prompts)]
 
 
 SWING_BITS = 0.05  # a mean-width swing reverses by at least this many bits (`swings`)
@@ -106,7 +118,7 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
-    hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
+    hits0, queries0, evicted0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens, llm.kv.evicted_blocks
     phases = StepPhases(llm) if trace is not None else None
     t0 = time.perf_counter()
     while finished < len(requests):
@@ -162,9 +174,11 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
         "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
         "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
         "sync_waits": llm.paging.syncs,
-        # prefix sharing: prompt tokens found computed in blocks other requests held, of those looked up
+        # prefix sharing: prompt tokens found computed (in blocks other requests held or kept blocks), of those
+        # looked up; kept blocks evicted for KV or weights, and those still kept at the end
         "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0,
         "prefix_query_tokens": st["prefix_query_tokens"] - queries0,
+        "kv_evicted_blocks": st["kv_evicted_blocks"] - evicted0, "kv_cached_blocks_end": st["kv_cached_blocks"],
         "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,
@@ -228,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a system prompt) before its own --prompt-len")
+    p.add_argument("--turns", type=int, default=1,
+                   help="requests are conversations of this many turns, each turn's prompt the previous one's and "
+                        "a quarter of --prompt-len more (default 1: independent prompts)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="every mode computes each prompt whole (default: requests share a common prefix's blocks)")
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
@@ -247,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.paged_runs < 1:
         p.error("--paged-runs must be at least 1")
+    if args.turns < 1:
+        p.error("--turns must be at least 1")
     t_start = time.perf_counter()
     tiny = args.tiny
     d = DEFAULTS["tiny" if tiny else "h200"]
@@ -266,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     outside = outside_bytes(cfg, dtype, args.device)
     kv_block = page * cfg.num_hidden_layers
     budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk,
-                                         args.shared_prefix + hi + gen)
+                                         args.shared_prefix + hi + (args.turns - 1) * (hi // 4) + gen)
     options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching)
-    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix)
+    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
     # untimed replays first: the first engine of a process pays one-time costs (kernel modules loaded, cuBLAS
@@ -281,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
             "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
-            "prefix_caching": args.prefix_caching}
+            "turns": args.turns, "prefix_caching": args.prefix_caching}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
@@ -306,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             model = random_model(cfg, False, dtype, args.device, seed=args.seed)
             llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
             drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
+            llm.kv.evict(llm.kv.num_cached_blocks)  # the replay starts with no kept prefix block
             llm.scheduler.num_preemptions = 0
             trace = [] if args.trace else None
             prof = _profile_boundaries(llm) if args.profile and llm.mover is not None else None

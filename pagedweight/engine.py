@@ -90,8 +90,9 @@ class EngineOptions:
     # of the same shapes. 0: the budget covers the weights and the pool only
     activation_reserve: int | str = 0
     detokenize: bool = True
-    # requests share the computed KV blocks of a prefix common with running requests (a system prompt, the samples
-    # of one prompt, a recompute after preemption): PagedKVCache's prefix sharing, live blocks only
+    # requests share the computed KV blocks of a common prefix (a system prompt, the samples of one prompt, a chat's
+    # earlier turns, a recompute after preemption): PagedKVCache's prefix sharing. Blocks nobody holds are kept while
+    # counted free: a KV allocation evicts them and a weight reload reclaims them
     prefix_caching: bool = True
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
@@ -414,6 +415,7 @@ class LLM:
 
         self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)],
                       SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=MAX_LOGPROBS), use_tqdm=False)
+        self.kv.evict(self.kv.num_cached_blocks)  # the next long prompt computes its whole prefill, as in serving
         # as many one-token prompts as fit in half the KV cache
         free = self.kv.num_free_blocks
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
@@ -426,6 +428,7 @@ class LLM:
         prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]
         short_params = SamplingParams(max_tokens=self._decode_steps(len(prompts[0]), shorts), **sampled)
         self.generate(prompts, [long_params] + [short_params] * shorts, use_tqdm=False)
+        self.kv.evict(self.kv.num_cached_blocks)
 
     def _decode_steps(self, n: int, rows: int) -> int:
         """Steps the profile's one-token prompts decode beside a long prompt of n tokens: until its chunks (what the
@@ -949,6 +952,8 @@ class LLM:
             # prefix sharing: prompt tokens of the requests that looked their prefix up, and those found computed
             "prefix_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "kv_cached_blocks": self.kv.num_cached_blocks,  # kept prefix blocks, within kv_free_blocks
+            "kv_evicted_blocks": self.kv.evicted_blocks,  # kept blocks given back for KV or weights
             # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),

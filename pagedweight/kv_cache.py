@@ -17,10 +17,14 @@ over every sequence's context (before session 16) cost a [T, S_total] host-built
 Prefix sharing (`prefix_caching`): a block whose `block_size` tokens are all computed is published under a key,
 (the logical block before it, its token ids), so equal keys mean equal K/V all the way back to the first token. A
 request that starts (or restarts after preemption) looks its prompt's full blocks up in order and takes the ones
-found instead of computing them: it holds a reference, and a block goes back to the pool when its last holder lets
-go. Only live blocks are shared (none is kept once every holder is gone), so a byte the KV cache holds is always a
-byte some request reads, and a freed block is free at once for the KV cache or the weights. Shared blocks are full
-and never written again: a request's own tokens go to blocks after them.
+found instead of computing them, holding a reference. Shared blocks are full and never written again: a request's
+own tokens go to blocks after them. When its last holder lets go, a published block is kept (a later turn of a
+chat, the next request with the same system prompt, a preempted request's recompute find it) but counted free:
+`num_free_blocks` includes it, an allocation of KV blocks evicts the least recently released first, and a weight
+run that finds too few free pages has the pool reclaim them (`PagePool.set_kv_reclaimer`). So a kept block is
+never a byte the planner or a reload waits for; weights always come first. A request's blocks are released last
+block first, so a block leaves after the blocks that continue it (an evicted block's continuations could no longer
+be found).
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
@@ -33,6 +37,7 @@ masked NaN value still poisons softmax(...) @ V.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +114,9 @@ class PagedKVCache:
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
         self._ids = itertools.count()
         self.prefix_caching = prefix_caching
-        self._refs: dict[int, int] = {}  # logical block -> sequences holding it
+        self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, least recently released first
+        self.evicted_blocks = 0  # kept blocks given back to the pool for KV or weights
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
         self._published: dict[str, int] = {}  # request id -> how many of its leading blocks are published
@@ -124,15 +131,23 @@ class PagedKVCache:
             if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
                 self._kernels = attention_kernels
         pool.add_kv_listener(self._relocated)
+        pool.set_kv_reclaimer(lambda: len(self._cached) * self.num_layers, self._reclaim)
 
     # ---- block accounting (what the scheduler reads) ----
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.kv_capacity() // self.num_layers
+        """Blocks an allocation can have now: the pool's free ones and the kept prefix blocks it would evict."""
+        return self.pool.kv_capacity(len(self._cached) * self.num_layers) // self.num_layers
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.block_pages)
+        """Blocks some request holds."""
+        return len(self.block_pages) - len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Published blocks nobody holds, kept for a later request and counted free."""
+        return len(self._cached)
 
     @property
     def block_bytes(self) -> int:
@@ -151,6 +166,9 @@ class PagedKVCache:
         n = self.blocks_needed(seq, num_new_tokens)
         if n == 0:
             return
+        short = n * self.num_layers - (self.pool.free_pages - self.pool.reserve_pages)  # the reserve refills first
+        if short > 0:
+            self.evict(-(-short // self.num_layers))
         pages = self.pool.alloc_kv_blocks(n * self.num_layers)
         self.view.index_fill_(0, torch.tensor(pages, device=self.view.device), 0)  # finite bytes (module doc)
         for j in range(n):
@@ -162,25 +180,42 @@ class PagedKVCache:
             seq.block_table.append(lid)
 
     def free(self, seq: Sequence) -> None:
-        """Let go of every block of seq now (finish, abort, preemption): a block no other sequence holds goes back
-        to the pool."""
+        """Let go of every block of seq now (finish, abort, preemption), last first: a block no other sequence
+        holds is kept if published (module docstring), else goes back to the pool."""
         self._tables.pop(seq.request_id, None)
         self._published.pop(seq.request_id, None)
-        pages = []
-        for b in seq.block_table:
+        gone = []
+        for b in reversed(seq.block_table):
             self._refs[b] -= 1
             if self._refs[b]:
                 continue
             del self._refs[b]
-            key = self._key.pop(b, None)
-            if key is not None:
-                del self._shared[key]
-            pages += self.block_pages.pop(b)
+            if b in self._key:
+                self._cached[b] = None
+            else:
+                gone.append(b)
+        self._drop(gone)
+        seq.block_table = []
+
+    def evict(self, n: int) -> None:
+        """Give the `n` least recently released kept blocks back to the pool (fewer if fewer are kept)."""
+        gone = list(itertools.islice(self._cached, max(n, 0)))
+        for b in gone:
+            del self._cached[b]
+            del self._shared[self._key.pop(b)]
+        self.evicted_blocks += len(gone)
+        self._drop(gone)
+
+    def _reclaim(self, pages: int) -> None:
+        """The pool's reclaimer: free at least `pages` pages of kept blocks for a weight run."""
+        self.evict(-(-pages // self.num_layers))
+
+    def _drop(self, blocks: list[int]) -> None:
+        pages = [p for b in blocks for p in self.block_pages.pop(b)]
         for p in pages:
             del self._page_owner[p]
         if pages:
             self.pool.free_kv_blocks(pages)
-        seq.block_table = []
 
     def _prefix_run(self, seq: Sequence) -> list[int] | None:
         """The published blocks seq's tokens begin with, in order (all but its last token: that one's logits are
@@ -197,8 +232,9 @@ class PagedKVCache:
         return run
 
     def shared_blocks(self, seq: Sequence) -> int:
-        """Blocks a waiting seq would take from others if it started now (the scheduler's demand leaves them out)."""
-        return len(self._prefix_run(seq) or ())
+        """Blocks a waiting seq would take from running requests if it started now (the scheduler's demand leaves
+        them out; a kept block it would take is counted free, so its demand keeps it)."""
+        return sum(1 for lid in self._prefix_run(seq) or () if lid in self._refs)
 
     def share_prefix(self, seq: Sequence) -> int | None:
         """A sequence about to compute from its first token takes the published blocks its tokens begin with
@@ -207,7 +243,8 @@ class PagedKVCache:
         if run is None:
             return None
         for lid in run:
-            self._refs[lid] += 1
+            self._refs[lid] = self._refs.get(lid, 0) + 1
+            self._cached.pop(lid, None)
         seq.block_table += run
         found = len(run) * self.block_size
         seq.num_computed_tokens = found
@@ -217,8 +254,9 @@ class PagedKVCache:
         return found
 
     def publish(self, seqs: list[Sequence]) -> None:
-        """After a step computed them: publish the blocks of `seqs` that are now full (not those whose key another
-        block already has)."""
+        """After a step computed them: publish the blocks of `seqs` that are now full. Not a block whose key another
+        block already has, nor any block after it: a lookup could never reach them, and a kept one would hold
+        pages for nothing."""
         if not self.prefix_caching:
             return
         bs = self.block_size
@@ -226,8 +264,10 @@ class PagedKVCache:
             done, full = self._published.get(seq.request_id, 0), min(seq.num_computed_tokens // bs,
                                                                        len(seq.block_table))
             for j in range(done, full):
-                lid = seq.block_table[j]
-                key = (seq.block_table[j - 1] if j else -1, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
+                lid, parent = seq.block_table[j], seq.block_table[j - 1] if j else -1
+                if parent != -1 and parent not in self._key:
+                    break
+                key = (parent, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
                 if lid not in self._key and key not in self._shared:
                     self._shared[key], self._key[lid] = lid, key
             self._published[seq.request_id] = max(done, full)

@@ -237,7 +237,7 @@ class PageMover:
         if b > row.q:
             peak = sum(self.table.slot_pages(i, *k) for k in fresh)
             grow = peak - (self.table.slot_pages(i, "lut", row.q) if row.q else 0)
-            room = self.pool.free_pages - self.pool.reserve_pages
+            room = self.pool.free_pages + self.pool.reclaimable_pages - self.pool.reserve_pages
             if grow > room or (keep_free_pages > 0 and peak > room - keep_free_pages):
                 return False
         try:

@@ -91,6 +91,7 @@ class PagePool:
     _kv_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
     _weight_listeners: list[Callable[[dict[int, int]], None]] = field(init=False, repr=False)
     _weight_guard: Callable[[], set[int]] | None = field(init=False, repr=False)
+    _reclaimer: tuple[Callable[[], int], Callable[[int], None]] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGN:
@@ -113,6 +114,7 @@ class PagePool:
         self._kv_listeners = []
         self._weight_listeners = []
         self._weight_guard = None
+        self._reclaimer = None
         self.weight_pages = 0
         self.kv_pages = 0
         self.relocations = 0  # compactions done (one per weight run that needed one)
@@ -157,6 +159,16 @@ class PagePool:
         """Pages that may still be allocated within the budget (reserve included)."""
         return self.budget_pages - self.used_pages
 
+    @property
+    def reclaimable_pages(self) -> int:
+        """KV pages that hold no request's tokens (kept prefix blocks) and go back on demand (`set_kv_reclaimer`)."""
+        return self._reclaimer[0]() if self._reclaimer is not None else 0
+
+    def set_kv_reclaimer(self, pages: Callable[[], int], reclaim: Callable[[int], None]) -> None:
+        """`pages()` -> KV pages its owner frees on demand; `reclaim(n)` frees at least n of them (fewer if it has
+        fewer). A weight run short of free pages has them reclaimed first: such pages count as free for weights."""
+        self._reclaimer = (pages, reclaim)
+
     def bytes_of(self, npages: int) -> int:
         return npages * self.page_bytes
 
@@ -182,9 +194,10 @@ class PagePool:
         """Pages of the longest free extent (a weight run longer than this needs relocation)."""
         return max(self._free_len.values(), default=0)
 
-    def kv_capacity(self) -> int:
-        """How many more KV blocks `alloc_kv_blocks` can return now."""
-        room = (self.free_pages - self.reserve_pages) // self.pages_per_kv
+    def kv_capacity(self, reclaimed_pages: int = 0) -> int:
+        """How many more KV blocks `alloc_kv_blocks` can return now, or once `reclaimed_pages` more are freed (an
+        offload may have borrowed the reserve: freed pages refill it first)."""
+        room = (self.free_pages + reclaimed_pages - self.reserve_pages) // self.pages_per_kv
         if room <= 0:
             return 0
         if self.pages_per_kv == 1:
@@ -196,11 +209,14 @@ class PagePool:
     def alloc_run(self, npages: int, use_reserve: bool = False, relocate: bool = False) -> int:
         """Contiguous weight run of `npages`: the smallest free extent that fits, lowest first; returns its first page.
 
-        With `relocate` and no free extent long enough, KV pages (and weight runs the guard lets move) are moved out of
-        the way (`_compact`); the caller vouches that it runs at a step boundary (see `_compact` for why that is
-        enough).
+        Reclaimable KV pages (`set_kv_reclaimer`) are reclaimed first if the free ones are too few. With `relocate`
+        and no free extent long enough, KV pages (and weight runs the guard lets move) are moved out of the way
+        (`_compact`); the caller vouches that it runs at a step boundary (see `_compact` for why that is enough).
         """
         limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
+        if npages > limit and npages <= limit + self.reclaimable_pages:
+            self._reclaimer[1](npages - limit)
+            limit = self.free_pages - (0 if use_reserve else self.reserve_pages)
         if npages <= 0 or npages > limit:
             raise PoolExhausted(f"{npages} weight pages requested, {max(limit, 0)} available")
         fit = bisect.bisect_left(self._lengths, npages)

@@ -131,6 +131,21 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
 
 
+def test_kv_pressure_turns_grow_each_conversation_s_prompt():
+    """--turns: request i is turn i // C of conversation i % C, its prompt the previous turn's and more; one turn is
+    the independent workload, arrivals included."""
+    from benchmarks.kv_pressure import workload
+
+    plain, convs = workload(12, 4.0, 40, 80, 100, seed=3, shared=16), workload(12, 4.0, 40, 80, 100, seed=3,
+                                                                                   shared=16, turns=3)
+    assert workload(12, 4.0, 40, 80, 100, seed=3, shared=16, turns=1) == plain
+    assert [t for t, _ in convs] == [t for t, _ in plain]
+    for i in range(4, 12):  # 4 conversations of 3 turns
+        before, now = convs[i - 4][1], convs[i][1]
+        assert now[:len(before)] == before and 10 <= len(now) - len(before) <= 20
+    assert all(ids[:16] == plain[0][1][:16] for _, ids in convs)  # the system prompt
+
+
 def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
     """--planner-knobs overrides PagedWeight's planner: with a reload hysteresis larger than any KV cache, widths
     released under pressure never come back (reload triggers 0, idle gaps included), and the result records the

@@ -344,6 +344,14 @@ def test_prefix_sharing_keeps_outputs_and_shares_blocks(hf_dir):
     assert stats["prefix_query_tokens"] == sum(o.prompt_tokens for o in outs)  # each looked once, as it started
     assert max(shared) >= cached[1] // 4 and max(plain_shared) == 0 and plain_llm.stats()["prefix_hit_tokens"] == 0
     assert llm.num_steps < plain_llm.num_steps  # fewer prompt tokens to compute
+    # the conversation's next turn, after every request ended: the first turn's blocks were kept, counted free
+    assert stats["kv_cached_blocks"] > 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    asked = llm.tokenizer.encode(prompts[0])
+    turn = asked + outs[0].token_ids + llm.tokenizer.encode(" Now sort it.")
+    again = [llm.generate([turn], greedy(8), use_tqdm=False)[0] for llm in (llm, plain_llm)]
+    assert again[0].token_ids == again[1].token_ids and again[1].num_cached_tokens == 0
+    # every full block of the first turn's K/V: its prompt and 11 of its 12 tokens (the last is never computed)
+    assert again[0].num_cached_tokens == (len(asked) + 11) // 4 * 4
 
 
 def test_abort_frees_blocks_at_once(hf_dir):
@@ -928,7 +936,10 @@ def test_widths_return_after_pressure(run, request):
             assert torch.equal(got.cpu(), store.tensor(i, "plane", p)), f"block {i} plane {p} differs from the store"
         got = pool.page_view(row.luts[row.q].page, row.spec.lut_bytes[row.q])
         assert torch.equal(got.cpu(), store.tensor(i, "lut", row.q)), f"block {i} LUT differs from the store"
-    if run == "pressure_run" and DEVICE == "cpu":  # the free pages left between weight runs were too short
+    if DEVICE == "cpu":  # the finished requests' published blocks were kept, and the reloads took pages from them
+        during = request.getfixturevalue(run)[5]
+        assert llm.stats()["kv_evicted_blocks"] > during["kv_evicted_blocks"], "the reloads reclaimed no kept block"
+    if run == "pressure_run_fp16" and DEVICE == "cpu":  # the free pages left between weight runs were too short
         assert llm.stats()["weight_relocations"] > 0, "the run no longer needs weight relocation"
 
 

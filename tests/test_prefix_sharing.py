@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedweight.kv_cache import PagedKVCache
 from pagedweight.models import ModelConfig
-from pagedweight.pool import PAGE_ALIGN, PagePool
+from pagedweight.pool import PAGE_ALIGN, PagePool, PoolExhausted
 from pagedweight.sampling import SamplingParams
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
@@ -60,15 +61,27 @@ def run_step(kv: PagedKVCache, sched: Scheduler) -> None:
                 sched.finish(seq, "length")
 
 
+def history(kv: PagedKVCache, lid: int) -> list[int]:
+    """The tokens a published block's key chain spells, from the first token to its end."""
+    parent, tokens = kv._key[lid]
+    return (history(kv, parent) if parent != -1 else []) + list(tokens)
+
+
 def check(kv: PagedKVCache, sched: Scheduler) -> None:
     for seq in sched.running:  # every computed position holds this request's own history
         for pos in range(seq.num_computed_tokens):
             assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
     assert all(not seq.block_table for seq in sched.waiting)
     held = Counter(b for seq in sched.running for b in seq.block_table)
-    assert kv._refs == dict(held) and set(kv.block_pages) == set(held)  # a block lives while someone holds it
-    assert {lid: key for key, lid in kv._shared.items()} == kv._key and set(kv._key) <= set(held)
+    assert kv._refs == dict(held) and not set(held) & set(kv._cached)
+    assert set(kv.block_pages) == set(held) | set(kv._cached)  # a block lives while held, or kept if published
+    assert {lid: key for key, lid in kv._shared.items()} == kv._key and set(kv._cached) <= set(kv._key)
+    for lid in kv._key:  # every published block is found from the first token (no continuation outlives its parent)
+        ids = history(kv, lid)  # and holds that history's K/V
+        for pos in range(len(ids) - BS, len(ids)):
+            assert kv.view[kv.block_pages[lid], 0, pos % BS, 0, 0].tolist() == [stand_in(ids, pos)] * LAYERS
     assert kv.num_free_blocks + kv.num_used_blocks == BLOCKS
+    assert kv.num_free_blocks == kv.pool.kv_capacity() // LAYERS + kv.num_cached_blocks  # no reserve here
 
 
 @settings(max_examples=150, deadline=None)
@@ -79,7 +92,8 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
        st.integers(3, 12), st.integers(1, 4))
 def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats):
     """Random arrivals of prompts with common prefixes (and repeats), steps and aborts in a cache short enough to
-    preempt: every request reads only its own tokens, blocks live exactly while held, and all come back."""
+    preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are evicted when
+    KV needs them, and all come back."""
     kv, sched = make(budget, seats)
     added = []
     for op in ops:
@@ -98,7 +112,9 @@ def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats):
             break
         run_step(kv, sched)
         check(kv, sched)
-    assert not sched.has_unfinished() and kv.num_used_blocks == 0 and not kv._shared
+    assert not sched.has_unfinished() and kv.num_used_blocks == 0 and set(kv._shared.values()) == set(kv._cached)
+    kv.evict(BLOCKS)
+    assert kv.pool.kv_capacity() == BLOCKS * LAYERS and not kv._shared and not kv.block_pages
 
 
 def test_a_later_request_starts_after_the_shared_blocks():
@@ -128,3 +144,65 @@ def test_a_later_request_starts_after_the_shared_blocks():
     sched.add(logprobs)
     run_step(kv, sched)
     assert logprobs.num_cached_tokens == 0  # every prompt position's logits are needed
+
+
+def test_kept_blocks_serve_a_later_turn_and_give_way_to_kv_and_weights():
+    """A finished request's published blocks are kept but counted free: the next turn of its conversation (its
+    prompt, its answer and a new message) starts after them; a KV allocation evicts them, least recently released
+    first, and so does a weight run short of free pages (the pool's reclaimer), never beyond what is kept."""
+    kv, sched = make(budget=16, seats=4)
+    first = Sequence("a", FAMILIES[0] + [40, 41], SamplingParams(max_tokens=3))  # 12 + 3 tokens: 3 published
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    assert kv.num_used_blocks == 0 and kv.num_cached_blocks == 3 and kv.num_free_blocks == BLOCKS
+    turn = Sequence("b", first.token_ids + [44, 45, 46], SamplingParams(max_tokens=2))
+    sched.add(turn)
+    assert kv.shared_blocks(turn) == 0 and sched.blocks_demand() == 5  # kept blocks are free: its demand has them
+    released = list(kv._cached)
+    run_step(kv, sched)
+    assert turn.num_cached_tokens == 12 and turn.block_table[:3] == released[::-1] and kv.num_cached_blocks == 0
+    check(kv, sched)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    kept = list(kv._cached)
+    assert kv.num_cached_blocks == 4 and kv.num_free_blocks == BLOCKS
+    # the turn's last published block was released first (a block leaves before the one it continues)
+    assert kv._key[kept[0]][0] == kept[1]
+    other = Sequence("c", list(range(3, 3 + 4 * (BLOCKS - 2))), SamplingParams(max_tokens=2))
+    sched.add(other)
+    while other.num_computed_tokens < other.num_prompt_tokens:
+        run_step(kv, sched)  # its prompt needs BLOCKS - 2 blocks, 10 are free: the two least recently released go
+    assert kv.evicted_blocks == 2 and list(kv._cached) == kept[2:]
+    check(kv, sched)
+    sched.abort("c")
+    pool, free = kv.pool, kv.pool.free_pages
+    with pytest.raises(PoolExhausted):
+        pool.alloc_run(free + pool.reclaimable_pages + 1)
+    assert kv.num_cached_blocks == 2 + 12  # c's published blocks are kept too
+    start = pool.alloc_run(free + 1)  # one page short: one kept block (LAYERS pages) is reclaimed
+    assert kv.evicted_blocks == 3 and kv.num_cached_blocks == 13 and pool.free_pages == LAYERS - 1
+    pool.free_run(start)
+    check(kv, sched)
+
+
+def test_free_blocks_are_what_an_allocation_gets_when_an_offload_borrowed_the_reserve():
+    """An offload may borrow the pool's reserve; pages freed later refill it first. Kept blocks are then worth
+    less than their pages: the free count says so, and an allocation of that many blocks succeeds."""
+    kv, sched = make(budget=16, seats=4)
+    first = Sequence("a", FAMILIES[0] + [40, 41], SamplingParams(max_tokens=3))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    pool = kv.pool
+    pool.set_reserve(2 * LAYERS)
+    assert kv.num_cached_blocks == 3 and kv.num_free_blocks == BLOCKS - 2
+    run = pool.alloc_run(pool.free_pages - LAYERS, use_reserve=True)  # the reserve short by one block's pages
+    assert pool.free_pages == LAYERS and kv.num_free_blocks == 3 - 1
+    seq = Sequence("b", list(range(3, 3 + 4 * 2)), SamplingParams(max_tokens=1))
+    assert kv.tokens_fit(seq) == 2 * BS
+    kv.allocate(seq, 2 * BS)
+    assert len(seq.block_table) == 2 and kv.num_cached_blocks == 0 and pool.free_pages == pool.reserve_pages
+    kv.free(seq)
+    pool.free_run(run)
+    pool.check()

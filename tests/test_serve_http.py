@@ -122,6 +122,28 @@ def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
     wait_idle()
 
 
+def test_next_chat_turn_reuses_the_kept_blocks(client, serve_app, offline, n_tokens):
+    """A conversation's second turn, sent after the first has ended, finds the first turn's KV blocks kept: usage
+    counts them as cached prompt tokens (whole 16-token blocks), and the answer is the offline engine's."""
+    from pagedweight.actors.openai_app import render_chat
+
+    system = {"role": "system", "content": "You write short, correct Python. " * 6}
+    first = [system, {"role": "user", "content": "A function that reverses a string."}]
+    answer = client.chat.completions.create(model=serve_app.model, messages=first, max_tokens=MAX_TOKENS,
+                                            temperature=0).choices[0].message.content
+    wait_idle()
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now add a docstring."}]
+    ref = offline(render_chat(second))
+    resp = client.chat.completions.create(model=serve_app.model, messages=second, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    assert resp.choices[0].message.content == ref.text
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert resp.usage.prompt_tokens == n_tokens(render_chat(second))
+    # whole blocks, at least the first turn's prompt's (its rendering begins the second's), short of the last token
+    assert cached % 16 == 0 and (n_tokens(render_chat(first)) - 1) // 16 * 16 <= cached < resp.usage.prompt_tokens
+    wait_idle()
+
+
 def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline):
     """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset) and chat's (content: token,
     logprob, bytes, top_logprobs) carry the offline engine's log-probabilities of the same greedy tokens, whole and
