@@ -118,7 +118,8 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
-    hits0, queries0, evicted0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens, llm.kv.evicted_blocks
+    hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
+    evicted0 = llm.kv.evicted_blocks
     phases = StepPhases(llm) if trace is not None else None
     t0 = time.perf_counter()
     while finished < len(requests):

@@ -115,7 +115,7 @@ class PagedKVCache:
         self._ids = itertools.count()
         self.prefix_caching = prefix_caching
         self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, least recently released first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
         self.evicted_blocks = 0  # kept blocks given back to the pool for KV or weights
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
