@@ -4,9 +4,10 @@
 /v1/chat/completions, streaming (Server-Sent Events) and not, with `usage` counts.
 Every bad request is answered with a 4xx and an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` before any engine work starts; checks that need the
-tokenizer (prompt longer than the context) run in the engine replica and come back as the first
-item of its stream. A client that disconnects cancels its Serve request; the cancellation reaches
-the replica's generator, which aborts the engine request and frees its KV blocks.
+tokenizer (prompt longer than the context, a chat template that refuses the messages) run in the engine replica
+and come back as the first item of its stream. Chat messages are rendered there by the checkpoint's chat template
+(pagedweight.chat), as transformers' apply_chat_template renders them. A client that disconnects cancels its Serve
+request; the cancellation reaches the replica's generator, which aborts the engine request and frees its KV blocks.
 
 (No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods.)
 
@@ -30,6 +31,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedweight.actors.engine_actor import EngineConfig, make_engine
+from pagedweight.chat import ChatTemplateError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 4 << 20
@@ -78,6 +80,10 @@ class GenerationJob:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> bias
+    # chat: the messages (prompt unused), rendered in the replica by the checkpoint's chat template with these
+    # extra template variables
+    messages: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass
@@ -167,11 +173,12 @@ def _prompt(value) -> str | list[int]:
     raise _bad("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def render_chat(messages) -> str:
-    """Chat messages -> one prompt (role-prefixed turns, then the assistant's cue)."""
+def chat_messages(messages) -> list[dict]:
+    """The request's chat messages, checked, as {"role", "content"} dicts with text content (content parts joined):
+    the engine replica renders them with the checkpoint's chat template (pagedweight.chat)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
-    turns = []
+    out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -187,8 +194,8 @@ def render_chat(messages) -> str:
                     raise _bad(f"'{where}.content[{j}]' must be a text part", f"{where}.content")
                 parts.append(_text(part.get("text"), f"{where}.content[{j}].text"))
             content = "".join(parts)
-        turns.append(f"{role}: {_text(content, f'{where}.content')}\n")
-    return "".join(turns) + "assistant:"
+        out.append({"role": role, "content": _text(content, f"{where}.content")})
+    return out
 
 
 MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same)
@@ -241,11 +248,15 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     if kind == "chat":
         if echo:
             raise _bad("'echo' is not supported by chat completions", "echo", "unsupported_parameter")
-        prompts = [render_chat(body.get("messages"))]
+        messages = chat_messages(body.get("messages"))
+        template_kwargs = body.get("chat_template_kwargs") or {}  # vLLM's extension, e.g. enable_thinking
+        if not isinstance(template_kwargs, dict):
+            raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        prompts = [""]  # rendered in the engine replica, by the checkpoint's template
         tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_tokens = None
     else:
-        prompts = _prompts(body.get("prompt"))
+        prompts, messages, template_kwargs = _prompts(body.get("prompt")), None, None
         tokens_field, default_tokens = "max_tokens", 16
     max_tokens = _integer(body, tokens_field, default_tokens, 0 if echo else 1, max_model_len)
     n = _integer(body, "n", 1, 1, MAX_PROMPTS)
@@ -281,6 +292,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        messages=messages, chat_template_kwargs=template_kwargs,
     )
     # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
     jobs = [job] if len(prompts) * n == 1 else \
@@ -350,7 +362,14 @@ class EngineReplica:
 
     async def generate(self, job: GenerationJob, final_only: bool = False):
         llm = self.engine.llm
-        prompt_ids = llm.tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else job.prompt
+        if job.messages is not None:
+            try:
+                prompt_ids = llm.tokenizer.apply_chat_template(job.messages, **(job.chat_template_kwargs or {}))
+            except ChatTemplateError as e:
+                yield _bad(str(e), "messages").body()
+                return
+        else:
+            prompt_ids = llm.tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else job.prompt
         room = llm.max_model_len - len(prompt_ids)
         if room < 1:
             yield _bad(f"This model's maximum context length is {llm.max_model_len} tokens; the prompt "

@@ -7,7 +7,8 @@ Layout of a directory:
                     file with size + blake2b.
   planes.bin        every plane and LUT at a 4096-byte-aligned offset (memory-mappable and pinnable in place).
   dense.safetensors non-expert weights under the model's state-dict names.
-  config.json, generation_config.json, tokenizer.json (copied from the source).
+  config.json, generation_config.json, tokenizer.json, and tokenizer_config.json and chat_template.jinja where the
+                    source has them (copied from the source).
 Every inconsistency found on load raises APFormatError naming the file.
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ KINDS = ("gate_up", "down")
 MANIFEST = "manifest.msgpack"
 PLANES = "planes.bin"
 DENSE = "dense.safetensors"
-COPIED = ("config.json", "generation_config.json", "tokenizer.json")
+# copied from the source when it has them (config.json is rewritten); the last two carry the chat template
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class APFormatError(ValueError):

@@ -27,6 +27,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template and the special tokens' text (pagedweight.chat)
+CHAT_TEMPLATE = "chat_template.jinja"  # the chat template in a file of its own (newer checkpoints)
 _EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
 
 

@@ -887,6 +887,17 @@ class LLM:
                              prompt_logprobs, seq.num_cached_tokens)
 
     # ---- blocking and streaming front ends ----
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """The assistant's reply to one conversation (a list of {"role", "content"} messages) or to each of a list
+        of them, each rendered by the checkpoint's chat template (pagedweight.chat); outputs in order."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: chat needs one")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, **(chat_template_kwargs or {})) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def generate(self, prompts: list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

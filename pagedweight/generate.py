@@ -62,6 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", required=True, metavar="DIR",
                    help="model directory: config.json, model.safetensors (or shards + index), tokenizer.json")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (must not be empty)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the checkpoint's chat template and print the reply")
     p.add_argument("--max-tokens", type=int, default=32, metavar="N",
                    help="most new tokens to generate; stops earlier at an eos token (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -101,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {args.device!r} is not a torch device") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    prompt_ids = TextTokenizer.from_dir(args.model).encode(args.prompt)
+    tokenizer = TextTokenizer.from_dir(args.model)
+    if args.chat:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to zero tokens")
     cfg = read_config(args.model)

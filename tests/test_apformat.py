@@ -1,6 +1,7 @@
 """AP checkpoint: convert a tiny random model, read it back, check tables, damage detection and the model path."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pagedweight.train import train_tokenizer
 
 torch.set_num_threads(1)
 DATA = Path(__file__).resolve().parent.parent / "data"
+CHAT = "{% for m in messages %}{{ m['role'] }}> {{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def converted(tmp_path_factory):
                       max_position_embeddings=512, shared_expert_intermediate_size=32, qkv_bias=True,
                       eos_token_ids=(0,))
     save_hf(build_model(cfg, seed=0), d / "src", tokenizer_json=tok)
+    (d / "src" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT, "eos_token": "x"}))
     (d / "calib.txt").write_text(text)
     convert(d / "src", d / "ap", d / "calib.txt", sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
     return d / "src", d / "ap", d / "calib.txt"
@@ -179,6 +182,19 @@ def test_wrong_version_names_file(damaged):
     path.write_bytes(msgpack.packb(head))
     with pytest.raises(APFormatError, match=r"manifest\.msgpack.*version 99"):
         load_ap(damaged)
+
+
+def test_chat_template_travels_with_the_checkpoint(converted):
+    """tokenizer_config.json (the chat template, the special tokens' text) is copied and listed in the manifest:
+    the AP checkpoint chats as its source does."""
+    from pagedweight.tokenizer import TextTokenizer
+
+    src, ap_dir, _ = converted
+    assert (ap_dir / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+    assert not (ap_dir / "chat_template.jinja").exists()  # copied only where the source has it
+    tok = TextTokenizer.from_dir(ap_dir)
+    assert tok.chat_template.render([{"role": "user", "content": "hi"}]) == "user> hix"
+    assert "tokenizer_config.json" in {f["name"] for f in load_ap(ap_dir).manifest["files"]}
 
 
 def test_missing_file_names_it(damaged):

@@ -18,7 +18,7 @@ from pagedweight.tokenizer import TextTokenizer
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = ["--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
+OPTIONS = ["--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
            "--device"]
 
 
@@ -64,6 +64,26 @@ def test_generate_prints_the_greedy_completion(model_dir, capsys):
     new = generate(load_model(model_dir), [tokenizer.encode("w3 w17 w5")], SamplingParams(max_tokens=6), (2,))[0]
     assert new and out.out == tokenizer.decode(new) + "\n"
     assert "new tokens" in out.err  # loguru log on stderr
+
+
+def test_chat_renders_the_prompt_as_a_user_message(model_dir, tmp_path, capsys):
+    """--chat: the prompt goes through the checkpoint's chat template (tokenizer_config.json) before generating."""
+    import json
+    import shutil
+
+    chat_dir = tmp_path / "chat"
+    shutil.copytree(model_dir, chat_dir)
+    template = "w1 {% for m in messages %}w{{ m['content'] | length }} {{ m['content'] }} w60{% endfor %} w61"
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert main(["generate", "--model", str(chat_dir), "--prompt", "w3", "--chat", "--max-tokens", "5",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr()
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    from pagedweight.models import load_model
+
+    ids = tokenizer.encode("w1 w2 w3 w60 w61", add_special_tokens=False)
+    new = generate(load_model(model_dir), [ids], SamplingParams(max_tokens=5), (2,))[0]
+    assert new and out.out == tokenizer.decode(new) + "\n" and f"{len(ids)} prompt tokens" in out.err
 
 
 def test_seeded_sampling_is_repeatable(model_dir, capsys):

@@ -47,6 +47,7 @@ def offline(ap_model_dir):
         return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **kw), use_tqdm=False)[0]
 
     greedy.max_model_len = llm.max_model_len
+    greedy.chat_ids = llm.tokenizer.apply_chat_template  # messages -> the prompt's ids, as the replica renders them
     return greedy
 
 
@@ -106,9 +107,7 @@ def test_completion_stream_matches_non_stream(client, serve_app, offline, n_toke
 
 
 def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
-    from pagedweight.actors.openai_app import render_chat
-
-    ref = offline(render_chat(MESSAGES))
+    ref = offline(offline.chat_ids(MESSAGES))
     resp = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
                                           temperature=0)
     assert resp.choices[0].message.role == "assistant"
@@ -122,25 +121,23 @@ def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
     wait_idle()
 
 
-def test_next_chat_turn_reuses_the_kept_blocks(client, serve_app, offline, n_tokens):
+def test_next_chat_turn_reuses_the_kept_blocks(client, serve_app, offline):
     """A conversation's second turn, sent after the first has ended, finds the first turn's KV blocks kept: usage
     counts them as cached prompt tokens (whole 16-token blocks), and the answer is the offline engine's."""
-    from pagedweight.actors.openai_app import render_chat
-
     system = {"role": "system", "content": "You write short, correct Python. " * 6}
     first = [system, {"role": "user", "content": "A function that reverses a string."}]
     answer = client.chat.completions.create(model=serve_app.model, messages=first, max_tokens=MAX_TOKENS,
                                             temperature=0).choices[0].message.content
     wait_idle()
     second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now add a docstring."}]
-    ref = offline(render_chat(second))
+    ref = offline(offline.chat_ids(second))
     resp = client.chat.completions.create(model=serve_app.model, messages=second, max_tokens=MAX_TOKENS,
                                           temperature=0)
     assert resp.choices[0].message.content == ref.text
     cached = resp.usage.prompt_tokens_details.cached_tokens
-    assert resp.usage.prompt_tokens == n_tokens(render_chat(second))
+    assert resp.usage.prompt_tokens == len(offline.chat_ids(second))
     # whole blocks, at least the first turn's prompt's (its rendering begins the second's), short of the last token
-    assert cached % 16 == 0 and (n_tokens(render_chat(first)) - 1) // 16 * 16 <= cached < resp.usage.prompt_tokens
+    assert cached % 16 == 0 and (len(offline.chat_ids(first)) - 1) // 16 * 16 <= cached < resp.usage.prompt_tokens
     wait_idle()
 
 
@@ -148,8 +145,6 @@ def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline
     """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset) and chat's (content: token,
     logprob, bytes, top_logprobs) carry the offline engine's log-probabilities of the same greedy tokens, whole and
     streamed alike."""
-    from pagedweight.actors.openai_app import render_chat
-
     ref = offline(PROMPT, logprobs=2)
     want = [entry[tok] for tok, entry in zip(ref.token_ids, ref.logprobs)]
     kw = dict(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
@@ -166,7 +161,7 @@ def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline
     assert [x for s in streamed for x in s.text_offset] == lp.text_offset
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
-    ref = offline(render_chat(MESSAGES), logprobs=3)
+    ref = offline(offline.chat_ids(MESSAGES), logprobs=3)
     resp = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
                                           temperature=0, logprobs=True, top_logprobs=3)
     content = resp.choices[0].logprobs.content
@@ -406,6 +401,8 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("content not text", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400),
         ("chat absurd max_tokens", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "hi"}], max_tokens=-1), 400),
+        ("chat_template_kwargs not an object", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=[1]), 400),
     ]
 
 
@@ -561,11 +558,14 @@ def test_engine_failure_mid_request_becomes_a_503_error_chunk():
 
 def test_replica_ships_one_final_item_for_a_non_streaming_request(ap_model_dir):
     """Each replica item is one Ray message through the ingress: a non-streaming request gets the head and one
-    final item whose text is the whole completion, the same text a stream's deltas join to."""
+    final item whose text is the whole completion, the same text a stream's deltas join to. Chat messages are
+    rendered there by the checkpoint's template, with the request's chat_template_kwargs; a template that refuses
+    them answers 400 as the first item."""
     import asyncio
 
     from pagedweight.actors.engine_actor import AsyncEngine, EngineConfig, build_llm
-    from pagedweight.actors.openai_app import EngineReplica, GenerationJob
+    from pagedweight.actors.openai_app import EngineReplica, GenerationJob, _status
+    from pagedweight.chat import ChatTemplate
 
     replica = object.__new__(EngineReplica.func_or_class)  # outside Serve: no replica context to ask for an id
     replica.engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "r")
@@ -576,11 +576,29 @@ def test_replica_ships_one_final_item_for_a_non_streaming_request(ap_model_dir):
     async def items(rid: str, final_only: bool) -> list[dict]:
         return [c async for c in replica.generate(job(rid), final_only=final_only)]
 
+    def chat(rid: str, messages: list[dict]) -> list[dict]:
+        job = GenerationJob("", 4, 0.0, 1.0, 0, None, [], True, rid, messages=messages,
+                            chat_template_kwargs={"cue": "A:"})
+
+        async def run():
+            return [c async for c in replica.generate(job, final_only=True)]
+        return asyncio.run(run())
+
     try:
         final = asyncio.run(items("final", True))
         streamed = asyncio.run(items("stream", False))
+        # the checkpoint's chat template renders the messages in the replica; one that refuses them is a 400
+        tokenizer = replica.engine.llm.tokenizer
+        tokenizer.chat_template = ChatTemplate("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                               "{{ raise_exception('no system turns here') }}{% endif %}"
+                                               "{{ m['content'] }}\n{% endfor %}{{ cue }}")
+        user = [{"role": "user", "content": "def main():"}]
+        good, refused = chat("chat", user), chat("refused", [{"role": "system", "content": "x"}] + user)
     finally:
         replica.engine.shutdown()
+    assert good[0]["prompt_tokens"] == len(tokenizer.encode("def main():\nA:", add_special_tokens=False))
+    assert good[1]["completion_tokens"] == 4
+    assert len(refused) == 1 and _status(refused[0]) == 400 and "no system turns" in refused[0]["error"]["message"]
     assert len(final) == 2 and final[0] == streamed[0] == {"prompt_tokens": final[0]["prompt_tokens"],
                                                            "cached_tokens": 0}
     assert final[1]["finish_reason"] == streamed[-1]["finish_reason"] == "length"
