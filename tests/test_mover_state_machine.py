@@ -11,8 +11,9 @@ in the holes offloads leave and reloads need relocation (KV compaction); the pat
 holes left between weight runs of many sizes are too short for a long run and reloads need weight-run relocation:
 the moved runs' old pages are poisoned at once (their worst case of reuse), so a run moved while a step that may
 read it is in flight, or a device table left pointing at the old pages, shows up as wrong bytes.
-Reloads run under a pace cap drawn per example (or unpaced): the bytes of paced copies issued between two
-`end_step` calls never exceed it, and `settle` proves every paced reload still completes.
+Some KV blocks are kept (prefix blocks nobody holds): the pool reclaims them for reloads short of free pages, and
+the rest keep their contents. Reloads run under a pace cap drawn per example (or unpaced): the bytes of paced
+copies issued between two `end_step` calls never exceed it, and `settle` proves every paced reload still completes.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ POISON = 0xA5
 SPECS = [BlockSpec(plane_bytes=100 + 211 * (i % 5), lut_bytes={b: 2 * (1 << b) * (8 + 4 * (i % 3)) for b in range(S, P + 1)})
          for i in range(L * E * 2)]
 RELOCATIONS = [0]  # over every example: fragmentation must actually have forced compactions
+RECLAIMS = [0]  # ... and reloads must have reclaimed kept KV blocks
 WEIGHT_RELOCATIONS = [0]  # ... and weight-run relocations
 
 
@@ -134,8 +136,10 @@ class MoverMachine(RuleBasedStateMachine):
         self.mover = PageMover(self.table, self.store, backend=self.backend, fault_hook=self._fault_hook,
                                pace=None if pace is None else ReloadPace(bytes_per_step=pace))
         self.kv: dict[int, int] = {}  # pool KV block -> tag of the pattern written there
+        self.kept: dict[int, None] = {}  # of those, the ones nobody holds (kept prefix blocks), oldest first
         self.tags = itertools.count()
         self.pool.add_kv_listener(self._kv_moved)
+        self.pool.set_kv_reclaimer(lambda: len(self.kept), self._reclaim)
         self.pool.add_weight_listener(self._weights_moved)
         self.paced_bytes = 0  # bytes of paced reload copies issued in this step (counted here)
         self.stepped = True  # a step was launched since the last boundary
@@ -172,7 +176,17 @@ class MoverMachine(RuleBasedStateMachine):
         assert not set(moves.values()) & set(self.kv), "a KV page moved onto another KV page"
         tags = {new: self.kv.pop(old) for old, new in moves.items()}
         self.kv.update(tags)
+        self.kept = {moves.get(b, b): None for b in self.kept}
         RELOCATIONS[0] += 1
+
+    def _reclaim(self, pages: int) -> None:
+        """The KV cache's reclaimer: the oldest kept blocks go back to the pool (one page each here)."""
+        assert 0 < pages <= len(self.kept), f"asked for {pages} pages with {len(self.kept)} kept"
+        gone = list(self.kept)[:pages]
+        self.pool.free_kv_blocks(gone)
+        for b in gone:
+            del self.kept[b], self.kv[b]
+        RECLAIMS[0] += 1
 
     def _weights_moved(self, moves: dict[int, int]) -> None:
         """Runs after the table's listener: each moved run is a complete slot at its new start, not one a copy
@@ -317,15 +331,26 @@ class MoverMachine(RuleBasedStateMachine):
             self.pool.kv_block_view(blk).copy_(kv_pattern(tag))
             self.kv[blk] = tag
 
-    @precondition(lambda self: self.kv)
+    @precondition(lambda self: len(self.kv) > len(self.kept))
     @rule(data=st.data())
     def kv_free(self, data):
         """Free a scattered subset (sequences finish in any order): holes between KV pages."""
-        n = data.draw(st.integers(1, len(self.kv)))
-        gone = random.Random(data.draw(st.integers(0, 2**16))).sample(sorted(self.kv), n)
+        held = sorted(set(self.kv) - set(self.kept))
+        n = data.draw(st.integers(1, len(held)))
+        gone = random.Random(data.draw(st.integers(0, 2**16))).sample(held, n)
         self.pool.free_kv_blocks(gone)
         for b in gone:
             del self.kv[b]
+
+    @precondition(lambda self: len(self.kv) > len(self.kept))
+    @rule(data=st.data())
+    def kv_keep(self, data):
+        """Sequences finish and their blocks are kept (prefix blocks nobody holds): still KV pages, with their
+        contents, until a reload reclaims them."""
+        held = sorted(set(self.kv) - set(self.kept))
+        n = data.draw(st.integers(1, len(held)))
+        for b in random.Random(data.draw(st.integers(0, 2**16))).sample(held, n):
+            self.kept[b] = None
 
     @rule(keep_every=st.integers(2, 4))
     def kv_fill_holes(self, keep_every):
@@ -356,7 +381,8 @@ class MoverMachine(RuleBasedStateMachine):
         for _ in range(rounds):
             got = self.pool.alloc_kv_blocks(self.pool.kv_capacity())
             self._kv_write(got)
-            gone = rng.sample(sorted(self.kv), len(self.kv) // 3)
+            held = sorted(set(self.kv) - set(self.kept))
+            gone = rng.sample(held, min(len(held), len(self.kv) // 3))
             self.pool.free_kv_blocks(gone)
             for b in gone:
                 del self.kv[b]
@@ -367,6 +393,7 @@ class MoverMachine(RuleBasedStateMachine):
             self.launch_step()
         self.pool.free_kv_blocks(list(self.kv))
         self.kv.clear()
+        self.kept.clear()
         for _ in range(2):  # the first reloads take the holes; the ones left over need runs the holes lack
             self.quiet_reload_all(P)
             self._drain()
@@ -413,7 +440,8 @@ class MoverMachine(RuleBasedStateMachine):
         committed = sum(self.table.memory(i, r.q) for i, r in enumerate(self.table.rows) if r.q)
         assert self.table.resident_weight_bytes() == committed + self.mover.transit_bytes()
         assert pool.bytes_of(pool.kv_pages) == len(self.kv) * PAGE == pool.bytes_of(len(pool.allocations("kv")))
-        assert set(pool.allocations("kv")) == set(self.kv)
+        assert set(pool.allocations("kv")) == set(self.kv) and set(self.kept) <= set(self.kv)
+        assert pool.reclaimable_pages == len(self.kept)
         for blk, tag in self.kv.items():  # KV contents survive every relocation
             assert torch.equal(pool.kv_block_view(blk), kv_pattern(tag)), f"KV page {blk} lost its contents"
         if self.cap is not None:
@@ -438,6 +466,8 @@ class MoverMachine(RuleBasedStateMachine):
             self._drain()
             assert self.mover.idle()
             self.pool.free_kv_blocks(list(self.kv))
+            self.kv.clear()
+            self.kept.clear()
             assert self.pool.used_pages == self.pool.weight_pages == sum(
                 self.table.memory(i, r.q) for i, r in enumerate(self.table.rows)) // PAGE
 
@@ -449,8 +479,9 @@ def test_mover_state_machine(store):
     run = settings(max_examples=70, stateful_step_count=80, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     MoverMachine.TestCase.settings = run
-    before, before_w = RELOCATIONS[0], WEIGHT_RELOCATIONS[0]
+    before, before_w, before_r = RELOCATIONS[0], WEIGHT_RELOCATIONS[0], RECLAIMS[0]
     MoverMachine.TestCase().runTest()
+    assert RECLAIMS[0] > before_r, "no reload reclaimed a kept KV block"
     assert RELOCATIONS[0] > before, "no example fragmented the pool enough to need a relocation"
     assert WEIGHT_RELOCATIONS[0] > before_w, "no example fragmented the weights enough to need a weight relocation"
 
