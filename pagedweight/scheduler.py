@@ -2,12 +2,13 @@
 
 One loop serves prefill and decode: each step has a token budget; running sequences go first (a decode
 costs one token, an unfinished prompt continues in chunks), then waiting sequences start with what is
-left (chunked prefill), after the computed blocks of a prefix they share with running ones
-(`PagedKVCache.share_prefix`). When the KV cache cannot hold a running sequence's next tokens, the newest
-running sequence is preempted: its blocks go back at once and it re-enters the front of the waiting
-queue to be recomputed later. The engine asks the weight planner for room before this happens: its demand
-(`blocks_demand`) is every block the running requests and the waiting ones that have a seat will still need
-until they finish, so weights make room once, when the work arrives, not one prefill chunk at a time. A running
+left (chunked prefill), after the computed blocks of a prefix they share with running ones or that finished
+ones left kept (`PagedKVCache.share_prefix`). When the KV cache cannot hold a running sequence's next tokens, the
+newest running sequence is preempted: its blocks go back at once (its published ones kept, so its recompute may
+find them) and it re-enters the front of the waiting queue to be recomputed later. The engine asks the weight
+planner for room before this happens: its demand (`blocks_demand`) is every block the running requests and the
+waiting ones that have a seat will still need until they finish, so weights make room once, when the work
+arrives, not one prefill chunk at a time. A running
 request still prefilling that finds no block while others progress this step waits a step with its KV kept
 instead of preempting anyone: a preemption costs a recompute, and the blocks come back as others finish or the
 weights give them up.
@@ -158,7 +159,8 @@ class Scheduler:
         seats = max(self.max_num_seqs - len(self.running), 0)
         need = sum(self.kv.blocks_needed(seq, self.final_kv_tokens(seq) - seq.num_computed_tokens)
                    for seq in self.running)
-        for seq in itertools.islice(self.waiting, seats):  # less the blocks it will share with running requests
+        # less the blocks it will share with running requests (a kept block it will take is counted free: it stays)
+        for seq in itertools.islice(self.waiting, seats):
             need += self.kv.blocks_needed(seq, self.final_kv_tokens(seq)) - self.kv.shared_blocks(seq)
         return need
 
@@ -193,7 +195,7 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # the computed blocks of a prefix it shares with running requests
+            # the computed blocks of a prefix it shares with running requests or kept ones
             found = self.kv.share_prefix(seq) if seq.num_computed_tokens == 0 else None
             n = self._fit(seq, self._chunk(seq, budget))
             if n == 0:
