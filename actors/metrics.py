@@ -37,6 +37,11 @@ COUNTERS = {
     "offload_triggers": ("offload_triggers", "Times KV pressure triggered a precision drop."),
     "reload_triggers": ("reload_triggers", "Times free KV blocks triggered a precision raise."),
     "preemptions": ("preemptions", "Requests preempted for lack of KV blocks."),
+    "engine_steps": ("engine_steps", "Engine steps run."),
+    "steps_in_flight": ("steps_with_pages_in_flight", "Engine steps that ran while weight pages were being copied "
+                                                      "or awaited release (copy/compute overlap)."),
+    "time_in_flight_s": ("time_with_pages_in_flight_s", "Wall seconds of the steps that ran while weight pages were "
+                                                        "in flight."),
     "prefix_query_tokens": ("prefix_query_tokens", "Prompt tokens of requests that looked for a shared prefix."),
     "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold or "
                                                "that were kept (prefix sharing)."),

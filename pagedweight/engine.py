@@ -957,6 +957,10 @@ class LLM:
             "plan_staleness_steps": 0,
             "offload_triggers": self.paging.offload_triggers,
             "reload_triggers": self.paging.reload_triggers,
+            # copy/compute overlap: steps (and their wall time) that ran while weight pages were in flight
+            "engine_steps": self.num_steps,
+            "steps_in_flight": self.paging.steps_in_flight,
+            "time_in_flight_s": self.paging.time_in_flight_s,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
