@@ -57,15 +57,13 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], **variables) -> str:
         """The prompt text of `messages` (dicts with "role" and "content"), ending with the assistant's cue."""
-        from jinja2 import TemplateError
-
         try:
             return self._compiled.render(**{**self.special_tokens, "add_generation_prompt": True, **variables,
                                             "messages": messages})
         except ChatTemplateError:
             raise
-        except TemplateError as e:
-            raise ChatTemplateError(f"the chat template failed: {e}") from None
+        except Exception as e:  # a syntax error, or one the template hits on these messages (a TypeError, ...)
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 def template_of(tokenizer_config: dict, jinja_file: str | None) -> str | None:

@@ -105,9 +105,9 @@ def test_template_sources(tmp_path):
     assert TextTokenizer.from_dir(both).chat_template.source == STRICT
     plain = TextTokenizer.from_dir(BUNDLED)
     assert plain.chat_template.source is None and plain.chat_template.add_special_tokens
-    broken = ChatTemplate("{{ messages[0]['content'] | nosuchfilter }}")
-    with pytest.raises(ChatTemplateError, match="chat template"):
-        broken.render([{"role": "user", "content": "x"}])
+    for broken in ("{{ messages[0]['content'] | nosuchfilter }}", "{% for m in messages %}", "{{ messages[0] + 1 }}"):
+        with pytest.raises(ChatTemplateError, match="chat template failed"):
+            ChatTemplate(broken).render([{"role": "user", "content": "x"}])
 
 
 def test_llm_chat_generates_from_the_rendered_prompt(tmp_path):
