@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             model = random_model(cfg, False, dtype, args.device, seed=args.seed)
             llm = LLM.from_parts(model, weights, None, budget, args.device, model_name=name, **options, **extra)
             drive(llm, [(0.0, requests[0][1][:32])], 2)  # warm-up: kernels compile outside the timed replay
-            llm.kv.evict(llm.kv.num_cached_blocks)  # the replay starts with no kept prefix block
+            llm.reset_prefix_cache()  # the replay starts with no kept prefix block
             llm.scheduler.num_preemptions = 0
             trace = [] if args.trace else None
             prof = _profile_boundaries(llm) if args.profile and llm.mover is not None else None

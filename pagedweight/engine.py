@@ -415,7 +415,7 @@ class LLM:
 
         self.generate([long_prompt(self.kv.num_free_blocks - 1, 3)],
                       SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=MAX_LOGPROBS), use_tqdm=False)
-        self.kv.evict(self.kv.num_cached_blocks)  # the next long prompt computes its whole prefill, as in serving
+        self.reset_prefix_cache()  # the next long prompt computes its whole prefill, as in serving
         # as many one-token prompts as fit in half the KV cache
         free = self.kv.num_free_blocks
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
@@ -428,7 +428,7 @@ class LLM:
         prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]
         short_params = SamplingParams(max_tokens=self._decode_steps(len(prompts[0]), shorts), **sampled)
         self.generate(prompts, [long_params] + [short_params] * shorts, use_tqdm=False)
-        self.kv.evict(self.kv.num_cached_blocks)
+        self.reset_prefix_cache()
 
     def _decode_steps(self, n: int, rows: int) -> int:
         """Steps the profile's one-token prompts decode beside a long prompt of n tokens: until its chunks (what the
@@ -887,6 +887,13 @@ class LLM:
                              prompt_logprobs, seq.num_cached_tokens)
 
     # ---- blocking and streaming front ends ----
+    def reset_prefix_cache(self) -> int:
+        """Give every kept prefix block back to the pool (as vLLM's LLM.reset_prefix_cache: a benchmark's runs start
+        alike); blocks that requests hold stay. Returns the blocks given back."""
+        n = self.kv.num_cached_blocks
+        self.kv.evict(n)
+        return n
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

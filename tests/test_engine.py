@@ -352,6 +352,9 @@ def test_prefix_sharing_keeps_outputs_and_shares_blocks(hf_dir):
     assert again[0].token_ids == again[1].token_ids and again[1].num_cached_tokens == 0
     # every full block of the first turn's K/V: its prompt and 11 of its 12 tokens (the last is never computed)
     assert again[0].num_cached_tokens == (len(asked) + 11) // 4 * 4
+    kept = llm.kv.num_cached_blocks
+    assert kept > 0 and llm.reset_prefix_cache() == kept and llm.kv.num_cached_blocks == 0
+    assert llm.generate([turn], greedy(8), use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_abort_frees_blocks_at_once(hf_dir):
