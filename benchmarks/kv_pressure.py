@@ -14,6 +14,7 @@ import argparse
 import cProfile
 import dataclasses
 import gc
+import heapq
 import json
 import sys
 import time
@@ -46,7 +47,7 @@ def budget_and_options(cfg, weights, parent_bits: int, outside: int, page: int, 
 
 
 def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, seed: int, shared: int = 0,
-             turns: int = 1) -> list[tuple[float, list[int]]]:
+             turns: int = 1, think_s: float | None = None) -> list[tuple]:
     """(arrival second, prompt ids) with exponential inter-arrival times of mean 1/rate; every prompt starts with
     the same `shared` tokens (a system prompt) before its own prompt_lo..prompt_hi.
 
@@ -54,7 +55,11 @@ def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, se
     i % C (C = ceil(n / turns) conversations, so a conversation's turns are C arrivals apart), and a turn's prompt is
     the previous turn's followed by prompt_lo/4..prompt_hi/4 new tokens. The replay is open-loop, so a turn does not
     carry the previous turn's answer: it finds the previous turn's prompt blocks computed if they are still held or
-    were kept (a client resending a growing context, as a chat or an agent does)."""
+    were kept (a client resending a growing context, as a chat or an agent does).
+
+    With `think_s` too, the conversations are closed-loop, as a chat client is: only the first turns arrive by the
+    clock; turn t + 1 is (think seconds, new ids, index of turn t), sent that long (exponential, mean think_s) after
+    turn t ended, its prompt turn t's prompt, turn t's answer and the new ids (`drive` builds it)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     arrivals -= arrivals[0]
@@ -65,8 +70,13 @@ def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, se
             prompts.append(system + rng.integers(0, vocab, int(rng.integers(prompt_lo, prompt_hi + 1))).tolist())
         else:
             more = int(rng.integers(prompt_lo // 4, prompt_hi // 4 + 1))
-            prompts.append(prompts[i - convs] + rng.integers(0, vocab, more).tolist())
-    return [(float(t), ids) for t, ids in zip(arrivals, prompts)]
+            new = rng.integers(0, vocab, more).tolist()
+            prompts.append(new if think_s is not None else prompts[i - convs] + new)
+    if think_s is None:
+        return [(float(t), ids) for t, ids in zip(arrivals, prompts)]
+    think = rng.exponential(think_s, n)
+    return [(float(arrivals[i]), ids, None) if i < convs else (float(think[i]), ids, i - convs)
+            for i, ids in enumerate(prompts)]
 
 
 SWING_BITS = 0.05  # a mean-width swing reverses by at least this many bits (`swings`)
@@ -106,21 +116,30 @@ def swings(series, min_move: float) -> int:
     return count
 
 
-def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline: float | None = None,
+def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = None,
           trace: list | None = None) -> dict:
     """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times.
 
-    Past `deadline` (a perf_counter time) the replay stops: unfinished requests are aborted, later arrivals
-    never sent, and the row says so (cut_short, requests_done). `trace` collects engine_bench.trace_row per step
-    (which step was slow, and which part of its boundary)."""
+    A request is (arrival second, prompt ids), or (think seconds, new ids, index of the previous turn) for a
+    closed-loop conversation's later turn (`workload`): it is sent that long after the previous turn ended, with the
+    previous turn's prompt and answer before its new ids. Past `deadline` (a perf_counter time) the replay stops:
+    unfinished requests are aborted, later arrivals never sent, and the row says so (cut_short, requests_done).
+    `trace` collects engine_bench.trace_row per step (which step was slow, and which part of its boundary)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     arrival, last, ttft, itl = {}, {}, [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
-    finished, failed, nxt, steps0, cut = 0, 0, 0, llm.num_steps, False
+    finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
     evicted0 = llm.kv.evicted_blocks
     phases = StepPhases(llm) if trace is not None else None
+    due = [(r[0], i) for i, r in enumerate(requests) if len(r) < 3 or r[2] is None]  # (second, index): sendable
+    heapq.heapify(due)
+    later: dict[int, list[int]] = {}  # a turn -> the turns that follow it
+    for i, r in enumerate(requests):
+        if len(r) > 2 and r[2] is not None:
+            later.setdefault(r[2], []).append(i)
+    sent: dict[int, list[int]] = {}  # index -> the prompt it was sent with
     t0 = time.perf_counter()
     while finished < len(requests):
         if deadline is not None and time.perf_counter() > deadline:
@@ -129,13 +148,15 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
                 llm.abort(rid)
             break
         now = time.perf_counter() - t0
-        while nxt < len(requests) and requests[nxt][0] <= now:
-            rid = llm.add_request(requests[nxt][1], params, request_id=str(nxt))
-            arrival[rid] = t0 + requests[nxt][0]
-            nxt += 1
+        while due and due[0][0] <= now:
+            when, i = heapq.heappop(due)
+            sent[i] = requests[i][1] if len(requests[i]) < 3 or requests[i][2] is None else \
+                sent.pop(requests[i][2]) + requests[i][1]  # the previous turn's prompt and answer, then its own
+            rid = llm.add_request(sent[i], params, request_id=str(i))
+            arrival[rid] = t0 + when
         if not llm.has_unfinished():
             if not llm.step_idle():  # idle, as the engine actor is: reloads first, then wait for the next arrival
-                time.sleep(max(0.0, requests[nxt][0] - now))
+                time.sleep(max(0.0, due[0][0] - now) if due else 0.0)
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
         outs = llm.step()
@@ -154,6 +175,11 @@ def drive(llm: LLM, requests: list[tuple[float, list[int]]], gen: int, deadline:
             if out.finished:
                 finished += 1
                 failed += out.finish_reason != "length"  # "error": its context can never fit this budget
+                i = int(out.request_id)
+                if i in later:  # the answer joins the prompt; the next turn is due after the think time
+                    sent[i] = sent[i] + list(out.token_ids)
+                    for k in later.pop(i):
+                        heapq.heappush(due, (t - t0 + requests[k][0], k))
         waited.update(s.request_id for s in llm.scheduler.waiting)
         free_kv.append(llm.kv.num_free_blocks)
         if llm.table is not None:
@@ -246,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=1,
                    help="requests are conversations of this many turns, each turn's prompt the previous one's and "
                         "a quarter of --prompt-len more (default 1: independent prompts)")
+    p.add_argument("--think-s", type=float, default=None, metavar="S",
+                   help="with --turns: closed-loop conversations, each turn sent S seconds on average after the "
+                        "previous one ended, its answer included (default: open loop, turns by the clock)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="every mode computes each prompt whole (default: requests share a common prefix's blocks)")
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
@@ -267,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--paged-runs must be at least 1")
     if args.turns < 1:
         p.error("--turns must be at least 1")
+    if args.think_s is not None and (args.turns < 2 or args.think_s < 0):
+        p.error("--think-s needs --turns of 2 or more and is at least 0")
     t_start = time.perf_counter()
     tiny = args.tiny
     d = DEFAULTS["tiny" if tiny else "h200"]
@@ -286,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     outside = outside_bytes(cfg, dtype, args.device)
     kv_block = page * cfg.num_hidden_layers
     budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk,
-                                         args.shared_prefix + hi + (args.turns - 1) * (hi // 4) + gen)
+                                         args.shared_prefix + hi + (args.turns - 1) * (hi // 4) + gen
+                                         + (args.turns - 1) * gen * (args.think_s is not None))
     options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching)
-    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns)
+    requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns, args.think_s)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
     # untimed replays first: the first engine of a process pays one-time costs (kernel modules loaded, cuBLAS
@@ -301,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
             "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
-            "turns": args.turns, "prefix_caching": args.prefix_caching}
+            "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""

@@ -146,6 +146,27 @@ def test_kv_pressure_turns_grow_each_conversation_s_prompt():
     assert all(ids[:16] == plain[0][1][:16] for _, ids in convs)  # the system prompt
 
 
+def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
+    """--think-s: a conversation's next turn is sent after the previous one ended, with its prompt and answer
+    first, so with room to keep them it finds every full block of the previous turn's K/V computed."""
+    from benchmarks import kv_pressure
+
+    args = ["--tiny", "--device", "cpu", "--turns", "2", "--num-requests", "4", "--think-s", "0", "--rate", "8",
+            "--kv-room-blocks", "96", "--static-bits", "none", "--warmup-replays", "0", "--out-dir", str(tmp_path)]
+    assert kv_pressure.main(args) == 0
+    (path,) = tmp_path.glob("kv_pressure-*.json")
+    res = json.loads(path.read_text())
+    (row,) = res["rows"]
+    assert res["think_s"] == 0 and row["requests_done"] == 4
+    reqs = kv_pressure.workload(4, 8.0, 48, 160, 512, seed=0, turns=2, think_s=0.0)  # the tiny shape
+    gen = kv_pressure.DEFAULTS["tiny"]["gen"]
+    # turns 2, 3 follow turns 0, 1: each finds its predecessor's prompt and answer, less the never-computed last token
+    assert [r[2] for r in reqs] == [None, None, 0, 1]
+    assert row["prefix_hit_tokens"] == sum((len(reqs[p][1]) + gen - 1) // 16 * 16 for p in (0, 1))
+    # a follower's prompt: its predecessor's prompt and answer, then its own new ids
+    assert row["prefix_query_tokens"] == sum(len(r[1]) for r in reqs) + sum(len(reqs[p][1]) + gen for p in (0, 1))
+
+
 def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
     """--planner-knobs overrides PagedWeight's planner: with a reload hysteresis larger than any KV cache, widths
     released under pressure never come back (reload triggers 0, idle gaps included), and the result records the
