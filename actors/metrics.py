@@ -46,6 +46,8 @@ COUNTERS = {
     "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold or "
                                                "that were kept (prefix sharing)."),
     "kv_evicted_blocks": ("kv_evicted_blocks", "Kept prefix blocks given back for KV or weight pages."),
+    "kv_reclaimed_blocks": ("kv_reclaimed_blocks", "Kept prefix blocks that weight reloads took back (within "
+                                                   "kv_evicted_blocks)."),
 }
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 

@@ -131,7 +131,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
-    evicted0 = llm.kv.evicted_blocks
+    evicted0, reclaimed0 = llm.kv.evicted_blocks, llm.kv.reclaimed_blocks
     phases = StepPhases(llm) if trace is not None else None
     due = [(r[0], i) for i, r in enumerate(requests) if len(r) < 3 or r[2] is None]  # (second, index): sendable
     heapq.heapify(due)
@@ -202,10 +202,11 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
         "sync_waits": llm.paging.syncs,
         # prefix sharing: prompt tokens found computed (in blocks other requests held or kept blocks), of those
-        # looked up; kept blocks evicted for KV or weights, and those still kept at the end
+        # looked up; kept blocks evicted for KV or weights (reclaimed: by weights), and those still kept at the end
         "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0,
         "prefix_query_tokens": st["prefix_query_tokens"] - queries0,
         "kv_evicted_blocks": st["kv_evicted_blocks"] - evicted0, "kv_cached_blocks_end": st["kv_cached_blocks"],
+        "kv_reclaimed_blocks": st["kv_reclaimed_blocks"] - reclaimed0,  # of the evicted: taken by weight reloads
         "min_free_kv_blocks": int(min(free_kv)) if free_kv else None,
         "mean_width_min": min(mean_w) if mean_w else None, "mean_width_max": max(mean_w) if mean_w else None,
         "mean_width_end": mean_w[-1] if mean_w else None,

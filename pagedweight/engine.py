@@ -976,6 +976,7 @@ class LLM:
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
             "kv_cached_blocks": self.kv.num_cached_blocks,  # kept prefix blocks, within kv_free_blocks
             "kv_evicted_blocks": self.kv.evicted_blocks,  # kept blocks given back for KV or weights
+            "kv_reclaimed_blocks": self.kv.reclaimed_blocks,  # of those, taken by weight reloads
             # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes
             "kv_relocations": self.pool.relocations,
             "kv_relocated_bytes": self.pool.bytes_of(self.pool.relocated_pages),

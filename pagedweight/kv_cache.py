@@ -117,6 +117,7 @@ class PagedKVCache:
         self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
         self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
         self.evicted_blocks = 0  # kept blocks given back to the pool for KV or weights
+        self.reclaimed_blocks = 0  # of those, the ones a weight run reclaimed
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
         self._published: dict[str, int] = {}  # request id -> how many of its leading blocks are published
@@ -208,7 +209,9 @@ class PagedKVCache:
 
     def _reclaim(self, pages: int) -> None:
         """The pool's reclaimer: free at least `pages` pages of kept blocks for a weight run."""
+        before = self.evicted_blocks
         self.evict(-(-pages // self.num_layers))
+        self.reclaimed_blocks += self.evicted_blocks - before
 
     def _drop(self, blocks: list[int]) -> None:
         pages = [p for b in blocks for p in self.block_pages.pop(b)]

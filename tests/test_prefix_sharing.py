@@ -181,7 +181,8 @@ def test_kept_blocks_serve_a_later_turn_and_give_way_to_kv_and_weights():
         pool.alloc_run(free + pool.reclaimable_pages + 1)
     assert kv.num_cached_blocks == 2 + 12  # c's published blocks are kept too
     start = pool.alloc_run(free + 1)  # one page short: one kept block (LAYERS pages) is reclaimed
-    assert kv.evicted_blocks == 3 and kv.num_cached_blocks == 13 and pool.free_pages == LAYERS - 1
+    assert kv.evicted_blocks == 3 and kv.reclaimed_blocks == 1 and kv.num_cached_blocks == 13
+    assert pool.free_pages == LAYERS - 1
     pool.free_run(start)
     check(kv, sched)
 
