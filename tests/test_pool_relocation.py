@@ -186,6 +186,39 @@ def test_paged_kv_cache_follows_relocation_in_a_running_engine():
     pool.check()
 
 
+def test_kept_prefix_blocks_follow_relocation():
+    """A kept prefix block whose page a compaction moves is found at its new place: the next request with the same
+    prompt starts after it and generates what an engine whose kept blocks never moved generates."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"
+    ref = LLM(BUNDLED, device="cpu", kv_cache_bytes=2 << 20, block_size=4)
+    ref.generate([prompt], params, use_tqdm=False)
+    want = ref.generate([prompt], params, use_tqdm=False)[0]
+    assert want.num_cached_tokens > 0
+
+    llm = LLM(BUNDLED, device="cpu", kv_cache_bytes=2 << 20, block_size=4)
+    pool, cache = llm.pool, llm.kv
+    llm.generate([prompt], params, use_tqdm=False)
+    kept = {lid: list(cache.block_pages[lid]) for lid in cache._cached}
+    assert kept and cache.num_used_blocks == 0
+    rows = pool.kv_blocks_view()
+    bytes_before = {lid: rows[pages].clone() for lid, pages in kept.items()}
+    top = min(pool.allocations("kv"))  # the lowest kept page; free pages below it become 1-page weight runs
+    dummies = [pool.alloc_run(1) for _ in range(pool.free_pages)]
+    for page in (top - 1, top - 3):
+        pool.free_run(page)
+    assert pool.alloc_run(2, relocate=True) == top - 1  # the window (top - 1, top): the kept page at top moves
+    assert cache.evicted_blocks == 0 and pool.relocations == 1
+    assert any(top - 3 in pages for pages in cache.block_pages.values())
+    for lid, pages in cache.block_pages.items():
+        assert torch.equal(rows[pages], bytes_before[lid]), f"kept block {lid} lost its K/V"
+    for page in [top - 1] + [d for d in dummies if d not in (top - 1, top - 3)]:
+        pool.free_run(page)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == want.num_cached_tokens and again.token_ids == want.token_ids
+    pool.check()
+
+
 def test_relocation_while_a_step_layout_is_live_is_refused():
     llm = LLM(BUNDLED, device="cpu", kv_cache_bytes=1 << 20, block_size=4)
     llm.add_request("def f(x):", SamplingParams(max_tokens=2, ignore_eos=True))
