@@ -41,11 +41,13 @@ for s in "${steps[@]}"; do case $s in
            --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
-  # compiles the kernels into NUMBA_CACHE_DIR before the engine benchmarks load them (30 tests: ~300 s on a cold cache)
-  enginetest) step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
+  # the GPU tests (56 of this selection passed at 4d8fd00 in ~230 s on a cold cache), which also compile the kernels
+  # into NUMBA_CACHE_DIR before the engine benchmarks load them
+  enginetest) sel="ap_ or pressure or preempts or cuda_graph or graph or on_gpu or in_place or reload or narrow"
+              sel+=" or widths_return or sampler or logprobs or adjust or penalties or prefix"
+              step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
-                tests/test_kernels_sim.py \
-                -k "ap_ or pressure or preempts or cuda_graph or graph or on_gpu or in_place" ;;
+                tests/test_kernels_sim.py tests/test_planner.py -k "$sel" ;;
   # torch.profiler tables of the chunked prefill (host and device time per op: is a prefill step host-bound?); run
   # after enginetest, whose compile fills the Numba cache
   prefillprof) step "${PREFILLPROF_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 4 --skip-fp16 \
@@ -86,6 +88,13 @@ for s in "${steps[@]}"; do case $s in
              ${BUDGETS_ARGS:-} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
+  # kept prefix blocks: closed-loop conversations (3 turns, each sent ~1 s after the previous one ended, its answer
+  # included) with prefix caching on, then off; PagedWeight and static 4 bits at the same budget
+  conversations) for arm in on off; do
+                   step "${CONV_LIMIT:-150}" python3 -m benchmarks.kv_pressure --turns 3 --think-s 1 --static-bits 4 \
+                     --time-budget-s 130 $([ $arm = off ] && echo --no-prefix-caching) \
+                     --label "conv-$arm${CONV_LABEL:-}" ${CONV_ARGS:-}
+                 done ;;
   pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
   # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
