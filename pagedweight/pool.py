@@ -254,15 +254,29 @@ class PagePool:
         return out
 
     def free_kv_blocks(self, blocks: list[int]) -> None:
+        """Return KV blocks, all or none. Adjacent blocks go back as one extent: a request's blocks were taken in
+        runs, and freeing them a page at a time (24 pages a logical block on Qwen1.5) cost ~27 us of host time per
+        logical block in free-list upkeep, 3.6 ms at the end of a 2,048-token request; 5 us and 0.64 ms since
+        (prefix_cost-cpu-2c-20261204-s38-{before,after}.json)."""
         for b in blocks:
             a = self._allocs.get(b)
             if a is None or a.tag != "kv":
                 raise KeyError(f"page {b} is not a KV block")
+        if len(set(blocks)) != len(blocks):
+            raise KeyError("a KV block is freed twice in one call")
+        ppk = self.pages_per_kv
         for b in blocks:
-            a = self._allocs.pop(b)
-            self.kv_pages -= a.npages
-            self._kind[a.start:a.start + a.npages] = FREE
-            self._give(a.start, a.npages)
+            del self._allocs[b]
+        self.kv_pages -= len(blocks) * ppk
+        runs: list[list[int]] = []  # [start, end) of adjacent blocks
+        for b in sorted(blocks):
+            if runs and runs[-1][1] == b:
+                runs[-1][1] = b + ppk
+            else:
+                runs.append([b, b + ppk])
+        for start, end in runs:
+            self._kind[start:end] = FREE
+            self._give(start, end - start)
 
     def free_run(self, start: int) -> int:
         """Free the weight run starting at `start`; returns the pages freed."""

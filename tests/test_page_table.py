@@ -28,6 +28,12 @@ def test_pool_low_weights_high_kv_and_exact_accounting():
     with pytest.raises(KeyError):
         pool.free_kv_blocks([kv[0]])  # double free
     with pytest.raises(KeyError):
+        pool.free_kv_blocks([kv[2], kv[2]])  # twice in one call: refused whole
+    assert pool.kv_pages == 2
+    pool.free_kv_blocks([kv[3], kv[2]])  # adjacent, in either order: one extent with the pages freed before
+    assert pool.kv_pages == 0 and pool._free_len[pool._free_starts[-1]] == 64 - 10
+    assert pool.alloc_kv_blocks(2) == [63, 62]
+    with pytest.raises(KeyError):
         pool.free_run(62)  # not a weight run
     pool.check()
     assert pool.kv_capacity() == 64 - 9 - 2
@@ -72,8 +78,10 @@ def test_pool_best_fit_against_a_scan():
             blocks += pool.alloc_kv_blocks(int(rng.integers(1, 3)))
         elif op < 0.85 and runs:
             pool.free_run(runs.pop(int(rng.integers(len(runs)))))
-        elif blocks:
-            pool.free_kv_blocks([blocks.pop(int(rng.integers(len(blocks))))])
+        elif blocks:  # a few at once, in any order: adjacent ones go back as one extent
+            picked = rng.permutation(len(blocks))[:int(rng.integers(1, 5))]
+            pool.free_kv_blocks([blocks[i] for i in picked])
+            blocks = [b for i, b in enumerate(blocks) if i not in set(picked.tolist())]
         pool.check()
     assert len(pool._free_starts) > 5  # the walk left holes to choose between
 
