@@ -415,3 +415,16 @@ def test_serving_quality_scores_both_waves_of_every_config(ap_dir, tmp_path):
         assert np.isfinite(row["ppl"]) and row["ppl"] > 1
     assert rows[0]["light"]["mean_width"] == rows[0]["heavy"]["mean_width"] == 8.0
     assert rows[2]["heavy"]["mean_width"] == 3.0 and rows[2]["ppl"] != rows[0]["ppl"]
+
+
+def test_prefix_cost_rows(tmp_path):
+    """benchmarks/prefix_cost: one row per prompt length and mode; a kept request's second start finds its blocks
+    (no allocation), so only the caching rows time an eviction."""
+    from benchmarks import prefix_cost
+
+    assert prefix_cost.main(["--layers", "2", "--prompts", "64", "--reps", "2", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("prefix_cost-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["prompt_tokens"], r["prefix_caching"]) for r in rows] == [(64, False), (64, True)]
+    assert rows[0]["evict_us_per_block"] is None and rows[1]["evict_us_per_block"] > 0
+    assert all(r[k] > 0 for r in rows for k in ("start_us", "free_us", "hit_start_us"))
