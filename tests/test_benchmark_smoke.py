@@ -418,8 +418,8 @@ def test_serving_quality_scores_both_waves_of_every_config(ap_dir, tmp_path):
 
 
 def test_prefix_cost_rows(tmp_path):
-    """benchmarks/prefix_cost: one row per prompt length and mode; a kept request's second start finds its blocks
-    (no allocation), so only the caching rows time an eviction."""
+    """benchmarks/prefix_cost: one row per prompt length and mode; only with caching are blocks kept, so only those
+    rows time an eviction."""
     from benchmarks import prefix_cost
 
     assert prefix_cost.main(["--layers", "2", "--prompts", "64", "--reps", "2", "--out-dir", str(tmp_path)]) == 0
