@@ -110,9 +110,11 @@ class PagedKVCache:
         self.view = rows[:, :self.layer_bytes].view(dtype).view(
             rows.shape[0], 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.block_pages: dict[int, list[int]] = {}  # logical block id -> its L pool blocks (layer order)
-        self._page_owner: dict[int, tuple[int, int]] = {}  # pool block -> (logical block, layer)
+        # pool block -> logical block * L + layer, -1 if none: one array write per allocation (a dict entry per page
+        # cost ~0.1 us each, prefix_cost-cpu-2c-20261204-s38-after2.json); read only when the pool relocates pages
+        self._owner = np.full(rows.shape[0], -1, dtype=np.int64)
         self._tables: dict[str, np.ndarray] = {}  # request id -> its block_tables, extended as blocks are added
-        self._ids = itertools.count()
+        self._next_id = 0  # the next logical block id (never reused)
         self.prefix_caching = prefix_caching
         self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
         self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
@@ -172,13 +174,13 @@ class PagedKVCache:
             self.evict(-(-short // self.num_layers))
         pages = self.pool.alloc_kv_blocks(n * self.num_layers)
         self.view.index_fill_(0, torch.tensor(pages, device=self.view.device), 0)  # finite bytes (module doc)
+        L, first = self.num_layers, self._next_id
+        self._next_id += n
+        self._owner[pages] = np.arange(first * L, (first + n) * L)  # pages[j * L + layer]: block first + j
         for j in range(n):
-            block = pages[j * self.num_layers:(j + 1) * self.num_layers]
-            lid = next(self._ids)
-            self.block_pages[lid] = block
-            self._refs[lid] = 1
-            self._page_owner.update((p, (lid, layer)) for layer, p in enumerate(block))
-            seq.block_table.append(lid)
+            self.block_pages[first + j] = pages[j * L:(j + 1) * L]
+            self._refs[first + j] = 1
+        seq.block_table.extend(range(first, first + n))
 
     def free(self, seq: Sequence) -> None:
         """Let go of every block of seq now (finish, abort, preemption), last first: a block no other sequence
@@ -215,9 +217,8 @@ class PagedKVCache:
 
     def _drop(self, blocks: list[int]) -> None:
         pages = [p for b in blocks for p in self.block_pages.pop(b)]
-        for p in pages:
-            del self._page_owner[p]
         if pages:
+            self._owner[pages] = -1
             self.pool.free_kv_blocks(pages)
 
     def _prefix_run(self, seq: Sequence) -> list[int] | None:
@@ -282,11 +283,17 @@ class PagedKVCache:
         """
         if self.layout is not None:
             raise RuntimeError("KV pages relocated while a step's layout is live")
-        owners = [(self._page_owner.pop(old), new) for old, new in moves.items() if old in self._page_owner]
+        old = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
+        new = np.fromiter(moves.values(), dtype=np.int64, count=len(moves))
+        code = self._owner[old]
+        mine = code >= 0
+        old, new, code = old[mine], new[mine], code[mine]
+        self._owner[old] = -1  # the moves' sources and destinations are disjoint
+        self._owner[new] = code
         self._tables.clear()
-        for (lid, layer), new in owners:
-            self.block_pages[lid][layer] = new
-            self._page_owner[new] = (lid, layer)
+        L = self.num_layers
+        for c, page in zip(code.tolist(), new.tolist()):
+            self.block_pages[c // L][c % L] = page
 
     def block_tables(self, seq: Sequence) -> np.ndarray:
         """[L, blocks] pool KV block of each of seq's logical blocks, per layer (read-only). Kept per request and
