@@ -127,7 +127,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     `trace` collects engine_bench.trace_row per step (which step was slow, and which part of its boundary)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
-    arrival, last, ttft, itl = {}, {}, [], []
+    arrival, last, ttft, itl, ttft_later = {}, {}, [], [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
@@ -168,6 +168,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             n = out.completion_tokens
             if n and out.request_id not in last:
                 ttft.append(t - arrival[out.request_id])
+                if len(requests[int(out.request_id)]) > 2 and requests[int(out.request_id)][2] is not None:
+                    ttft_later.append(ttft[-1])  # a closed-loop conversation's later turn
             elif n and n > last[out.request_id][1]:
                 itl.append(t - last[out.request_id][0])
             if n:
@@ -194,6 +196,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         "requests": len(requests), "cut_short": cut, "requests_done": finished - failed,
         "elapsed_s": elapsed, "steps": llm.num_steps - steps0,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        # closed-loop conversations (--think-s): the turns after the first, whose context may be found computed
+        "ttft_later_turns_p50_ms": pct(ttft_later, 50), "ttft_later_turns_p99_ms": pct(ttft_later, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],

@@ -157,7 +157,7 @@ def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
     (path,) = tmp_path.glob("kv_pressure-*.json")
     res = json.loads(path.read_text())
     (row,) = res["rows"]
-    assert res["think_s"] == 0 and row["requests_done"] == 4
+    assert res["think_s"] == 0 and row["requests_done"] == 4 and row["ttft_later_turns_p50_ms"] > 0
     reqs = kv_pressure.workload(4, 8.0, 48, 160, 512, seed=0, turns=2, think_s=0.0)  # the tiny shape
     gen = kv_pressure.DEFAULTS["tiny"]["gen"]
     # turns 2, 3 follow turns 0, 1: each finds its predecessor's prompt and answer, less the never-computed last token
