@@ -133,12 +133,13 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
     evicted0, reclaimed0 = llm.kv.evicted_blocks, llm.kv.reclaimed_blocks
     phases = StepPhases(llm) if trace is not None else None
-    due = [(r[0], i) for i, r in enumerate(requests) if len(r) < 3 or r[2] is None]  # (second, index): sendable
+    after = [r[2] if len(r) > 2 else None for r in requests]  # the turn each request follows, if any
+    due = [(r[0], i) for i, r in enumerate(requests) if after[i] is None]  # (second, index): sendable
     heapq.heapify(due)
     later: dict[int, list[int]] = {}  # a turn -> the turns that follow it
-    for i, r in enumerate(requests):
-        if len(r) > 2 and r[2] is not None:
-            later.setdefault(r[2], []).append(i)
+    for i, prev in enumerate(after):
+        if prev is not None:
+            later.setdefault(prev, []).append(i)
     sent: dict[int, list[int]] = {}  # index -> the prompt it was sent with
     t0 = time.perf_counter()
     while finished < len(requests):
@@ -150,8 +151,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         now = time.perf_counter() - t0
         while due and due[0][0] <= now:
             when, i = heapq.heappop(due)
-            sent[i] = requests[i][1] if len(requests[i]) < 3 or requests[i][2] is None else \
-                sent.pop(requests[i][2]) + requests[i][1]  # the previous turn's prompt and answer, then its own
+            # a later turn: the previous turn's prompt and answer, then its own ids
+            sent[i] = requests[i][1] if after[i] is None else sent.pop(after[i]) + requests[i][1]
             rid = llm.add_request(sent[i], params, request_id=str(i))
             arrival[rid] = t0 + when
         if not llm.has_unfinished():
@@ -168,7 +169,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             n = out.completion_tokens
             if n and out.request_id not in last:
                 ttft.append(t - arrival[out.request_id])
-                if len(requests[int(out.request_id)]) > 2 and requests[int(out.request_id)][2] is not None:
+                if after[int(out.request_id)] is not None:
                     ttft_later.append(ttft[-1])  # a closed-loop conversation's later turn
             elif n and n > last[out.request_id][1]:
                 itl.append(t - last[out.request_id][0])

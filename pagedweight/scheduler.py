@@ -8,10 +8,9 @@ newest running sequence is preempted: its blocks go back at once (its published 
 find them) and it re-enters the front of the waiting queue to be recomputed later. The engine asks the weight
 planner for room before this happens: its demand (`blocks_demand`) is every block the running requests and the
 waiting ones that have a seat will still need until they finish, so weights make room once, when the work
-arrives, not one prefill chunk at a time. A running
-request still prefilling that finds no block while others progress this step waits a step with its KV kept
-instead of preempting anyone: a preemption costs a recompute, and the blocks come back as others finish or the
-weights give them up.
+arrives, not one prefill chunk at a time. A running request still prefilling that finds no block while others
+progress this step waits a step with its KV kept instead of preempting anyone: a preemption costs a recompute, and
+the blocks come back as others finish or the weights give them up.
 """
 from __future__ import annotations
 
