@@ -44,7 +44,8 @@ def run(args) -> int:
     from ray import serve
 
     from pagedweight.actors.openai_app import AppArgs, build_app
-    from pagedweight.engine import ap_checkpoint_for, parse_budget
+    from pagedweight.convert import ap_checkpoint_for
+    from pagedweight.pool import parse_budget
 
     model_dir = Path(args.model_dir)
     if not model_dir.is_dir():

@@ -31,7 +31,8 @@ from benchmarks.common import write_result
 from benchmarks.engine_bench import (SHAPES, add_sampling_args, ap_weights, expert_pool_bytes, kv_bytes, model_config,
                                      outside_bytes, page_bytes, random_model, sampling_of, serve)
 from benchmarks.kv_pressure import DEFAULTS, budget_and_options, drive, workload
-from pagedweight.engine import LLM, release_cached, round_up
+from pagedweight.engine import LLM, round_up
+from pagedweight.pool import release_cached
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / d) for d in ("pagedweight", "cuda", "actors"))

@@ -4,7 +4,7 @@ and come back once idle, every request must finish, the process's peak must stay
 
     python -m benchmarks.run_budgets --device cuda --budgets 118MiB,126MiB,134MiB --repeats 2 --label s26
 
-Every row is the run's `--summary-json` (pagedweight.engine.run: which figures are measured, which computed) plus
+Every row is the run's `--summary-json` (pagedweight.run: which figures are measured, which computed) plus
 its budget, repeat, exit status and logged warnings (the start-up profile says when it peaked above the budget); a
 refused budget keeps its error's last line.
 """

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import write_result
-from pagedweight.engine import LLM, ap_checkpoint_for
+from pagedweight.convert import ap_checkpoint_for
+from pagedweight.engine import LLM
 from pagedweight.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import sys
 
 from loguru import logger
 
-COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train", "pagedweight.engine", "pagedweight.convert",
+COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train", "pagedweight.run", "pagedweight.convert",
                                      "pagedweight.actors.serve_cli")
 EXIT_BAD_INPUT = 2
 

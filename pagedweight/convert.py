@@ -7,6 +7,7 @@ width drop as it goes), fit the planner's prompt residual heads, write dense wei
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,9 +16,10 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
-from pagedweight.apformat import APWriter
+from pagedweight.apformat import MANIFEST, VERSION, APWriter
 from pagedweight.bitplanes import dequantize
-from pagedweight.calibrate import KINDS, DamageProbe, cached_calibrate, calibration_batches
+from pagedweight.calibrate import CACHE_VERSION, KINDS, DamageProbe, cached_calibrate, calibration_batches
+from pagedweight.pool import release_cached
 from pagedweight.quantize import QuantizedBlock, quantize_blocks
 
 # Row-batch size of one quantizer call, in weights: the quantizer needs ~100 bytes of scratch per weight.
@@ -120,6 +122,33 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     logger.info("AP checkpoint written to {} ({})", out,
                 ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in timings.items()))
     return path
+
+
+def source_fingerprint(model_dir: Path) -> str:
+    """Short digest of a HF directory's files (name, size, modification time) and of the converter's versions: a
+    retrained or replaced model, or a conversion that changed, gets a cache entry of its own, never a stale one.
+    Sizes and times, not contents: hashing a large checkpoint on every start would cost minutes."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file())
+    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION)).encode(), digest_size=6).hexdigest()
+
+
+def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
+    """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir`."""
+    if (model_dir / MANIFEST).is_file():
+        return model_dir
+    from pagedweight.corpus import DATA_DIR
+
+    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir)}"
+    if not (out / MANIFEST).is_file():
+        logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
+        convert(model_dir, out, DATA_DIR / "calib.txt", device=device)
+        if torch.device(device).type == "cuda":
+            # the conversion's cuBLAS workspaces (64 MiB on the H200) and cached segments would otherwise shape where
+            # the engine built next in this process puts its weights: the bundled model's first `pagedweight run`
+            # on a machine measured a 94 MiB reserve instead of 74 and peaked 12 MiB above 134 MiB
+            # (run_budgets-nvidia-h200-20261201-s26-32x64.json, row 1; probe in h200-nvidia-h200-20261201-s26.log)
+            release_cached(torch.device(device))
+    return out
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

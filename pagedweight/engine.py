@@ -20,9 +20,7 @@ covers, computed, and the device's reserved bytes, measured.
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
-import json
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -40,7 +38,7 @@ from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
 from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import PageState, WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
-from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted,
+from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted, release_cached,
                               resolve_budget)
 from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, PromptRows, ap_weights, build_ap_model,
                                 install_ap_experts, planes_id)
@@ -176,22 +174,6 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: CUDA is not available on this machine")
     return dev
-
-
-def release_cached(device: torch.device) -> None:
-    """Give the caching allocator's free segments back to the device, and cuBLAS's workspaces first: torch keeps one
-    (32 MiB on the H200) per handle and stream for the life of the process, allocated through the caching allocator
-    by the first GEMM on that stream (a decode graph's capture stream allocates its own in the graph's pool). Without
-    this, whatever ran GEMMs earlier in the process (an engine built before, a warm-up) hides them from a profile
-    that measures the allocator's growth, and the engine built after it runs over its budget by them: in
-    memory_gap-nvidia-h200-20261201-memgap-*-auto3.json the second engine of each process started with 68 MiB
-    reserved that no allocation of its own made (four cuBLAS workspace blocks of the first engine's GEMMs, two on
-    the default stream and two in its graph pool). Caveat: a CUDA graph captured earlier keeps its workspace's
-    address, and the freed block goes back to that graph's pool, where a later capture into the same pool may place
-    a tensor on it; so build an "auto" engine before, not beside, a live engine that has captured graphs in the same
-    process (the serving entry points build one engine per process)."""
-    torch._C._cuda_clearCublasWorkspaces()  # torch's own use: cudagraph_trees.clear_cublass_cache
-    torch.cuda.empty_cache()
 
 
 def serving_reserve(gpu_memory_budget: int | float | None, device: str) -> int | str:
@@ -1008,223 +990,3 @@ class LLM:
                 pages_in_flight=in_flight,
                 plan_staleness_steps=(self.num_steps - self.paging.plan_step) if self._requested else 0)
         return out
-
-
-# ---- `pagedweight run`: serve a batch of prompts under a memory budget ----
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_budget(text: str, flag: str = "--gpu-memory-budget", allow_zero: bool = False) -> int | float:
-    """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory. Refused here, before any
-    conversion or cluster start-up: 0 bytes (unless `allow_zero`, as a reserve may be) and fractions outside (0, 1]."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{flag} {text!r}: use bytes with an optional unit (512MiB, 2GB) "
-                         "or a fraction in (0, 1]")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if not unit and "." in m.group(1):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"{flag} {text!r}: a fraction of the device's memory must be in (0, 1]")
-        return value
-    if int(value * _UNITS[unit]) <= 0 and not allow_zero:
-        raise ValueError(f"{flag} {text!r}: must be positive")
-    return int(value * _UNITS[unit])
-
-
-def source_fingerprint(model_dir: Path) -> str:
-    """Short digest of a HF directory's files (name, size, modification time) and of the converter's versions: a
-    retrained or replaced model, or a conversion that changed, gets a cache entry of its own, never a stale one.
-    Sizes and times, not contents: hashing a large checkpoint on every start would cost minutes."""
-    from pagedweight.apformat import VERSION
-    from pagedweight.calibrate import CACHE_VERSION
-
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file())
-    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION)).encode(), digest_size=6).hexdigest()
-
-
-def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
-    """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir`."""
-    if (model_dir / MANIFEST).is_file():
-        return model_dir
-    from pagedweight.convert import convert
-    from pagedweight.corpus import DATA_DIR
-
-    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir)}"
-    if not (out / MANIFEST).is_file():
-        logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
-        convert(model_dir, out, DATA_DIR / "calib.txt", device=device)
-        if torch.device(device).type == "cuda":
-            # the conversion's cuBLAS workspaces (64 MiB on the H200) and cached segments would otherwise shape where
-            # the engine built next in this process puts its weights: the bundled model's first `pagedweight run`
-            # on a machine measured a 94 MiB reserve instead of 74 and peaked 12 MiB above 134 MiB
-            # (run_budgets-nvidia-h200-20261201-s26-32x64.json, row 1; probe in h200-nvidia-h200-20261201-s26.log)
-            release_cached(torch.device(device))
-    return out
-
-
-def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
-    """Prompts from a file (one per line; JSONL lines with a "prompt" field) or N slices of data/eval.txt."""
-    if path:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
-        return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
-    from pagedweight.corpus import load_slice
-
-    text = load_slice("eval")
-    step = max(len(text) // max(num_prompts, 1), 1)
-    starts = [text.find("\n", i * step) + 1 for i in range(num_prompts)]  # begin on a line
-    return [text[s:s + 400].rstrip() for s in starts]
-
-
-def add_parser(subparsers) -> "argparse.ArgumentParser":
-    import argparse
-
-    p = subparsers.add_parser(
-        "run", help="serve a batch of prompts with dynamic weight paging under a GPU memory budget",
-        description="Serve prompts with continuous batching; expert precision moves with KV pressure inside the "
-                    "budget (weights + KV cache). A HF checkpoint is converted to any-precision planes first "
-                    "(cached). Prints a summary: tokens/s, widths moved, KV blocks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="AP checkpoint or HF checkpoint directory")
-    p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
-                   help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
-                        "(default: every block at full width plus 64 MiB of KV)")
-    p.add_argument("--activation-reserve", default=None, metavar="BYTES|auto",
-                   help="share of the budget kept for activations, CUDA-graph pools and scratch, so that the budget "
-                        "bounds it all: auto (measured by profile steps at start-up) or bytes, e.g. 1GiB (the "
-                        "summary's measured peak minus the budget on an earlier run); default: auto on CUDA under "
-                        "a budget, else 0")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
-    src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--bits", type=int, default=None, help="home width (default: the checkpoint's parent width)")
-    p.add_argument("--static", action="store_true", help="no paging: every block stays at --bits")
-    p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: fp16 on CUDA, fp32 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
-    p.add_argument("--page-store-dir", default=None,
-                   help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
-                   help="where converted AP checkpoints are kept")
-    p.add_argument("--show", type=int, default=2, metavar="N", help="print the first N completions")
-    p.add_argument("--summary-json", default=None, metavar="FILE",
-                   help="also write the summary's figures to FILE as JSON (for scripts and benchmarks)")
-    return p
-
-
-def run(args) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    check_device(args.device)  # refused before a conversion that would run on it
-    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
-    if args.activation_reserve is None:
-        reserve = serving_reserve(budget, args.device)
-    elif args.activation_reserve == "auto":
-        reserve = "auto"
-    else:
-        reserve = parse_budget(args.activation_reserve, "--activation-reserve", allow_zero=True)
-    if isinstance(reserve, float):
-        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
-                         "fraction")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"--model {model_dir}: not a directory")
-    if not args.dense:
-        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
-    prompts = load_prompts(args.prompts, args.num_prompts)
-    llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
-              prefix_caching=args.prefix_caching)
-
-    def mean_width(hist: list[list[int]]) -> float:
-        counts = np.asarray(hist).sum(axis=0)
-        return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
-
-    start_stats = llm.stats()
-    min_free = start_stats["kv_free_blocks"]
-    min_width = mean_width(start_stats["committed_width_hist"]) if llm.table is not None else None
-    for rid, prompt in enumerate(prompts):
-        llm.add_request(prompt, params, request_id=str(rid))
-    done: dict[str, RequestOutput] = {}
-    t0 = time.perf_counter()
-    with tqdm(total=len(prompts), desc="run", unit="req") as bar:
-        while llm.has_unfinished():
-            for out in llm.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-            min_free = min(min_free, llm.kv.num_free_blocks)
-            if min_width is not None:
-                min_width = min(min_width, mean_width(llm.stats()["committed_width_hist"]))
-    elapsed = time.perf_counter() - t0
-    last = llm.stats()
-    for _ in range(100):  # as a server does once idle: the reloads the ended requests allow (bounded)
-        if not llm.step_idle():
-            break
-    st = llm.stats()
-    reasons: dict[str, int] = {}
-    for o in done.values():
-        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
-    for rid in map(str, range(min(args.show, len(prompts)))):
-        print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
-    gen = sum(o.completion_tokens for o in done.values())
-    # measured: time, blocks, widths, the device's peak reserved bytes; computed: the bytes the budget covers
-    summary = {
-        "model": llm.model_name, "device": str(llm.device), "gpu_memory_budget": budget,
-        "budget_bytes": st["budget_bytes"],  # what the budget covers (weights + pool + reserve), computed
-        "activation_reserve_bytes": llm.options.activation_reserve, "reserve_measured": reserve == "auto",
-        "requests": len(done), "finish_reasons": reasons,
-        "prompt_tokens": sum(o.prompt_tokens for o in done.values()), "generated_tokens": gen,
-        "elapsed_s": elapsed, "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
-        "kv_total_blocks": st["kv_total_blocks"], "kv_free_blocks_at_start": start_stats["kv_free_blocks"],
-        "kv_free_blocks_min": min_free, "preemptions": st["preemptions"],
-        "device_peak_reserved_bytes": st["device_peak_reserved_bytes"],
-    }
-    if llm.table is not None:
-        summary.update(
-            mean_width_start=mean_width(start_stats["committed_width_hist"]), mean_width_min=min_width,
-            mean_width_last_request=mean_width(last["committed_width_hist"]),
-            mean_width_idle=mean_width(st["committed_width_hist"]), offload_triggers=st["offload_triggers"],
-            reload_triggers=st["reload_triggers"], bytes_offloaded=st["bytes_offloaded"],
-            bytes_reloaded=st["bytes_reloaded"])
-    if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
-
-    MiB = 2**20
-    print("--- summary ---")
-    asked = ("unbounded" if budget is None else f"{budget:g} of the device's memory" if isinstance(budget, float)
-             else f"{budget / MiB:.1f} MiB ({budget:,} B)")
-    print(f"model {llm.model_name} on {llm.device}, budget {asked}")
-    print(f"requests {len(done)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}), "
-          f"prompt tokens {summary['prompt_tokens']}, generated {gen} in {elapsed:.2f} s "
-          f"= {summary['tokens_per_s']:.1f} tokens/s")
-    print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
-          f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
-    over = (st["device_peak_reserved_bytes"] or 0) - st["budget_bytes"]
-    print(f"memory: {st['budget_bytes'] / MiB:.1f} MiB under the budget (weights outside the pool + the pool"
-          f" + {llm.options.activation_reserve / MiB:.1f} MiB of activation reserve"
-          f"{', measured at start-up' if reserve == 'auto' else ''})"
-          + ("" if st["device_peak_reserved_bytes"] is None else
-             f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / MiB:.1f} MiB "
-             f"(measured), {abs(over) / MiB:.1f} MiB {'above' if over > 0 else 'within'} the budget"))
-    if llm.table is not None:
-        print(f"expert widths: mean {summary['mean_width_start']:.2f} bits at start, {min_width:.2f} at the lowest "
-              f"step, {summary['mean_width_last_request']:.2f} when the last request ended, "
-              f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
-              f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
-              f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
-    return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

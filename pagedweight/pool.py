@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +54,42 @@ class Allocation:
     start: int  # first page (-1 for KV blocks: they share one Allocation and their key in _allocs is their start)
     npages: int
     tag: str  # "weight" | "kv"
+
+
+def release_cached(device: torch.device) -> None:
+    """Give the caching allocator's free segments back to the device, and cuBLAS's workspaces first: torch keeps one
+    (32 MiB on the H200) per handle and stream for the life of the process, allocated through the caching allocator
+    by the first GEMM on that stream (a decode graph's capture stream allocates its own in the graph's pool). Without
+    this, whatever ran GEMMs earlier in the process (an engine built before, a warm-up) hides them from a profile
+    that measures the allocator's growth, and the engine built after it runs over its budget by them: in
+    memory_gap-nvidia-h200-20261201-memgap-*-auto3.json the second engine of each process started with 68 MiB
+    reserved that no allocation of its own made (four cuBLAS workspace blocks of the first engine's GEMMs, two on
+    the default stream and two in its graph pool). Caveat: a CUDA graph captured earlier keeps its workspace's
+    address, and the freed block goes back to that graph's pool, where a later capture into the same pool may place
+    a tensor on it; so build an "auto" engine before, not beside, a live engine that has captured graphs in the same
+    process (the serving entry points build one engine per process)."""
+    torch._C._cuda_clearCublasWorkspaces()  # torch's own use: cudagraph_trees.clear_cublass_cache
+    torch.cuda.empty_cache()
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str, flag: str = "--gpu-memory-budget", allow_zero: bool = False) -> int | float:
+    """'2GiB', '512MB', '1000000' -> bytes; '0.5' -> fraction of the device's memory. Refused here, before any
+    conversion or cluster start-up: 0 bytes (unless `allow_zero`, as a reserve may be) and fractions outside (0, 1]."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{flag} {text!r}: use bytes with an optional unit (512MiB, 2GB) "
+                         "or a fraction in (0, 1]")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and "." in m.group(1):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{flag} {text!r}: a fraction of the device's memory must be in (0, 1]")
+        return value
+    if int(value * _UNITS[unit]) <= 0 and not allow_zero:
+        raise ValueError(f"{flag} {text!r}: must be positive")
+    return int(value * _UNITS[unit])
 
 
 def resolve_budget(gpu_memory_budget: int | float, device: torch.device | str) -> int:

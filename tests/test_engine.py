@@ -19,7 +19,9 @@ import transformers
 
 from pagedweight import kv_cache
 from pagedweight.apformat import load_ap_model
-from pagedweight.engine import LLM, RequestOutput, add_parser, parse_budget, run, serving_reserve
+from pagedweight.engine import LLM, RequestOutput, serving_reserve
+from pagedweight.pool import parse_budget
+from pagedweight.run import add_parser, run
 from pagedweight.generate import generate
 from pagedweight import sampling
 from pagedweight.sampling import Sampler, SamplingParams, make_generator, sample_rows
@@ -1316,7 +1318,7 @@ def test_converted_cache_follows_the_source(tmp_path):
     model (a file with another size or time) gets a new entry instead of the stale planes of the old one."""
     import shutil
 
-    from pagedweight.engine import source_fingerprint
+    from pagedweight.convert import source_fingerprint
 
     src = tmp_path / "pw-tiny-moe"
     shutil.copytree(BUNDLED, src)

@@ -72,7 +72,7 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
     text = Path(args.data).read_text()
     budget = None
     if args.gpu_memory_budget:
-        from pagedweight.engine import parse_budget
+        from pagedweight.pool import parse_budget
 
         budget = parse_budget(args.gpu_memory_budget)
     own = engines is None

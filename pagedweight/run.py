@@ -1,0 +1,184 @@
+"""`pagedweight run`: the main job. Serve a batch of prompts with continuous batching under a GPU memory budget,
+expert widths moving with KV pressure (pagedweight.engine.LLM), and print what moved: tokens/s, KV blocks, widths,
+offload and reload triggers, bytes each way. Which figures are measured and which computed is said where the
+summary is built.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pagedweight.convert import ap_checkpoint_for
+from pagedweight.engine import LLM, RequestOutput, check_device, serving_reserve
+from pagedweight.pool import parse_budget
+from pagedweight.sampling import SamplingParams
+
+
+def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
+    """Prompts from a file (one per line; JSONL lines with a "prompt" field) or N slices of data/eval.txt."""
+    if path:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    from pagedweight.corpus import load_slice
+
+    text = load_slice("eval")
+    step = max(len(text) // max(num_prompts, 1), 1)
+    starts = [text.find("\n", i * step) + 1 for i in range(num_prompts)]  # begin on a line
+    return [text[s:s + 400].rstrip() for s in starts]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run", help="serve a batch of prompts with dynamic weight paging under a GPU memory budget",
+        description="Serve prompts with continuous batching; expert precision moves with KV pressure inside the "
+                    "budget (weights + KV cache). A HF checkpoint is converted to any-precision planes first "
+                    "(cached). Prints a summary: tokens/s, widths moved, KV blocks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="AP checkpoint or HF checkpoint directory")
+    p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
+                   help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
+                        "(default: every block at full width plus 64 MiB of KV)")
+    p.add_argument("--activation-reserve", default=None, metavar="BYTES|auto",
+                   help="share of the budget kept for activations, CUDA-graph pools and scratch, so that the budget "
+                        "bounds it all: auto (measured by profile steps at start-up) or bytes, e.g. 1GiB (the "
+                        "summary's measured peak minus the budget on an earlier run); default: auto on CUDA under "
+                        "a budget, else 0")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
+    src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--bits", type=int, default=None, help="home width (default: the checkpoint's parent width)")
+    p.add_argument("--static", action="store_true", help="no paging: every block stays at --bits")
+    p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: fp16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
+    p.add_argument("--page-store-dir", default=None,
+                   help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
+                   help="where converted AP checkpoints are kept")
+    p.add_argument("--show", type=int, default=2, metavar="N", help="print the first N completions")
+    p.add_argument("--summary-json", default=None, metavar="FILE",
+                   help="also write the summary's figures to FILE as JSON (for scripts and benchmarks)")
+    return p
+
+
+def run(args) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    check_device(args.device)  # refused before a conversion that would run on it
+    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
+    if args.activation_reserve is None:
+        reserve = serving_reserve(budget, args.device)
+    elif args.activation_reserve == "auto":
+        reserve = "auto"
+    else:
+        reserve = parse_budget(args.activation_reserve, "--activation-reserve", allow_zero=True)
+    if isinstance(reserve, float):
+        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
+                         "fraction")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: not a directory")
+    if not args.dense:
+        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
+              prefix_caching=args.prefix_caching)
+
+    def mean_width(hist: list[list[int]]) -> float:
+        counts = np.asarray(hist).sum(axis=0)
+        return float((counts * np.arange(len(counts))).sum() / max(counts.sum(), 1))
+
+    start_stats = llm.stats()
+    min_free = start_stats["kv_free_blocks"]
+    min_width = mean_width(start_stats["committed_width_hist"]) if llm.table is not None else None
+    for rid, prompt in enumerate(prompts):
+        llm.add_request(prompt, params, request_id=str(rid))
+    done: dict[str, RequestOutput] = {}
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), desc="run", unit="req") as bar:
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+            min_free = min(min_free, llm.kv.num_free_blocks)
+            if min_width is not None:
+                min_width = min(min_width, mean_width(llm.stats()["committed_width_hist"]))
+    elapsed = time.perf_counter() - t0
+    last = llm.stats()
+    for _ in range(100):  # as a server does once idle: the reloads the ended requests allow (bounded)
+        if not llm.step_idle():
+            break
+    st = llm.stats()
+    reasons: dict[str, int] = {}
+    for o in done.values():
+        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    for rid in map(str, range(min(args.show, len(prompts)))):
+        print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
+    gen = sum(o.completion_tokens for o in done.values())
+    # measured: time, blocks, widths, the device's peak reserved bytes; computed: the bytes the budget covers
+    summary = {
+        "model": llm.model_name, "device": str(llm.device), "gpu_memory_budget": budget,
+        "budget_bytes": st["budget_bytes"],  # what the budget covers (weights + pool + reserve), computed
+        "activation_reserve_bytes": llm.options.activation_reserve, "reserve_measured": reserve == "auto",
+        "requests": len(done), "finish_reasons": reasons,
+        "prompt_tokens": sum(o.prompt_tokens for o in done.values()), "generated_tokens": gen,
+        "elapsed_s": elapsed, "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
+        "kv_total_blocks": st["kv_total_blocks"], "kv_free_blocks_at_start": start_stats["kv_free_blocks"],
+        "kv_free_blocks_min": min_free, "preemptions": st["preemptions"],
+        "device_peak_reserved_bytes": st["device_peak_reserved_bytes"],
+    }
+    if llm.table is not None:
+        summary.update(
+            mean_width_start=mean_width(start_stats["committed_width_hist"]), mean_width_min=min_width,
+            mean_width_last_request=mean_width(last["committed_width_hist"]),
+            mean_width_idle=mean_width(st["committed_width_hist"]), offload_triggers=st["offload_triggers"],
+            reload_triggers=st["reload_triggers"], bytes_offloaded=st["bytes_offloaded"],
+            bytes_reloaded=st["bytes_reloaded"])
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+
+    MiB = 2**20
+    print("--- summary ---")
+    asked = ("unbounded" if budget is None else f"{budget:g} of the device's memory" if isinstance(budget, float)
+             else f"{budget / MiB:.1f} MiB ({budget:,} B)")
+    print(f"model {llm.model_name} on {llm.device}, budget {asked}")
+    print(f"requests {len(done)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}), "
+          f"prompt tokens {summary['prompt_tokens']}, generated {gen} in {elapsed:.2f} s "
+          f"= {summary['tokens_per_s']:.1f} tokens/s")
+    print(f"KV blocks: {st['kv_total_blocks']} total now, {start_stats['kv_free_blocks']} free at start, "
+          f"{min_free} free at the tightest step; preemptions {st['preemptions']}")
+    over = (st["device_peak_reserved_bytes"] or 0) - st["budget_bytes"]
+    print(f"memory: {st['budget_bytes'] / MiB:.1f} MiB under the budget (weights outside the pool + the pool"
+          f" + {llm.options.activation_reserve / MiB:.1f} MiB of activation reserve"
+          f"{', measured at start-up' if reserve == 'auto' else ''})"
+          + ("" if st["device_peak_reserved_bytes"] is None else
+             f"; the process's peak reserved on the device {st['device_peak_reserved_bytes'] / MiB:.1f} MiB "
+             f"(measured), {abs(over) / MiB:.1f} MiB {'above' if over > 0 else 'within'} the budget"))
+    if llm.table is not None:
+        print(f"expert widths: mean {summary['mean_width_start']:.2f} bits at start, {min_width:.2f} at the lowest "
+              f"step, {summary['mean_width_last_request']:.2f} when the last request ended, "
+              f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
+              f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
+              f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
+    return 0 if all(o.finish_reason != "error" for o in done.values()) else 1
