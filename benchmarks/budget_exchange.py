@@ -4,7 +4,7 @@ After an offload that frees D bytes the KV cache can allocate exactly floor(D / 
 `torch.cuda.max_memory_reserved` does not grow; after a reload the reverse. The reload runs on a fragmented pool:
 KV filled the holes the offload left and the pages given back for the reload are scattered single pages, so every
 plane run needs KV relocation (compaction); the row reports the relocations, and every KV page's bytes are checked
-after them. Synthetic expert blocks (SPEC.md byte formulas), a real page store in /dev/shm, the real
+after them. Synthetic expert blocks (DESIGN.md §2 byte formulas), a real page store in /dev/shm, the real
 pool/table/mover. Runs on CUDA when present, else on CPU.
 
     python -m benchmarks.budget_exchange                      # H200 defaults

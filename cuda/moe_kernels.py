@@ -57,7 +57,7 @@ TILES = (1, 4, 16)  # token tiles; the 16-token tile runs only the 4-token quads
 TT_MAX = TILES[-1]
 X_SH = 1024  # floats of staged x (4 KiB: at 8 bits 6 blocks per SM either way, as with 2 KiB)
 X_ALIGN = None if SIMULATOR else 16  # lets 4 consecutive x loads merge into one 128-bit LDS (cudasim rejects it)
-MIN_WIDTH, MAX_WIDTH = 3, 8  # [seed..P]; the seed width is 3 in SPEC.md
+MIN_WIDTH, MAX_WIDTH = 3, 8  # [seed..P]; the seed width is 3 (DESIGN.md §2)
 # LUT entries a thread loads before storing any to shared memory; divides 2^b for every b >= 3. 16 (a 3-bit LUT's 8
 # loaded twice) was no faster at 4 bits and 5 % slower at 8 (moe_kernel_bench-nvidia-h200-20261130-s10-lut16.json
 # against -s10-lut.json)
@@ -616,8 +616,8 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                 pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor, lut_off: torch.Tensor,
                 D: int, F: int, P: int, lut_width: int | None = None, buffers: PrefillBuffers | None = None
                 ) -> torch.Tensor:
-    """Routed experts of one layer on T tokens (SPEC.md "Fused MoE kernel contract"); returns [T, D] in
-    hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
+    """Routed experts of one layer on T tokens (the decode and prefill paths of this module's docstring); returns
+    [T, D] in hidden's dtype. Decode (T <= DECODE_MAX_T) issues no host synchronisation and is graph-capturable.
 
     `lut_width` (default P) bounds the widths in `q`: it sizes each block's LUT in shared memory (the decode kernel's
     and the prefill's dequantize kernel's), so a layer whose blocks all sit at 7 bits or less gets half the shared

@@ -1,4 +1,5 @@
-"""Random expert blocks laid out in a pool exactly as SPEC.md says, for kernel tests and benchmarks."""
+"""Random expert blocks laid out in a pool as the engine lays them (pagedweight/bitplanes.py's planes, the page
+table's device tables), for kernel tests and benchmarks."""
 from __future__ import annotations
 
 from dataclasses import dataclass

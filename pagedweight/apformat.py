@@ -1,4 +1,4 @@
-"""AP checkpoint directory: write it block by block, read it back zero-copy (SPEC.md "AP checkpoint").
+"""AP checkpoint directory: write it block by block, read it back zero-copy.
 
 Layout of a directory:
   manifest.msgpack  {"format", "version", "body": msgpack bytes, "blake2b": hex of body}; the body holds the HF

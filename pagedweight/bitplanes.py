@@ -1,4 +1,4 @@
-"""Bit-plane layout of one expert linear block (SPEC.md "Bit-plane layout"; kernels read exactly this).
+"""Bit-plane layout of one expert linear block (kernels read exactly this).
 
 A block's parent indices `idx: uint8 [N, K]` (P bits each) become `planes: uint32 [P, W, N]`, W = ceil(K/32):
 plane-major so that the b-bit weights are the prefix planes[:b]; word-major inside a plane so that a warp of

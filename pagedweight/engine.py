@@ -1,4 +1,5 @@
-"""The engine: `LLM` (SPEC.md's engine contract) and the per-step loop that ties the pieces together.
+"""The engine: `LLM` (an API shaped as vLLM's: generate, chat, stream, step) and the per-step loop that ties the
+pieces together.
 
 One step = (1) the paging loop at the step boundary: the planner sees KV pressure (free blocks, counting the
 pages that moves in flight give back, against every block the admitted requests will still need, so it frees

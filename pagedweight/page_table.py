@@ -1,6 +1,6 @@
 """Weight Page Table: per expert linear block, its widths, committed/desired width, plane and LUT residency.
 
-The host table is the truth; the device tables the kernels read (`q`, `plane_off`, `lut_off`, SPEC.md) are a
+The host table is the truth; the device tables the kernels read (`q`, `plane_off`, `lut_off`) are a
 derived copy written only at commit points: `commit` edits a host staging buffer, `publish` (at a step boundary)
 moves it to the device in one copy on the compute stream, so the tables keep their addresses (CUDA graphs stay
 valid) and no kernel sees a half-written row. The one other writer is weight-run relocation (pool compaction at a
@@ -36,7 +36,7 @@ class BlockSpec:
 
 def expert_block_specs(num_layers: int, num_experts: int, hidden: int, inter: int, parent_bits: int,
                        seed_bits: int) -> list[BlockSpec]:
-    """Specs of every routed-expert block in flat order i = (l*E + e)*2 + u, from SPEC.md's byte formulas."""
+    """Specs of every routed-expert block in flat order i = (l*E + e)*2 + u, from DESIGN.md §2's byte formulas."""
     specs = []
     for _ in range(num_layers * num_experts):
         for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up [2F, D], down [D, F]

@@ -22,7 +22,7 @@ MAX_LOGIT_BIAS, MAX_BIASED_TOKENS = 100.0, 300  # the OpenAI API's logit_bias bo
 
 @dataclass
 class SamplingParams:
-    """How one request picks its tokens and when it stops (the engine contract of SPEC.md)."""
+    """How one request picks its tokens and when it stops."""
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy

@@ -2,7 +2,7 @@
 
 Everything here is numpy on small arrays so the planner can refresh it every engine step; the only torch code is
 the router observer, which reduces each MoE layer's routing to [E]-sized sums before leaving torch.
-Block index rule (SPEC.md): i = (layer*E + expert)*2 + (0 gate_up, 1 down).
+Block index rule: i = (layer*E + expert)*2 + (0 gate_up, 1 down).
 """
 from __future__ import annotations
 

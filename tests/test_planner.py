@@ -22,7 +22,7 @@ EPS = 1e-9
 
 
 def make_tables(rng, L, E, P, seed_bits=3, holes=False, convex=True, rows_n=64) -> BlockTables:
-    """Random tables with page-rounded M (planes + LUT_b, SPEC.md) and sensitivities that fall with width."""
+    """Random tables with page-rounded M (planes + LUT_b, DESIGN.md §2) and sensitivities that fall with width."""
     n = L * E * 2
     sup = np.zeros((n, P + 1), dtype=bool)
     sup[:, seed_bits:] = True
