@@ -60,30 +60,39 @@ def pack_planes(idx: torch.Tensor | np.ndarray, P: int) -> torch.Tensor:
     return words.view(torch.uint32)
 
 
+# bit j of byte value v (little-endian words: byte m of word w holds columns 32w + 8m .. 32w + 8m + 7)
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8)  # [256, 8]
+
+
 def unpack_planes(planes: torch.Tensor | np.ndarray, K: int, b: int | None = None) -> torch.Tensor:
     """Exact inverse of pack_planes on the prefix planes[:b]: returns the b-bit indices `uint8 [N, K]`.
 
-    Only the first b planes are read, so a caller may pass just those (the resident prefix).
+    Only the first b planes are read, so a caller may pass just those (the resident prefix). Each byte of a plane
+    becomes its 8 bits by a table lookup (int32 indices): shifting every word through 32 positions in int64 made
+    `dequantize` 2-4x slower on the bundled model's blocks and 7-14x on Qwen1.5-MoE's, one CPU core
+    (reference_speed-cpu-2c-20261205-s39.json), and the CPU engine 1.7x slower.
     """
     planes = _as_tensor(planes)
     b = planes.shape[0] if b is None else b
     if not 1 <= b <= planes.shape[0] or planes.shape[1] != num_words(K):
         raise ValueError(f"unpack_planes: planes {tuple(planes.shape)} cannot give K={K} at b={b}")
-    bitpos = torch.arange(WORD_BITS, device=planes.device, dtype=torch.int64)
-    n = planes.shape[2]
-    idx = torch.zeros(n, K, dtype=torch.int64, device=planes.device)
-    for p in range(b):  # int64 keeps the top bit of a word positive
-        words = planes[p].view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [W, N]
-        bits = ((words.t().unsqueeze(-1) >> bitpos) & 1).reshape(n, -1)[:, :K]  # [N, K]
-        idx |= bits << (b - 1 - p)
-    return idx.to(torch.uint8)
+    w, n = planes.shape[1], planes.shape[2]
+    raw = planes[:b].view(torch.int32).transpose(1, 2).reshape(-1).view(torch.uint8)  # [b, N, W] words' bytes
+    bits = _BYTE_BITS.to(planes.device).index_select(0, raw.int()).view(b, n, w * WORD_BITS)[:, :, :K]  # [b, N, K]
+    idx = bits[0].clone()
+    for p in range(1, b):  # plane 0 is the MSB
+        idx <<= 1
+        idx |= bits[p]
+    return idx
 
 
 def dequantize(planes: torch.Tensor | np.ndarray, lut_b: torch.Tensor | np.ndarray, b: int, K: int) -> torch.Tensor:
     """W_b[n, k] = lut_b[idx[n, k] >> (P - b), n] as float32 [N, K]; the one dequantizer every twin reuses."""
     lut_b = _as_tensor(lut_b)
-    idx = unpack_planes(planes, K, b).to(torch.int64)
-    if lut_b.shape[0] != 1 << b or lut_b.shape[1] != idx.shape[0]:
-        raise ValueError(f"dequantize: LUT {tuple(lut_b.shape)} does not match b={b}, N={idx.shape[0]}")
-    lut = lut_b.to(device=idx.device, dtype=torch.float32).t()  # [N, 2^b]
-    return torch.gather(lut, 1, idx)
+    idx = unpack_planes(planes, K, b)
+    n = idx.shape[0]
+    if lut_b.shape[0] != 1 << b or lut_b.shape[1] != n:
+        raise ValueError(f"dequantize: LUT {tuple(lut_b.shape)} does not match b={b}, N={n}")
+    lut = lut_b.to(device=idx.device, dtype=torch.float32).t().reshape(-1)  # row n's entries at [n * 2^b, ...)
+    rows = (torch.arange(n, dtype=torch.int32, device=idx.device) << b).unsqueeze(1)
+    return lut.index_select(0, (idx.int() + rows).view(-1)).view(n, K)
