@@ -69,8 +69,8 @@ def unpack_planes(planes: torch.Tensor | np.ndarray, K: int, b: int | None = Non
 
     Only the first b planes are read, so a caller may pass just those (the resident prefix). Each byte of a plane
     becomes its 8 bits by a table lookup (int32 indices): shifting every word through 32 positions in int64 made
-    `dequantize` 2-4x slower on the bundled model's blocks and 7-14x on Qwen1.5-MoE's, one CPU core
-    (reference_speed-cpu-2c-20261205-s39.json), and the CPU engine 1.7x slower.
+    `dequantize` 2.3-3.6x slower on the bundled model's blocks and 6.5-23x on Qwen1.5-MoE's, one CPU core
+    (reference_speed-cpu-2c-20261205-s39.json), and the bundled model's CPU engine 1.9x slower.
     """
     planes = _as_tensor(planes)
     b = planes.shape[0] if b is None else b
