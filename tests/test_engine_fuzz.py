@@ -10,10 +10,11 @@ What must hold (issue 8 item 3; DESIGN.md §3), checked after every step:
 - the page table, its device tables and the pool agree (`WeightPageTable.check`, `PagePool.check`);
 - the KV cache's books: each block is held by exactly the requests whose tables name it, kept blocks by none, and
   the pool's KV pages are every layer page of those blocks;
-and once every request has ended and the engine has idled: no block is held, the mover is idle, and every width is home
-again where the budget's room at home width clears the planner's reload threshold (the offload threshold plus its
-hysteresis: below that, by design, an idle engine keeps the widths that leave it the hysteresis' blocks free). With static widths, greedy outputs also equal each prompt served alone (batching, chunked prefill, prefix
-sharing, preemption and aborts of the others change nothing).
+and once every request has ended and the engine has idled: no block is held, the mover is idle, and every width is
+home again where the budget's room at home width clears the planner's reload threshold (the offload threshold plus
+its hysteresis: below that, by design, an idle engine keeps the widths that leave it the hysteresis' blocks free).
+With static widths, each request's tokens (greedy, or sampled with its own seed) also equal those of its prompt in a
+roomy engine: batching, chunked prefill, prefix sharing, preemption and the others' aborts change nothing.
 """
 from __future__ import annotations
 
@@ -37,13 +38,20 @@ BASE = list(range(300, 340))
 PREFIXES = [[], BASE[:20] + list(range(500, 520)), BASE[:20] + list(range(700, 724)), BASE]
 EXAMPLES: Counter = Counter()  # (engine kind, what) over every example: they must really page, preempt, evict, abort
 
+# ("add", prefix, own tokens, max_tokens, seed): greedy where the seed is None, else sampled (`sampled`)
 add = st.tuples(st.just("add"), st.integers(0, len(PREFIXES) - 1), st.lists(st.integers(3, 999), max_size=60),
-                st.integers(1, 24))
+                st.integers(1, 24), st.one_of(st.none(), st.integers(0, 3)))
 ops = st.lists(st.one_of(
     add, add, st.tuples(st.just("burst"), st.integers(2, 6), add),  # a burst: several copies of one request
     st.tuples(st.just("abort"), st.integers(0, 63)),
     st.tuples(st.just("step"), st.integers(1, 12)),
     st.tuples(st.just("idle"), st.just(0))), min_size=1, max_size=30)
+
+
+def sampled(max_tokens: int, seed: int | None) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=50, seed=seed)
 
 
 def check_kv(llm: LLM) -> None:
@@ -70,11 +78,11 @@ def most_kv_blocks(llm: LLM) -> int:
     return free // llm.kv.num_layers
 
 
-def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tuple[list[int], list[RequestOutput]]]:
-    """Run the program, then finish every request and idle; returns request id -> (prompt, its outputs).
+def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tuple[tuple, list[RequestOutput]]]:
+    """Run the program, then finish every request and idle; returns request id -> ((prompt, seed), its outputs).
     `home_room`: the paged engine's KV blocks free at home width (None: static widths)."""
     most, kind = most_kv_blocks(llm), "static" if llm.planner is None else "paged"
-    reqs: dict[str, tuple[list[int], list[RequestOutput]]] = {}
+    reqs: dict[str, tuple[tuple, list[RequestOutput]]] = {}
     live: list[str] = []
 
     def step() -> None:
@@ -91,11 +99,11 @@ def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tu
 
     for op in program:
         if op[0] in ("add", "burst"):
-            copies, (_, prefix, suffix, max_tokens) = (1, op) if op[0] == "add" else op[1:]
+            copies, (_, prefix, suffix, max_tokens, seed) = (1, op) if op[0] == "add" else op[1:]
             prompt = PREFIXES[prefix] + suffix or [42]
             for _ in range(copies):
-                rid = llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                reqs[rid] = (prompt, [])
+                rid = llm.add_request(prompt, sampled(max_tokens, seed))
+                reqs[rid] = ((prompt, seed), [])
                 live.append(rid)
         elif op[0] == "abort" and live:
             llm.abort(live[op[1] % len(live)])
@@ -121,7 +129,7 @@ def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tu
         assert llm.mover.idle() and not llm.step_idle(), "the idle engine did not settle"
         if home_room >= k.trigger_blocks + 1 + k.hysteresis_blocks + 1:
             assert (llm.committed_widths() == llm.planner.home).all(), "widths not home once idle"
-    for rid, (prompt, outs) in reqs.items():
+    for rid, ((prompt, _), outs) in reqs.items():
         assert outs and outs[-1].finished, f"request {rid} never ended"
         last = outs[-1]
         if last.finish_reason == "error":
@@ -152,19 +160,19 @@ def budget_with(probe: LLM, kv_blocks: int) -> int:
 
 # derandomized (as the mover's state machine): CI runs the same examples every time; PAGEDWEIGHT_FUZZ_EXAMPLES=400
 # explores further
-@settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 20)), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(program=ops, room=st.integers(3, 14), bits=st.sampled_from([8, 4, 3]), tokens=st.sampled_from([16, 32]),
        seats=st.integers(1, 8), caching=st.booleans())
 # two pinned workloads, so that CI always covers these cases: reloads that reclaim kept blocks and compact the pool
 # around KV that landed in the holes offloads left (found by a search over random programs), and, at the seed width,
 # preemptions beside a prompt no release could ever fit
-@example(program=[("add", 1, [558, 512, 254, 376, 950, 998, 228], 14), ("abort", 14),
-                  ("burst", 6, ("add", 3, [276], 2)), ("burst", 3, ("add", 3, [448, 289], 31)),
-                  ("add", 2, [133, 391, 512, 166, 220, 998, 362], 26), ("step", 5), ("add", 1, [14, 67], 30),
-                  ("abort", 18)], room=5, bits=8, tokens=32, seats=5, caching=True)
-@example(program=[("burst", 4, ("add", 3, [5] * 8, 20)), ("step", 3), ("add", 0, [7] * 100, 5)], room=5, bits=3,
-         tokens=32, seats=4, caching=True)
+@example(program=[("add", 1, [558, 512, 254, 376, 950, 998, 228], 14, None), ("abort", 14),
+                  ("burst", 6, ("add", 3, [276], 2, None)), ("burst", 3, ("add", 3, [448, 289], 31, None)),
+                  ("add", 2, [133, 391, 512, 166, 220, 998, 362], 26, None), ("step", 5),
+                  ("add", 1, [14, 67], 30, None), ("abort", 18)], room=5, bits=8, tokens=32, seats=5, caching=True)
+@example(program=[("burst", 4, ("add", 3, [5] * 8, 20, None)), ("step", 3), ("add", 0, [7] * 100, 5, None)], room=5,
+         bits=3, tokens=32, seats=4, caching=True)
 def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits, tokens, seats, caching):
     """`bits`: the home width; at 3 (the seed width) nothing can be released, so requests are preempted."""
     probe = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store, bits=bits)
@@ -174,35 +182,38 @@ def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits,
     drive(llm, program, home_room=room)
 
 
-@settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 20)), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(program=ops, room=st.integers(3, 14), tokens=st.sampled_from([16, 32]), seats=st.integers(1, 8),
        caching=st.booleans())
 def test_static_engine_outputs_do_not_depend_on_the_workload(ap_dir, store, program, room, tokens, seats, caching):
-    """Static 4-bit widths in a tight budget: each greedy request that ran to its length has the tokens the same
-    prompt gets in a roomy engine, whatever it was batched, chunked, preempted or shared a prefix with."""
+    """Static 4-bit widths in a tight budget: each request that ran to its length has the tokens the same prompt
+    gets in a roomy engine (greedy, or sampled with its own seed), whatever it was batched, chunked, preempted or
+    shared a prefix with."""
     probe = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store, bits=4, paging=False)
     llm = LLM(ap_dir, budget_with(probe, room), "cpu", block_size=16, max_num_batched_tokens=tokens,
               max_num_seqs=seats, page_store_dir=store, prefix_caching=caching, bits=4, paging=False)
     reqs = drive(llm, program, home_room=None)
-    done = {rid: (prompt, outs[-1]) for rid, (prompt, outs) in reqs.items() if outs[-1].finish_reason == "length"}
-    prompts = list({tuple(prompt): None for prompt, _ in done.values()})
-    if not prompts:
+    done = {rid: (key, outs[-1]) for rid, (key, outs) in reqs.items() if outs[-1].finish_reason == "length"}
+    keys = list({(tuple(prompt), seed): None for (prompt, seed), _ in done.values()})
+    if not keys:
         return
     roomy = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store, bits=4, paging=False,
                 prefix_caching=False)
-    want = dict(zip(prompts, roomy.generate([list(p) for p in prompts],
-                                            SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)))
-    for rid, (prompt, out) in done.items():
-        ref = want[tuple(prompt)].token_ids[:len(out.token_ids)]
-        assert out.token_ids == ref, f"request {rid} ({len(prompt)} prompt tokens): {out.token_ids} != {ref}"
-        EXAMPLES["static", "compared"] += 1
+    outs = roomy.generate([list(prompt) for prompt, _ in keys], [sampled(24, seed) for _, seed in keys],
+                          use_tqdm=False)
+    want = dict(zip(keys, outs))
+    for rid, ((prompt, seed), out) in done.items():
+        ref = want[tuple(prompt), seed].token_ids[:len(out.token_ids)]
+        assert out.token_ids == ref, f"request {rid} ({len(prompt)} prompt tokens, seed {seed}): {out.token_ids}"
+        EXAMPLES["static", "compared" if seed is None else "compared sampled"] += 1
 
 
 def test_the_examples_covered_the_hard_cases():
     """Runs after the tests above (file order): their examples paged, preempted, evicted, reclaimed and aborted."""
     want = [("paged", k) for k in ("offload_triggers", "preemptions", "kv_evicted_blocks", "kv_reclaimed_blocks",
                                    "kv_relocations", "abort", "length", "error")]
-    want += [("static", k) for k in ("preemptions", "kv_evicted_blocks", "abort", "length", "compared")]
+    want += [("static", k) for k in ("preemptions", "kv_evicted_blocks", "abort", "length", "compared",
+                                     "compared sampled")]
     for key in want:
         assert EXAMPLES[key] > 0, f"no example had {key}: {dict(EXAMPLES)}"
