@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP ingress on Ray Serve, in front of PagedWeight engine replicas.
 
 `ray.serve.llm` needs vLLM, so the ingress is ours: /v1/models, /v1/completions,
-/v1/chat/completions, streaming (Server-Sent Events) and not, with `usage` counts.
+/v1/chat/completions, streaming (Server-Sent Events) and not, with `usage` counts; and vLLM's /tokenize,
+/detokenize (a client sizes a long context before sending it) and /health (an engine replica's step loop is alive:
+what a load balancer's or Kubernetes' probe asks).
 Every bad request is answered with a 4xx and an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` before any engine work starts; checks that need the
 tokenizer (prompt longer than the context, a chat template that refuses the messages) run in the engine replica
@@ -205,6 +207,14 @@ MAX_PROMPTS = 256
 UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None}
 
 
+def _template_kwargs(body: dict) -> dict:
+    """vLLM's `chat_template_kwargs` (variables the chat template reads, e.g. enable_thinking)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return kwargs
+
+
 def _logit_bias(value) -> dict[int, float] | None:
     """The API's logit_bias: {"token id": bias}; token ids beyond the vocabulary are refused by the engine."""
     from pagedweight.sampling import MAX_BIASED_TOKENS, MAX_LOGIT_BIAS
@@ -224,34 +234,42 @@ def _logit_bias(value) -> dict[int, float] | None:
     return out
 
 
-def validate_request(body: dict, kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
-    """Check a completions/chat body against the API and this model; raises APIError."""
+def _model(body: dict, served_model: str, required: bool = True) -> str:
+    """The body's "model", which must name the served one (vLLM's tokenize API lets it be left out)."""
     model = body.get("model")
+    if model is None and not required:
+        return served_model
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model")
     if model != served_model:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
                        "model", "model_not_found")
+    return model
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _bad(f"'{name}' must be a boolean", name)
+    return value
+
+
+def validate_request(body: dict, kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
+    """Check a completions/chat body against the API and this model; raises APIError."""
+    model = _model(body, served_model)
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != neutral and value != {} and value != []:
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+    stream = _flag(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise _bad("'echo' must be a boolean", "echo")
+    echo = _flag(body, "echo", False)
     if kind == "chat":
         if echo:
             raise _bad("'echo' is not supported by chat completions", "echo", "unsupported_parameter")
-        messages = chat_messages(body.get("messages"))
-        template_kwargs = body.get("chat_template_kwargs") or {}  # vLLM's extension, e.g. enable_thinking
-        if not isinstance(template_kwargs, dict):
-            raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        messages, template_kwargs = chat_messages(body.get("messages")), _template_kwargs(body)
         prompts = [""]  # rendered in the engine replica, by the checkpoint's template
         tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_tokens = None
@@ -267,9 +285,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise _bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
     stop = [_text(s, "stop") for s in stop]
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    ignore_eos = _flag(body, "ignore_eos", False)
     if kind == "chat":  # "logprobs": true, and "top_logprobs": alternatives
         wanted = body.get("logprobs") or False
         if not isinstance(wanted, bool):
@@ -300,6 +316,41 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
                  seed=None if job.seed is None else job.seed + j)
          for i, prompt in enumerate(prompts) for j in range(n)]
     return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), request_id, jobs, n)
+
+
+@dataclass
+class TokenizeJob:
+    """A checked /tokenize body (vLLM's): a prompt, or chat messages that the replica renders as a chat request's."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True  # a prompt's: the tokenizer's own special tokens (BOS) as generation adds them
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+def validate_tokenize(body: dict, served_model: str) -> TokenizeJob:
+    _model(body, served_model, required=False)
+    if ("prompt" in body) == ("messages" in body):
+        raise _bad("give either 'prompt' or 'messages'", "prompt")
+    strs = _flag(body, "return_token_strs", False)
+    if "messages" in body:
+        if not _flag(body, "add_generation_prompt", True):
+            raise _bad("'add_generation_prompt' false is not supported: prompts end with the assistant's cue, as "
+                       "chat completions send them", "add_generation_prompt", "unsupported_parameter")
+        return TokenizeJob(messages=chat_messages(body["messages"]), chat_template_kwargs=_template_kwargs(body),
+                           return_token_strs=strs)
+    return TokenizeJob(prompt=_text(body["prompt"], "prompt"),
+                       add_special_tokens=_flag(body, "add_special_tokens", True), return_token_strs=strs)
+
+
+def validate_detokenize(body: dict, served_model: str) -> list[int]:
+    _model(body, served_model, required=False)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                               for t in tokens):
+        raise _bad("'tokens' must be a list of token ids (integers >= 0)", "tokens")
+    return tokens
 
 
 # ---------------------------------------------------------------- engine replica
@@ -359,6 +410,27 @@ class EngineReplica:
 
     def check_health(self) -> None:
         self.engine.check_health()
+
+    def tokenize(self, job: TokenizeJob) -> dict:
+        """vLLM's /tokenize answer: the ids a completion (or, with messages, a chat completion) would start from."""
+        tok = self.engine.llm.tokenizer
+        if job.messages is not None:
+            try:
+                ids = tok.apply_chat_template(job.messages, **(job.chat_template_kwargs or {}))
+            except ChatTemplateError as e:
+                return _bad(str(e), "messages").body()
+        else:
+            ids = tok.encode(job.prompt, add_special_tokens=job.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": self.engine.llm.max_model_len, "tokens": ids}
+        if job.return_token_strs:
+            out["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
+        return out
+
+    def detokenize(self, ids: list[int]) -> dict:
+        llm = self.engine.llm
+        if any(i >= llm.config.vocab_size for i in ids):
+            return _bad(f"'tokens' must lie in [0, {llm.config.vocab_size})", "tokens").body()
+        return {"prompt": llm.tokenizer.decode(ids, skip_special_tokens=False)}
 
     async def generate(self, job: GenerationJob, final_only: bool = False):
         llm = self.engine.llm
@@ -641,6 +713,33 @@ class OpenAIIngress:
         info = await self._model_info()
         return {"object": "list", "data": [{"id": info["model_name"], "object": "model", "created": 0,
                                             "owned_by": "pagedweight", "max_model_len": info["max_model_len"]}]}
+
+    @app.get("/health")
+    async def health(self):
+        """200 once an engine replica answers with its step loop alive, else 503 (no API key asked: probes have
+        none)."""
+        try:
+            await self.engine.check_health.remote()
+        except Exception as exc:  # a dead step loop, or no replica to ask
+            return APIError(503, f"engine unhealthy: {exc}", type="server_error").response()
+        return JSONResponse({})
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self._tokens(request, validate_tokenize, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._tokens(request, validate_detokenize, "detokenize")
+
+    async def _tokens(self, request: Request, validate, method: str):
+        try:
+            self._authorize(request)
+            job = validate(parse_body(await request.body()), (await self._model_info())["model_name"])
+        except APIError as exc:
+            return exc.response()
+        out = await getattr(self.engine, method).remote(job)
+        return JSONResponse(out, status_code=_status(out) if "error" in out else 200)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):

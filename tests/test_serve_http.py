@@ -121,6 +121,41 @@ def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
     wait_idle()
 
 
+def test_tokenize_detokenize_and_health(client, serve_app, offline, model_dir):
+    """vLLM's /tokenize gives the ids a completion or chat completion starts from (usage.prompt_tokens counts them),
+    /detokenize turns them back into text, /health answers probes without a key; bad bodies get 4xx."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    headers = {"Authorization": f"Bearer {serve_app.api_key}"}
+    with httpx.Client(base_url=serve_app.base_url, timeout=60, headers=headers) as http:
+        r = http.post("/tokenize", json={"model": serve_app.model, "prompt": PROMPT, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens"] == tok.encode(PROMPT).ids and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == offline.max_model_len
+        assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]]
+        done = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=1, temperature=0)
+        assert done.usage.prompt_tokens == body["count"]
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()  # "model" may be left out, as vLLM's
+        assert chat["tokens"] == offline.chat_ids(MESSAGES) and "token_strs" not in chat
+        done = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=1)
+        assert done.usage.prompt_tokens == chat["count"]
+        back = http.post("/detokenize", json={"model": serve_app.model, "tokens": body["tokens"]})
+        assert back.status_code == 200 and back.json() == {"prompt": tok.decode(body["tokens"],
+                                                                                skip_special_tokens=False)}
+        assert back.json()["prompt"] == PROMPT
+        bad = [("/tokenize", {"prompt": PROMPT, "messages": MESSAGES}, 400), ("/tokenize", {}, 400),
+               ("/tokenize", {"prompt": 5}, 400), ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, 400),
+               ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400),
+               ("/tokenize", {"model": "other", "prompt": "x"}, 404), ("/detokenize", {"tokens": [1, -2]}, 400),
+               ("/detokenize", {"tokens": [1 << 30]}, 400), ("/detokenize", {"tokens": "1 2"}, 400)]
+        for url, payload, status in bad:
+            r = http.post(url, json=payload)
+            assert r.status_code == status and r.json()["error"]["message"], (url, payload, r.status_code, r.text)
+        assert httpx.post(f"{serve_app.base_url}/tokenize", json={"prompt": "x"}).status_code == 401  # no key
+        assert httpx.get(f"{serve_app.base_url}/health").status_code == 200  # no key needed
+    wait_idle()
+
+
 def test_next_chat_turn_reuses_the_kept_blocks(client, serve_app, offline):
     """A conversation's second turn, sent after the first has ended, finds the first turn's KV blocks kept: usage
     counts them as cached prompt tokens (whole 16-token blocks), and the answer is the offline engine's."""
@@ -554,6 +589,24 @@ def test_engine_failure_mid_request_becomes_a_503_error_chunk():
     assert head == {"prompt_tokens": 3}
     assert _status(err) == 503 and "replica died" in err["error"]["message"]
     assert err["error"]["type"] == "server_error" and err["error"]["code"] == "engine_unavailable"
+
+
+def test_health_is_503_once_the_engine_step_loop_died():
+    """/health asks an engine replica (EngineActor.check_health raises once its step loop died): a probe then gets
+    503 with the reason, and the orchestrator can replace the replica."""
+    import asyncio
+    import types
+
+    from pagedweight.actors.openai_app import OpenAIIngress
+
+    async def dead():
+        raise RuntimeError("engine 0 step loop failed: CUDA error")
+
+    health = OpenAIIngress.func_or_class.__mro__[1].__dict__["health"]  # the method as written, without Serve's wrapper
+    ingress = types.SimpleNamespace(engine=types.SimpleNamespace(check_health=types.SimpleNamespace(remote=dead)))
+    response = asyncio.run(health(ingress))
+    err = json.loads(response.body)["error"]
+    assert response.status_code == 503 and err["type"] == "server_error" and "step loop failed" in err["message"]
 
 
 def test_replica_ships_one_final_item_for_a_non_streaming_request(ap_model_dir):
