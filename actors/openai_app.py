@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedweight.actors.engine_actor import EngineConfig, make_engine
 from pagedweight.chat import ChatTemplateError
+from pagedweight.checkpoint import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 4 << 20
@@ -812,11 +813,16 @@ def _cluster_has_gpus() -> bool:
 def resolve_model_dir(path: str) -> str:
     """Absolute path of a model directory; a relative one is looked up in the current directory, then in
     the repository root (where models/ ships the bundled model), so `serve run clusters/serve.yaml` works
-    from anywhere with an in-tree install."""
+    from anywhere with an in-tree install; else `path` is a Hugging Face Hub repository id (fetched into the Hub's
+    cache on this node)."""
     for candidate in (Path(path), REPO_ROOT / path):
         if candidate.is_dir():
             return str(candidate.resolve())
-    raise FileNotFoundError(f"model directory {path!r} not found (cwd {Path.cwd()}, repository {REPO_ROOT})")
+    try:
+        return str(resolve_model(path).resolve())
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"model directory {path!r} not found (cwd {Path.cwd()}, repository {REPO_ROOT}), "
+                                f"nor on the Hub: {e}") from None
 
 
 def build_app(args: AppArgs) -> serve.Application:
@@ -824,8 +830,12 @@ def build_app(args: AppArgs) -> serve.Application:
     gpus = args.num_gpus_per_replica
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() else 0.0
-    cfg = EngineConfig(resolve_model_dir(args.model_dir), args.gpu_memory_budget, "cuda" if gpus else "cpu",
-                       dict(args.engine_options), store_root=args.store_root, expert_impl=args.expert_impl)
+    model_dir = resolve_model_dir(args.model_dir)
+    local = Path(args.model_dir).is_dir() or (REPO_ROOT / args.model_dir).is_dir()
+    # served as its directory's name or as the Hub repository id it was given, unless engine_options name it
+    options = {"served_model_name": Path(model_dir).name if local else args.model_dir, **args.engine_options}
+    cfg = EngineConfig(model_dir, args.gpu_memory_budget, "cuda" if gpus else "cpu", options,
+                       store_root=args.store_root, expert_impl=args.expert_impl)
     actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
     engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options).bind(cfg)
     # one ingress (no CPU reserved) per engine replica: each is one event loop relaying HTTP and replica messages

@@ -18,9 +18,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start (or join, with --address) a Ray cluster and run the OpenAI-compatible app: "
-                    "/v1/models, /v1/completions, /v1/chat/completions (streaming and not). Blocks until Ctrl-C.",
+                    "/v1/models, /v1/completions, /v1/chat/completions (streaming and not), /tokenize, /detokenize, "
+                    "/health. Blocks until Ctrl-C.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="AP checkpoint or HF checkpoint directory")
+    p.add_argument("model_dir", metavar="MODEL", help="AP checkpoint or HF checkpoint directory, or a Hugging Face Hub "
+                                                      "repository id (fetched into the Hub's cache)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the name requests give as \"model\" (default: the repository id, or the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEDWEIGHT_API_KEY"),
@@ -44,12 +48,10 @@ def run(args) -> int:
     from ray import serve
 
     from pagedweight.actors.openai_app import AppArgs, build_app
+    from pagedweight.checkpoint import model_name, resolve_model
     from pagedweight.convert import ap_checkpoint_for
     from pagedweight.pool import parse_budget
 
-    model_dir = Path(args.model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"{model_dir}: not a directory")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: not a TCP port")
     if args.num_replicas is not None and args.num_replicas < 1:
@@ -63,6 +65,7 @@ def run(args) -> int:
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.host not in LOOPBACK and not args.api_key:
         logger.warning("serving on {} without an API key: anyone who can reach the port can use it", args.host)
+    model_dir, name = resolve_model(args.model_dir), args.served_model_name or model_name(args.model_dir)
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), "cuda" if torch.cuda.is_available() else "cpu")
     own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
@@ -70,9 +73,9 @@ def run(args) -> int:
     replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
-                            api_key=args.api_key, engine_options=options))
+                            api_key=args.api_key, engine_options={"served_model_name": name, **options}))
     serve.run(app, name="pagedweight", route_prefix="/")
-    print(f"serving {model_dir.name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
+    print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
           "- Ctrl-C stops", flush=True)
     try:
         while True:

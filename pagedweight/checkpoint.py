@@ -36,6 +36,38 @@ class CheckpointError(Exception):
     """A checkpoint directory cannot be read as (or written as) a supported model; the message says why."""
 
 
+# what a checkpoint directory needs from a Hub repository (not its .bin / .pt / .gguf copies of the weights)
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(name: str | Path) -> Path:
+    """A model directory: `name` itself if it is one, else a Hugging Face Hub repository id ("org/model") fetched once
+    into the Hub's cache (HF_HOME, shared with transformers and vLLM; HF_HUB_OFFLINE=1 reads the cache alone, HF_TOKEN
+    opens gated repositories) with the files HUB_FILES names, as `vllm serve org/model` takes it."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if not _REPO_ID.match(str(name)) or path.exists():
+        raise FileNotFoundError(f"{name}: not a model directory (nor a Hub repository id, e.g. Qwen/Qwen1.5-MoE-A2.7B)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    logger.info("{} is not a directory here: fetching it from the Hugging Face Hub (or its local cache)", name)
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:  # offline, or the Hub unreachable, and not in the cache
+        raise FileNotFoundError(f"{name}: not a model directory, and no cached copy of that Hub repository ({e})") \
+            from None
+    except HfHubHTTPError as e:  # no such repository or revision, gated without a token, ...
+        raise FileNotFoundError(f"{name}: the Hugging Face Hub refused it ({e})") from None
+
+
+def model_name(name: str | Path) -> str:
+    """The name a model is served under by default: a Hub repository id as given, else its directory's name."""
+    return Path(name).resolve().name if Path(name).is_dir() else str(name)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")

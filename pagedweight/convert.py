@@ -19,6 +19,7 @@ from tqdm import tqdm
 from pagedweight.apformat import MANIFEST, VERSION, APWriter
 from pagedweight.bitplanes import dequantize
 from pagedweight.calibrate import CACHE_VERSION, KINDS, DamageProbe, cached_calibrate, calibration_batches
+from pagedweight.checkpoint import resolve_model
 from pagedweight.pool import release_cached
 from pagedweight.quantize import QuantizedBlock, quantize_blocks
 
@@ -154,7 +155,8 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("convert", help="convert a HF MoE checkpoint into an any-precision (AP) checkpoint",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", type=Path, help="HF checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("src", help="HF checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face "
+                               "Hub repository id")
     p.add_argument("out", type=Path, help="output AP checkpoint directory")
     p.add_argument("--calib", type=Path, required=True, help="calibration text file")
     p.add_argument("--seed-bits", type=int, default=3, help="seed width s (default 3)")
@@ -178,6 +180,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--heads-seqs must be >= 0")
     if not args.calib.is_file():  # before the model loads (seconds to minutes for a large one)
         raise FileNotFoundError(f"--calib {args.calib}: no such file")
-    convert(args.src, args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity, args.num_seqs,
-            args.seq_len, args.device, heads_seqs=args.heads_seqs)
+    convert(resolve_model(args.src), args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity,
+            args.num_seqs, args.seq_len, args.device, heads_seqs=args.heads_seqs)
     return 0

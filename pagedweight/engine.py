@@ -78,6 +78,9 @@ class EngineOptions:
     """Everything `LLM(**engine_options)` accepts besides the model, budget and device."""
 
     dtype: str | None = None  # default: float16 on CUDA, float32 on CPU
+    # the name requests address (the HTTP API's "model"); default: the model directory's name. The serving entry
+    # points pass the name they were given (a Hub repository id, or the HF directory before its AP conversion)
+    served_model_name: str | None = None
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
@@ -202,7 +205,7 @@ class LLM:
                  **engine_options) -> None:
         self._init_options(engine_options, device)
         self.model_dir = Path(model_dir)
-        self.model_name = self.model_dir.name
+        self.model_name = self.options.served_model_name or self.model_dir.name
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
         weights = None
         if (self.model_dir / MANIFEST).is_file():

@@ -59,8 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "generate", help="generate text from a prompt with a local HF MoE checkpoint (dense weights, no paging)",
         description="Load a Hugging Face MoE checkpoint directory (qwen2_moe, mixtral, qwen3_moe, olmoe) and "
                     "continue a prompt. The completion goes to stdout, logs to stderr.")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="model directory: config.json, model.safetensors (or shards + index), tokenizer.json")
+    p.add_argument("--model", required=True, metavar="DIR|ORG/NAME",
+                   help="model directory (config.json, model.safetensors or shards + index, tokenizer.json) or a "
+                        "Hugging Face Hub repository id")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (must not be empty)")
     p.add_argument("--chat", action="store_true",
                    help="send --prompt as a user message through the checkpoint's chat template and print the reply")
@@ -84,14 +85,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Validate the options (ValueError = bad input), serve the prompt with the engine, print the completion."""
-    from pagedweight.checkpoint import read_config
+    from pagedweight.checkpoint import read_config, resolve_model
     from pagedweight.engine import LLM, round_up
     from pagedweight.kv_cache import kv_layer_block_bytes
     from pagedweight.pool import PAGE_ALIGN
     from pagedweight.tokenizer import TextTokenizer
 
-    if not Path(args.model).is_dir():
-        raise ValueError(f"--model {args.model}: not a directory")
+    args.model = resolve_model(args.model)
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagedweight.checkpoint import model_name, resolve_model
 from pagedweight.convert import ap_checkpoint_for
 from pagedweight.engine import LLM, RequestOutput, check_device, serving_reserve
 from pagedweight.pool import parse_budget
@@ -40,7 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "budget (weights + KV cache). A HF checkpoint is converted to any-precision planes first "
                     "(cached). Prints a summary: tokens/s, widths moved, KV blocks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="AP checkpoint or HF checkpoint directory")
+    p.add_argument("--model", required=True, metavar="DIR|ORG/NAME",
+                   help="AP checkpoint or HF checkpoint directory, or a Hugging Face Hub repository id")
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
                    help="weights + KV cache budget: bytes with unit (1GiB) or a fraction of device memory "
                         "(default: every block at full width plus 64 MiB of KV)")
@@ -93,16 +95,14 @@ def run(args) -> int:
     if isinstance(reserve, float):
         raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
                          "fraction")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"--model {model_dir}: not a directory")
+    model_dir = resolve_model(args.model)
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
     prompts = load_prompts(args.prompts, args.num_prompts)
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
-              prefix_caching=args.prefix_caching)
+              prefix_caching=args.prefix_caching, served_model_name=model_name(args.model))
 
     def mean_width(hist: list[list[int]]) -> float:
         counts = np.asarray(hist).sum(axis=0)

@@ -116,8 +116,8 @@ def test_missing_model_dir_subprocess(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pagedweight.cli", "generate", "--model", str(tmp_path / "none"),
                            "--prompt", "hi"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == EXIT_BAD_INPUT
-    assert proc.stderr.strip().splitlines() == [f"pagedweight generate: error: --model {tmp_path / 'none'}: "
-                                                "not a directory"]
+    assert proc.stderr.strip().splitlines() == [f"pagedweight generate: error: {tmp_path / 'none'}: not a model "
+                                                "directory (nor a Hub repository id, e.g. Qwen/Qwen1.5-MoE-A2.7B)"]
 
 
 @pytest.mark.parametrize("argv,reason", [
@@ -135,3 +135,46 @@ def test_other_commands_refuse_bad_input_before_working(model_dir, tmp_path, cap
     assert rc == EXIT_BAD_INPUT
     assert err[-1].startswith(f"pagedweight {argv[0]}: error: ") and reason.format(**fill) in err[-1], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def hub_cache(model_dir, tmp_path, monkeypatch) -> str:
+    """The tiny model as the Hugging Face Hub's cache holds a downloaded repository (models--org--name with a
+    snapshot per revision and refs/main), offline: what a machine that fetched it once has. Returns its id."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--pwtest--tiny-moe"
+    shutil.copytree(model_dir, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    return "pwtest/tiny-moe"
+
+
+def test_hub_repository_ids_are_models_too(model_dir, hub_cache, tmp_path, capsys):
+    """A Hub repository id (not a directory here) resolves through the Hub's cache, as `vllm serve org/model` does:
+    generate gives the same text as from the directory, `run` reports the id as the model's name, and an id with no
+    cached copy offline is one line naming the reason."""
+    from pagedweight.checkpoint import resolve_model
+
+    assert (resolve_model(hub_cache) / "config.json").is_file()
+    args = ["--prompt", "w3 w17 w5", "--max-tokens", "6", "--dtype", "float32"]
+    assert main(["generate", "--model", str(model_dir), *args]) == 0
+    local = capsys.readouterr().out
+    assert main(["generate", "--model", hub_cache, *args]) == 0
+    assert capsys.readouterr().out == local and local.strip()
+    summary, prompts = tmp_path / "summary.json", tmp_path / "prompts.txt"
+    prompts.write_text("w3 w17 w5\n")
+    assert main(["run", "--model", hub_cache, "--dense", "--prompts", str(prompts), "--max-tokens", "2",
+                 "--device", "cpu", "--summary-json", str(summary)]) == 0
+    import json
+
+    assert json.loads(summary.read_text())["model"] == hub_cache
+    capsys.readouterr()
+    assert main(["generate", "--model", "pwtest/missing", *args]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pagedweight generate: error: pwtest/missing: not a model directory, and no cached copy")
