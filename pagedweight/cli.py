@@ -2,7 +2,8 @@
 
 A module joins by being listed in COMMAND_MODULES and exposing
 `add_parser(subparsers) -> ArgumentParser` and `run(args) -> int`. Bad input (ValueError, CheckpointError,
-missing files) ends with exit status 2 and one line on stderr; other exceptions are bugs and keep their traceback.
+missing files, a page store's tmpfs too small) ends with exit status 2 and one line on stderr; other exceptions are
+bugs and keep their traceback.
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
     from pagedweight.checkpoint import CheckpointError
+    from pagedweight.page_store import PageStoreFull
 
     try:
         return int(args._run(args))
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
+    except (ValueError, CheckpointError, FileNotFoundError, PageStoreFull) as e:
         reason = " ".join(str(e).split())  # one line, whatever the exception text holds
         print(f"pagedweight {args.command}: error: {reason}", file=sys.stderr)
         return EXIT_BAD_INPUT

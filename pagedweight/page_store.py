@@ -9,9 +9,11 @@ exits: only `PageStore.destroy` removes it.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,16 @@ class Record:
     idx: int
     offset: int
     nbytes: int
+
+
+class PageStoreFull(OSError):
+    """The store's filesystem (tmpfs) has no room for it: said before a byte is written, or when a write runs out."""
+
+    def __init__(self, path: Path, need: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"the page store needs {need / 2**30:.2f} GiB at {path}, {free / 2**30:.2f} GiB "
+                         "free there: enlarge that tmpfs (Docker: --shm-size or --ipc=host; Kubernetes: a "
+                         "memory-backed emptyDir on /dev/shm, as clusters/ does) or choose another place "
+                         "(page_store_dir; the Serve app's store_root)")
 
 
 def _align(n: int) -> int:
@@ -86,16 +98,25 @@ class PageStore:
             pos = _align(pos + r.nbytes)
         if len({tuple(e[:3]) for e in entries}) != len(entries):
             raise ValueError("duplicate (block, what, idx) records")
+        free = shutil.disk_usage(path).free  # a tmpfs too small is refused before writing (Docker's is 64 MiB)
+        if pos > free:
+            raise PageStoreFull(path, pos, free)
         tmp = path / "pages.bin.tmp"
-        with open(source, "rb") as src, open(tmp, "wb") as dst:
-            src_size = os.fstat(src.fileno()).st_size
-            for r, e in zip(records, entries):  # plain writes: a full tmpfs raises ENOSPC instead of SIGBUS
-                if r.offset < 0 or r.offset + r.nbytes > src_size:
-                    raise ValueError(f"record {r} outside the source file ({src_size} B)")
-                src.seek(r.offset)
-                dst.seek(e[3])
-                dst.write(src.read(r.nbytes))
-            dst.truncate(pos)
+        try:
+            with open(source, "rb") as src, open(tmp, "wb") as dst:
+                src_size = os.fstat(src.fileno()).st_size
+                for r, e in zip(records, entries):  # plain writes: a full tmpfs raises ENOSPC instead of SIGBUS
+                    if r.offset < 0 or r.offset + r.nbytes > src_size:
+                        raise ValueError(f"record {r} outside the source file ({src_size} B)")
+                    src.seek(r.offset)
+                    dst.seek(e[3])
+                    dst.write(src.read(r.nbytes))
+                dst.truncate(pos)
+        except BaseException as exc:  # a partial store would hold the node's shared memory for nothing
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not isinstance(exc, PageStoreFull):
+                raise PageStoreFull(path, pos, shutil.disk_usage(path).free) from exc
+            raise
         os.replace(tmp, path / "pages.bin")
         index = {"version": FORMAT_VERSION, "align": ALIGN, "nbytes": pos, "source": str(source),
                  "entries": entries}

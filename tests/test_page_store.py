@@ -90,6 +90,59 @@ def test_rejects_bad_records(tmp_path):
         PageStore.create(tmp_path / "b", src, [Record(0, "plane", 0, 0, 8), Record(0, "plane", 0, 8, 8)])
 
 
+def test_a_tmpfs_too_small_is_refused_and_leaves_nothing(store_dir, monkeypatch):
+    """Docker gives containers a 64 MiB /dev/shm: a store larger than the free room is refused before a byte is
+    written, naming both sizes and the fixes; a write that runs out of room later (another process filled the tmpfs)
+    leaves no partial file holding shared memory, and a later create with room succeeds."""
+    import builtins
+    import errno
+    import shutil
+
+    from pagedweight import page_store
+    from pagedweight.page_store import PageStoreFull
+
+    path, src, records = store_dir
+    room = shutil.disk_usage(Path(src).parent)
+    monkeypatch.setattr(page_store.shutil, "disk_usage", lambda p: room._replace(free=4096))
+    with pytest.raises(PageStoreFull) as info:
+        PageStore.create(path, src, records)
+    assert info.value.errno == errno.ENOSPC and "GiB free there" in str(info.value) and "--shm-size" in str(info.value)
+    assert sorted(p.name for p in path.iterdir()) == [".lock"]
+    monkeypatch.undo()
+
+    class Filling:  # a destination whose filesystem fills after the first write
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def filling_open(file, mode="r", *args, **kw):
+        f = builtins.open(file, mode, *args, **kw)
+        return Filling(f) if "w" in mode else f
+
+    monkeypatch.setattr(page_store, "open", filling_open, raising=False)
+    with pytest.raises(PageStoreFull):
+        PageStore.create(path, src, records)
+    assert sorted(p.name for p in path.iterdir()) == [".lock"]
+    monkeypatch.undo()
+    store = PageStore.create(path, src, records)
+    assert len(store.keys()) == len(records)
+    store.close()
+
+
 def test_two_processes_share_pages_and_reader_exit_keeps_store(store_dir):
     path, src, records = store_dir
     PageStore.create(path, src, records).close()  # creator unmaps: only the readers map it below
