@@ -48,6 +48,9 @@ for s in "${steps[@]}"; do case $s in
               step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 tests/test_kernels_sim.py tests/test_planner.py -k "$sel" ;;
+  # the engine under random workloads (tests/test_engine_fuzz.py) with the fused kernels and whole-step graphs
+  fuzz) step "${FUZZ_LIMIT:-420}" env PAGEDWEIGHT_TEST_DEVICE=cuda PAGEDWEIGHT_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-40} \
+          python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_fuzz.py ;;
   # torch.profiler tables of the chunked prefill (host and device time per op: is a prefill step host-bound?); run
   # after enginetest, whose compile fills the Numba cache
   prefillprof) step "${PREFILLPROF_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 4 --skip-fp16 \

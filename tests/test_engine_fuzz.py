@@ -32,6 +32,9 @@ from pagedweight.engine import LLM, RequestOutput
 from pagedweight.sampling import SamplingParams
 
 torch.set_num_threads(1)
+# PAGEDWEIGHT_TEST_DEVICE=cuda runs the paged workloads on the GPU (the fused kernels, whole-step graphs); the static
+# comparison stays on the CPU, whose float32 twin computes a row alike whatever its batch
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
 # token ids of three prefixes: two share their first 20 tokens, so a block can be published under two histories
 BASE = list(range(300, 340))
@@ -175,8 +178,8 @@ def budget_with(probe: LLM, kv_blocks: int) -> int:
          bits=3, tokens=32, seats=4, caching=True)
 def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits, tokens, seats, caching):
     """`bits`: the home width; at 3 (the seed width) nothing can be released, so requests are preempted."""
-    probe = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=store, bits=bits)
-    llm = LLM(ap_dir, budget_with(probe, room), "cpu", block_size=16, max_num_batched_tokens=tokens,
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store, bits=bits)
+    llm = LLM(ap_dir, budget_with(probe, room), DEVICE, block_size=16, max_num_batched_tokens=tokens,
               max_num_seqs=seats, page_store_dir=store, prefix_caching=caching, bits=bits,
               planner_knobs={"reload_dwell_steps": 1})
     drive(llm, program, home_room=room)
@@ -186,6 +189,7 @@ def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(program=ops, room=st.integers(3, 14), tokens=st.sampled_from([16, 32]), seats=st.integers(1, 8),
        caching=st.booleans())
+@pytest.mark.skipif(DEVICE != "cpu", reason="exact equality across batch shapes holds for the float32 CPU twin only")
 def test_static_engine_outputs_do_not_depend_on_the_workload(ap_dir, store, program, room, tokens, seats, caching):
     """Static 4-bit widths in a tight budget: each request that ran to its length has the tokens the same prompt
     gets in a roomy engine (greedy, or sampled with its own seed), whatever it was batched, chunked, preempted or
@@ -211,9 +215,11 @@ def test_static_engine_outputs_do_not_depend_on_the_workload(ap_dir, store, prog
 
 def test_the_examples_covered_the_hard_cases():
     """Runs after the tests above (file order): their examples paged, preempted, evicted, reclaimed and aborted."""
-    want = [("paged", k) for k in ("offload_triggers", "preemptions", "kv_evicted_blocks", "kv_reclaimed_blocks",
-                                   "kv_relocations", "abort", "length", "error")]
-    want += [("static", k) for k in ("preemptions", "kv_evicted_blocks", "abort", "length", "compared",
-                                     "compared sampled")]
+    want = [("paged", k) for k in ("offload_triggers", "abort", "length")]
+    if DEVICE == "cpu":  # the pinned workloads were found for the CPU's float32 KV blocks
+        want += [("paged", k) for k in ("preemptions", "kv_evicted_blocks", "kv_reclaimed_blocks", "kv_relocations",
+                                        "error")]
+        want += [("static", k) for k in ("preemptions", "kv_evicted_blocks", "abort", "length", "compared",
+                                         "compared sampled")]
     for key in want:
         assert EXAMPLES[key] > 0, f"no example had {key}: {dict(EXAMPLES)}"
