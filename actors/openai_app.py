@@ -83,6 +83,8 @@ class GenerationJob:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> bias
+    min_p: float = 0.0  # vLLM's extensions (an OpenAI client sends them in extra_body)
+    stop_token_ids: list[int] | None = None
     # chat: the messages (prompt unused), rendered in the replica by the checkpoint's chat template with these
     # extra template variables
     messages: list[dict] | None = None
@@ -208,6 +210,16 @@ MAX_PROMPTS = 256
 UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None}
 
 
+def _token_ids(body: dict, name: str) -> list[int] | None:
+    """A list of token ids (ids beyond the vocabulary are refused by the engine)."""
+    ids = body.get(name)
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise _bad(f"'{name}' must be a list of token ids (integers >= 0)", name)
+    return ids
+
+
 def _template_kwargs(body: dict) -> dict:
     """vLLM's `chat_template_kwargs` (variables the chat template reads, e.g. enable_thinking)."""
     kwargs = body.get("chat_template_kwargs") or {}
@@ -309,6 +321,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_token_ids(body, "stop_token_ids"),
         messages=messages, chat_template_kwargs=template_kwargs,
     )
     # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
@@ -347,9 +360,8 @@ def validate_tokenize(body: dict, served_model: str) -> TokenizeJob:
 
 def validate_detokenize(body: dict, served_model: str) -> list[int]:
     _model(body, served_model, required=False)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                               for t in tokens):
+    tokens = _token_ids(body, "tokens")
+    if tokens is None:
         raise _bad("'tokens' must be a list of token ids (integers >= 0)", "tokens")
     return tokens
 
@@ -363,7 +375,8 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
                           seed=job.seed, stop=list(job.stop), ignore_eos=job.ignore_eos, output_kind="delta",
                           logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None,
                           presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
-                          logit_bias=job.logit_bias).validate()
+                          logit_bias=job.logit_bias, min_p=job.min_p,
+                          stop_token_ids=list(job.stop_token_ids or ())).validate()
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], n: int) -> list[dict]:

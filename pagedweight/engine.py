@@ -826,7 +826,7 @@ class LLM:
         if self.options.detokenize and self._extend_text(seq) and p.stop:
             reason = self._cut_at_stop(seq)
         cut = reason is not None
-        if reason is None and token in self.eos_token_ids and not p.ignore_eos:
+        if reason is None and (token in p.stop_token_ids or token in self.eos_token_ids and not p.ignore_eos):
             reason = "stop"
         if reason is None and (seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"

@@ -28,8 +28,13 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # vLLM's min_p: keep the tokens whose probability (after temperature) is at least min_p x the largest one's;
+    # applied before top-k and top-p, as vLLM orders them. 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # vLLM's stop_token_ids: the request ends ("stop") once it generates one of these, kept in its tokens as EOS is
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # what each RequestOutput of the request carries (vLLM's RequestOutputKind): "cumulative" every token so far,
     # "delta" only the tokens new since its previous output, "final_only" one output when it finishes. Building a
@@ -84,6 +89,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -136,6 +146,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
+MIN_P_BYTES_PER_ENTRY = 1  # min-p's boolean mask (computed, not measured)
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -148,9 +159,10 @@ def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of logits [R, V] from softmax(logits / T) restricted by top-k, then top-p (over the
+    """One token per row of logits [R, V] from softmax(logits / T) restricted by min-p, top-k, then top-p (over the
     top-k's renormalised probabilities, vLLM's order): the Gumbel-max draw argmax(logits / T - log E), E ~ Exp(1)
     per token, over the kept tokens. Batched over the rows with no host read; returns [R] int64 on logits' device.
+    Min-p needs no sort: p >= min_p x p_max is x >= max(x) + log(min_p) on the tempered logits x.
 
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
     all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
@@ -159,6 +171,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     x = logits.float() / _per_row([p.temperature for p in params], dev)
+    if any(p.min_p > 0.0 for p in params):
+        floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
+        x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     if any(top_k) or any(p.top_p < 1.0 for p in params):
         width = max(top_k) if all(top_k) else vocab
         kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
@@ -288,6 +303,7 @@ def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjust
     sampled = [p for p in params if not p.greedy]
     per_entry = (FILTERED_BYTES_PER_ENTRY if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
+        (MIN_P_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
     return max(1, SAMPLE_CHUNK_BYTES // (max(per_entry, 1) * vocab))
 

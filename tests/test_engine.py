@@ -70,16 +70,23 @@ def test_sampling_params_validate():
                 dict(prompt_logprobs=21), dict(prompt_logprobs=False), dict(presence_penalty=2.5),
                 dict(frequency_penalty=-3), dict(presence_penalty=True), dict(logit_bias={-1: 1.0}),
                 dict(logit_bias={1: 101}), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 1.0}),
-                dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)])):
+                dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)]), dict(min_p=-0.1),
+                dict(min_p=1.5), dict(min_p=True), dict(stop_token_ids=[-1]), dict(stop_token_ids=3),
+                dict(stop_token_ids=[True])):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
 
 
 def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled row must follow, per row in vocabulary order: softmax(row / T) over the top-k
-    tokens, renormalised, then the smallest prefix of it (sorted) whose mass reaches top_p, renormalised."""
+    """The distribution a sampled row must follow, per row in vocabulary order: softmax(row / T) over the tokens
+    transformers' MinPLogitsWarper keeps (vLLM applies min-p first), then over the top-k tokens, renormalised, then
+    the smallest prefix of it (sorted) whose mass reaches top_p, renormalised."""
     x = row.double() / p.temperature
+    if p.min_p > 0.0:
+        from transformers.generation.logits_process import MinPLogitsWarper
+
+        x = MinPLogitsWarper(p.min_p)(None, x[None])[0]
     if 0 < p.top_k < x.numel():
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
     probs = torch.softmax(x, -1)
@@ -97,13 +104,15 @@ def test_sampler_follows_the_filtered_distribution():
     rows = row.to(DEVICE).expand(n, -1)
     cases = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
              SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, top_k=12, top_p=0.8),
-             SamplingParams(temperature=1.0, top_k=40, top_p=0.999)]
+             SamplingParams(temperature=1.0, top_k=40, top_p=0.999), SamplingParams(temperature=1.0, min_p=0.1),
+             SamplingParams(temperature=0.8, min_p=0.05, top_p=0.9)]
     for p in cases:
         draws = sample_rows(rows, [p] * n, [None] * n).cpu().numpy()
         want = reference_probs(row, p).numpy()
         freq = np.bincount(draws, minlength=row.numel()) / n
         assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want)), p  # never a filtered-out token
         assert np.abs(freq - want).max() < 0.035, (p, np.abs(freq - want).max())
+        assert p.min_p == 0.0 or (want == 0).any(), "min-p filtered nothing here: the case tests nothing"
     # rows of other parameters in one call each follow their own distribution
     mixed = [cases[i % len(cases)] for i in range(n)]
     draws = sample_rows(rows, mixed, [None] * n).cpu().numpy()
@@ -391,6 +400,9 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
     first = full.token_ids.index(full.token_ids[3])
     assert eos.finish_reason == "stop" and eos.token_ids == full.token_ids[:first + 1]
     llm.eos_token_ids = set()
+    # vLLM's stop_token_ids end the request as EOS does, even with ignore_eos (that covers the model's EOS alone)
+    by_id = llm.generate([PROMPTS[0]], greedy(16, stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:first + 1]
     chunks = list(llm.stream(PROMPTS[0], greedy(16)))
     assert "".join(c.delta_text for c in chunks) == full.text and chunks[-1].finished
     assert [c.finished for c in chunks].count(True) == 1

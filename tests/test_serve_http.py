@@ -323,6 +323,14 @@ def test_penalties_and_logit_bias_match_offline_engine(client, serve_app, offlin
     chat = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, temperature=0,
                                           logit_bias={"13": 100}, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == forced.text
+    # vLLM's min_p and stop_token_ids, as an OpenAI client sends them (extra_body): the text ends at the stop token
+    stop_id = ref.token_ids[2]
+    cut = offline(PROMPT, stop_token_ids=[stop_id], presence_penalty=1.2, frequency_penalty=0.8,
+                  logit_bias={13: 3.0})
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(ref.token_ids)
+    resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "min_p": 0.5}, **kw)
+    assert resp.choices[0].text == cut.text and resp.choices[0].finish_reason == "stop"
     wait_idle()
 
 
@@ -418,6 +426,9 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("top_p zero", "/v1/completions", body(top_p=0), 400),
         ("top_p above one", "/v1/completions", body(top_p=1.5), 400),
         ("negative top_k", "/v1/completions", body(top_k=-1), 400),
+        ("min_p above one", "/v1/completions", body(min_p=1.5), 400),
+        ("stop_token_ids not a list", "/v1/completions", body(stop_token_ids=7), 400),
+        ("a negative stop token id", "/v1/completions", body(stop_token_ids=[3, -1]), 400),
         ("negative seed", "/v1/completions", body(seed=-1), 400),
         ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
         ("n=0", "/v1/completions", body(n=0), 400),
