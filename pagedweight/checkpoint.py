@@ -60,7 +60,8 @@ def resolve_model(name: str | Path) -> Path:
         raise FileNotFoundError(f"{name}: not a model directory, and no cached copy of that Hub repository ({e})") \
             from None
     except HfHubHTTPError as e:  # no such repository or revision, gated without a token, ...
-        raise FileNotFoundError(f"{name}: the Hugging Face Hub refused it ({e})") from None
+        raise FileNotFoundError(f"{name}: not a model directory here, and the Hugging Face Hub refused it as a "
+                                f"repository id ({e})") from None
 
 
 def model_name(name: str | Path) -> str:
