@@ -85,6 +85,7 @@ class GenerationJob:
     logit_bias: dict[int, float] | None = None  # token id -> bias
     min_p: float = 0.0  # vLLM's extensions (an OpenAI client sends them in extra_body)
     stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
     # chat: the messages (prompt unused), rendered in the replica by the checkpoint's chat template with these
     # extra template variables
     messages: list[dict] | None = None
@@ -322,6 +323,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_token_ids(body, "stop_token_ids"),
+        min_tokens=_integer(body, "min_tokens", 0, 0, max_model_len),
         messages=messages, chat_template_kwargs=template_kwargs,
     )
     # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
@@ -376,7 +378,7 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
                           logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None,
                           presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
                           logit_bias=job.logit_bias, min_p=job.min_p,
-                          stop_token_ids=list(job.stop_token_ids or ())).validate()
+                          stop_token_ids=list(job.stop_token_ids or ()), min_tokens=job.min_tokens).validate()
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], n: int) -> list[dict]:

@@ -44,7 +44,7 @@ for s in "${steps[@]}"; do case $s in
   # the GPU tests (56 of this selection passed at 4d8fd00 in ~230 s on a cold cache), which also compile the kernels
   # into NUMBA_CACHE_DIR before the engine benchmarks load them
   enginetest) sel="ap_ or pressure or preempts or cuda_graph or graph or on_gpu or in_place or reload or narrow"
-              sel+=" or widths_return or sampler or logprobs or adjust or penalties or prefix"
+              sel+=" or widths_return or sampler or logprobs or adjust or penalties or prefix or min_tokens"
               step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
                 tests/test_kernels_sim.py tests/test_planner.py -k "$sel" ;;

@@ -606,7 +606,7 @@ class LLM:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
                 tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
-                                      _History(to_sample))
+                                      _History(to_sample), self.eos_token_ids)
                 self._logprobs(logits, to_sample, tokens)
                 if prompt_rows is not None:
                     self._prompt_logprobs(prompt_rows)
@@ -823,10 +823,13 @@ class LLM:
         seq.append_token(token, now)
         p = seq.params
         reason = None
-        if self.options.detokenize and self._extend_text(seq) and p.stop:
-            reason = self._cut_at_stop(seq)
+        stops = seq.num_completion_tokens >= p.min_tokens  # before min_tokens only max_tokens ends it (vLLM's rule)
+        checked = len(seq.text)  # stop strings are looked for in the text this token adds
+        if self.options.detokenize and self._extend_text(seq) and p.stop and stops:
+            reason = self._cut_at_stop(seq, checked)
         cut = reason is not None
-        if reason is None and (token in p.stop_token_ids or token in self.eos_token_ids and not p.ignore_eos):
+        if reason is None and stops and (token in p.stop_token_ids or token in self.eos_token_ids
+                                         and not p.ignore_eos):
             reason = "stop"
         if reason is None and (seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -846,9 +849,8 @@ class LLM:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids) - base
         return True
 
-    def _cut_at_stop(self, seq: Sequence) -> str | None:
-        """Cut the text before the first stop string that the new text completes."""
-        new_from = seq.sent_text_len
+    def _cut_at_stop(self, seq: Sequence, new_from: int) -> str | None:
+        """Cut the text before the first stop string that the text from `new_from` on completes."""
         hits = [i for s in seq.params.stop
                 if (i := seq.text.find(s, max(0, new_from - len(s) + 1))) >= 0]
         if not hits:

@@ -6,6 +6,7 @@ others (batch composition never shifts its random stream); unseeded requests sha
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -35,6 +36,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     # vLLM's stop_token_ids: the request ends ("stop") once it generates one of these, kept in its tokens as EOS is
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM's min_tokens: before this many are generated, EOS (unless ignore_eos) and stop_token_ids are never sampled
+    # and no stop condition but max_tokens ends the request
+    min_tokens: int = 0
     ignore_eos: bool = False
     # what each RequestOutput of the request carries (vLLM's RequestOutputKind): "cumulative" every token so far,
     # "delta" only the tokens new since its previous output, "final_only" one output when it finishes. Building a
@@ -69,8 +73,9 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Its logits change before the pick (penalties or a logit bias): the sampler takes its row apart."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        """Its logits change before the pick (penalties, a logit bias, stop tokens masked until min_tokens): the
+        sampler takes its row apart."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens)
 
     @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -91,6 +96,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
@@ -196,13 +204,20 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return x.sub_(noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
 
 
-def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[np.ndarray | None]) -> None:
+def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[np.ndarray | None],
+                  eos_token_ids: Collection[int] = ()) -> None:
     """In place on float32 rows x [R, V]: each row's logit_bias added, then frequency_penalty x count and
-    presence_penalty x (count > 0) subtracted for the tokens of its history (the ids it generated so far; None: no
-    penalty). The counts of a chunk are one [R, V] float32 tensor filled by a single index_add_ of every history's
-    ids (whole numbers: exact in any order), from one host-to-device copy."""
+    presence_penalty x (count > 0) subtracted for the tokens of its history (the ids it generated so far; None: none
+    yet). The counts of a chunk are one [R, V] float32 tensor filled by a single index_add_ of every history's
+    ids (whole numbers: exact in any order), from one host-to-device copy. A row short of its min_tokens gets -inf on
+    its stop tokens (its stop_token_ids, and `eos_token_ids` unless it ignores EOS), as vLLM's min-tokens processor."""
     rows, vocab = x.shape
     dev = x.device
+    banned = [(i, [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]) for i, (p, h) in
+              enumerate(zip(params, history)) if p.min_tokens > (0 if h is None else len(h))]
+    banned = [i * vocab + t for i, ids in banned for t in ids if t < vocab]
+    if banned:
+        x.view(-1).index_fill_(0, torch.tensor(banned).to(dev, non_blocking=True), float("-inf"))
     biased = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]
     if biased:
         flat = torch.from_numpy(np.concatenate([ids + i * vocab for i, (ids, _) in biased]))
@@ -233,10 +248,12 @@ class Sampler:
     read (a per-row loop cost a dozen launches and a host read per sampled row)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 history: SequenceOf[np.ndarray | None] | None = None) -> list[int]:
+                 history: SequenceOf[np.ndarray | None] | None = None,
+                 eos_token_ids: Collection[int] = ()) -> list[int]:
         """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG).
-        history[i]: row i's generated token ids, for its penalties (`adjust_logits`; None: none), read only for
-        adjusted rows. Rows whose logits are adjusted are gathered and adjusted apart (greedy ones and sampled ones),
+        history[i]: row i's generated token ids, for its penalties and min_tokens (`adjust_logits`; None: none yet),
+        read only for adjusted rows; `eos_token_ids`: what min_tokens keeps a row from sampling besides its
+        stop_token_ids. Rows whose logits are adjusted are gathered and adjusted apart (greedy ones and sampled ones),
         so `logits` stay the model's own: log-probabilities are read from them afterwards. The rows are classed in
         one pass over params: at 256 rows each further pass cost the step ~0.1 ms of host time
         (sampler_bench-cpu-2c-20261203-s36-host.json)."""
@@ -265,7 +282,7 @@ class Sampler:
                 x = logits.index_select(0, index).float()
                 if adjust:
                     adjust_logits(x, ps[c:c + chunk], [None if history is None else history[r]
-                                                       for r in rows[c:c + chunk]])
+                                                       for r in rows[c:c + chunk]], eos_token_ids)
                 tokens[index] = x.argmax(dim=-1) if ps[0].greedy else \
                     sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]])
         return tokens.tolist()

@@ -72,7 +72,7 @@ def test_sampling_params_validate():
                 dict(logit_bias={1: 101}), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 1.0}),
                 dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)]), dict(min_p=-0.1),
                 dict(min_p=1.5), dict(min_p=True), dict(stop_token_ids=[-1]), dict(stop_token_ids=3),
-                dict(stop_token_ids=[True])):
+                dict(stop_token_ids=[True]), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -149,6 +149,22 @@ def test_sampler_batches_greedy_seeded_and_chunked_rows(monkeypatch):
     params[2] = SamplingParams(temperature=0.5, seed=2)
     whole = sampling.sample_rows(logits, params, gens()).tolist()
     assert sampler(logits, params, gens()) == whole
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached():
+    """A row short of its min_tokens never picks EOS or its stop_token_ids (greedy or sampled); at min_tokens it may;
+    ignore_eos leaves EOS alone (it stops nothing then)."""
+    logits = torch.zeros(4, 12).to(DEVICE)
+    logits[:, 5], logits[:, 7], logits[:, 2] = 9.0, 10.0, 1.0  # the stop id 5 and EOS 7 lead by far
+    sampler, eos = Sampler(), {7}
+    short, done = np.array([4]), np.array([4, 4, 4])
+    greedy_p = SamplingParams(min_tokens=3, stop_token_ids=[5])
+    hot = SamplingParams(min_tokens=3, stop_token_ids=[5], temperature=1.0)
+    no_eos = SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True)
+    params = [greedy_p, hot, greedy_p, no_eos]
+    for _ in range(20):
+        picks = sampler(logits, params, [None] * 4, [short, short, done, short], eos)
+        assert picks[0] == 2 and picks[1] not in (5, 7) and picks[2] == 7 and picks[3] == 7, picks
 
 
 # ---------------------------------------------------------------- scheduler (no model)
@@ -403,6 +419,15 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
     # vLLM's stop_token_ids end the request as EOS does, even with ignore_eos (that covers the model's EOS alone)
     by_id = llm.generate([PROMPTS[0]], greedy(16, stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:first + 1]
+    # min_tokens: the stop token is never sampled before it (the greedy text takes the next best there), and then
+    # it may end the request; the stop string too waits for it
+    stop_id = full.token_ids[3]
+    held = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, stop_token_ids=[stop_id], min_tokens=first + 3),
+                        use_tqdm=False)[0]
+    assert stop_id not in held.token_ids[:first + 3] and held.token_ids[:first] == full.token_ids[:first]
+    assert len(held.token_ids) >= first + 3 and (held.finish_reason == "length" or held.token_ids[-1] == stop_id)
+    late = llm.generate([PROMPTS[0]], greedy(16, stop=[stop], min_tokens=16), use_tqdm=False)[0]
+    assert late.finish_reason == "length" and late.text == full.text
     chunks = list(llm.stream(PROMPTS[0], greedy(16)))
     assert "".join(c.delta_text for c in chunks) == full.text and chunks[-1].finished
     assert [c.finished for c in chunks].count(True) == 1

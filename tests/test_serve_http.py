@@ -331,6 +331,12 @@ def test_penalties_and_logit_bias_match_offline_engine(client, serve_app, offlin
     resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"stop_token_ids": [stop_id], "min_p": 0.5}, **kw)
     assert resp.choices[0].text == cut.text and resp.choices[0].finish_reason == "stop"
+    held = offline(PROMPT, stop_token_ids=[stop_id], min_tokens=6, presence_penalty=1.2, frequency_penalty=0.8,
+                   logit_bias={13: 3.0})
+    assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
+    resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "min_tokens": 6}, **kw)
+    assert resp.choices[0].text == held.text and resp.usage.completion_tokens == len(held.token_ids)
     wait_idle()
 
 
@@ -429,6 +435,8 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("min_p above one", "/v1/completions", body(min_p=1.5), 400),
         ("stop_token_ids not a list", "/v1/completions", body(stop_token_ids=7), 400),
         ("a negative stop token id", "/v1/completions", body(stop_token_ids=[3, -1]), 400),
+        ("negative min_tokens", "/v1/completions", body(min_tokens=-1), 400),
+        ("min_tokens above max_tokens", "/v1/completions", body(min_tokens=5, max_tokens=2), 400),
         ("negative seed", "/v1/completions", body(seed=-1), 400),
         ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
         ("n=0", "/v1/completions", body(n=0), 400),
