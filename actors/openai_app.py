@@ -86,6 +86,7 @@ class GenerationJob:
     min_p: float = 0.0  # vLLM's extensions (an OpenAI client sends them in extra_body)
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    repetition_penalty: float = 1.0
     # chat: the messages (prompt unused), rendered in the replica by the checkpoint's chat template with these
     # extra template variables
     messages: list[dict] | None = None
@@ -270,6 +271,8 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 def validate_request(body: dict, kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
     """Check a completions/chat body against the API and this model; raises APIError."""
+    from pagedweight.sampling import MAX_REPETITION_PENALTY
+
     model = _model(body, served_model)
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
@@ -324,6 +327,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_token_ids(body, "stop_token_ids"),
         min_tokens=_integer(body, "min_tokens", 0, 0, max_model_len),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
         messages=messages, chat_template_kwargs=template_kwargs,
     )
     # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
@@ -378,7 +382,8 @@ def _sampling_params(job: GenerationJob, max_tokens: int):
                           logprobs=job.logprobs, prompt_logprobs=job.logprobs if job.echo else None,
                           presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
                           logit_bias=job.logit_bias, min_p=job.min_p,
-                          stop_token_ids=list(job.stop_token_ids or ()), min_tokens=job.min_tokens).validate()
+                          stop_token_ids=list(job.stop_token_ids or ()), min_tokens=job.min_tokens,
+                          repetition_penalty=job.repetition_penalty).validate()
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], n: int) -> list[dict]:

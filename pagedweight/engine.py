@@ -168,6 +168,14 @@ class _History:
         return self.seqs[i].generated_ids()
 
 
+@dataclass
+class _Seen(_History):
+    """The sampler's seen[i]: row i's prompt and generated ids (a repetition penalty's tokens)."""
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.asarray(self.seqs[i].token_ids, dtype=np.int64)
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """torch.device(device), refused with a ValueError (a clear CLI error, not a traceback) when it names no device
     kind torch knows or CUDA where there is none."""
@@ -606,7 +614,7 @@ class LLM:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
                 tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
-                                      _History(to_sample), self.eos_token_ids)
+                                      _History(to_sample), self.eos_token_ids, _Seen(to_sample))
                 self._logprobs(logits, to_sample, tokens)
                 if prompt_rows is not None:
                     self._prompt_logprobs(prompt_rows)

@@ -42,12 +42,15 @@ def generate(model: MoEForCausalLM, prompt_ids: list[list[int]], params: Samplin
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     for step in range(params.max_tokens):
-        history = [np.asarray(o, dtype=np.int64) for o in out] if params.penalized else None
-        tokens = sampler(logits, [params] * b, generators, history)
+        history = [np.asarray(o, dtype=np.int64) for o in out] if params.reads_history else None
+        seen = [np.asarray(prompt_ids[row] + out[row], dtype=np.int64) for row in range(b)] \
+            if params.repetition_penalty != 1.0 else None
+        tokens = sampler(logits, [params] * b, generators, history, eos_token_ids, seen)
         for row, tok in enumerate(tokens):
             if not done[row]:
                 out[row].append(tok)
-                done[row] = tok in eos_token_ids and not params.ignore_eos
+                done[row] = len(out[row]) >= params.min_tokens and (
+                    tok in params.stop_token_ids or tok in eos_token_ids and not params.ignore_eos)
         if all(done) or step == params.max_tokens - 1:
             break
         logits = model(torch.tensor(tokens, device=device)[:, None], cache=cache)[:, -1]

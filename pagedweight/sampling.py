@@ -18,6 +18,7 @@ import torch
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs bound
 MAX_PENALTY = 2.0  # the OpenAI API's presence_penalty / frequency_penalty bound
+MAX_REPETITION_PENALTY = 10.0  # far beyond use (1.0-1.5 is usual); bounds what a request can ask
 MAX_LOGIT_BIAS, MAX_BIASED_TOKENS = 100.0, 300  # the OpenAI API's logit_bias bounds
 
 
@@ -56,6 +57,10 @@ class SamplingParams:
     # and presence_penalty if it occurs (vLLM's reading: the prompt's tokens do not count), in [-2, 2]
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's and transformers' repetition_penalty over the prompt's and the generated tokens: a positive logit is
+    # divided by it, a negative one multiplied (after the logit bias, before the two penalties above, vLLM's order);
+    # 1 = off
+    repetition_penalty: float = 1.0
     # token id -> added to its logit before sampling (or the greedy pick), in [-100, 100], at most 300 tokens
     logit_bias: dict[int, float] | None = None
 
@@ -72,10 +77,16 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def reads_history(self) -> bool:
+        """The sampler reads the ids it generated so far (presence / frequency penalties, min_tokens' count)."""
+        return self.penalized or self.min_tokens > 0
+
+    @property
     def adjusts(self) -> bool:
         """Its logits change before the pick (penalties, a logit bias, stop tokens masked until min_tokens): the
         sampler takes its row apart."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens
+                    or self.repetition_penalty != 1.0)
 
     @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -110,6 +121,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -205,10 +219,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[np.ndarray | None],
-                  eos_token_ids: Collection[int] = ()) -> None:
-    """In place on float32 rows x [R, V]: each row's logit_bias added, then frequency_penalty x count and
-    presence_penalty x (count > 0) subtracted for the tokens of its history (the ids it generated so far; None: none
-    yet). The counts of a chunk are one [R, V] float32 tensor filled by a single index_add_ of every history's
+                  eos_token_ids: Collection[int] = (), seen: list[np.ndarray | None] | None = None) -> None:
+    """In place on float32 rows x [R, V]: each row's logit_bias added, its repetition_penalty applied to the tokens
+    it has seen (`seen[i]`: its prompt's and generated ids), then frequency_penalty x count and presence_penalty x
+    (count > 0) subtracted for the tokens of its history (the ids it generated so far; None: none yet): vLLM's
+    order. The counts of a chunk are one [R, V] float32 tensor filled by a single index_add_ of every history's
     ids (whole numbers: exact in any order), from one host-to-device copy. A row short of its min_tokens gets -inf on
     its stop tokens (its stop_token_ids, and `eos_token_ids` unless it ignores EOS), as vLLM's min-tokens processor."""
     rows, vocab = x.shape
@@ -223,6 +238,14 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[n
         flat = torch.from_numpy(np.concatenate([ids + i * vocab for i, (ids, _) in biased]))
         values = torch.from_numpy(np.concatenate([v for _, (_, v) in biased]))
         x.view(-1).index_add_(0, flat.to(dev, non_blocking=True), values.to(dev, non_blocking=True))
+    repeated = [(i, np.unique(seen[i]), p.repetition_penalty) for i, p in enumerate(params)
+                if p.repetition_penalty != 1.0 and seen is not None and seen[i] is not None]
+    if repeated:
+        flat = torch.from_numpy(np.concatenate([u + i * vocab for i, u, _ in repeated])).to(dev, non_blocking=True)
+        factor = torch.from_numpy(np.concatenate([np.full(len(u), r, np.float32) for _, u, r in repeated]))
+        factor = factor.to(dev, non_blocking=True)
+        picked = x.view(-1)[flat]
+        x.view(-1)[flat] = torch.where(picked > 0, picked / factor, picked * factor)
     ids = [h + i * vocab for i, (p, h) in enumerate(zip(params, history)) if p.penalized and h is not None and len(h)]
     if not ids:
         return
@@ -249,12 +272,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                  history: SequenceOf[np.ndarray | None] | None = None,
-                 eos_token_ids: Collection[int] = ()) -> list[int]:
+                 eos_token_ids: Collection[int] = (), seen: SequenceOf[np.ndarray] | None = None) -> list[int]:
         """logits [B, V] (any float dtype); returns B token ids. generators: each row's (None: the global RNG).
         history[i]: row i's generated token ids, for its penalties and min_tokens (`adjust_logits`; None: none yet),
         read only for adjusted rows; `eos_token_ids`: what min_tokens keeps a row from sampling besides its
-        stop_token_ids. Rows whose logits are adjusted are gathered and adjusted apart (greedy ones and sampled ones),
-        so `logits` stay the model's own: log-probabilities are read from them afterwards. The rows are classed in
+        stop_token_ids; seen[i]: row i's prompt and generated ids, read only for a repetition penalty. Rows whose
+        logits are adjusted are gathered and adjusted apart (greedy ones and sampled ones), so `logits` stay the
+        model's own: log-probabilities are read from them afterwards. The rows are classed in
         one pass over params: at 256 rows each further pass cost the step ~0.1 ms of host time
         (sampler_bench-cpu-2c-20261203-s36-host.json)."""
         sampled, adjusted = [], []
@@ -281,8 +305,10 @@ class Sampler:
                 index = torch.tensor(rows[c:c + chunk]).to(logits.device, non_blocking=True)
                 x = logits.index_select(0, index).float()
                 if adjust:
-                    adjust_logits(x, ps[c:c + chunk], [None if history is None else history[r]
-                                                       for r in rows[c:c + chunk]], eos_token_ids)
+                    part = rows[c:c + chunk]
+                    adjust_logits(x, ps[c:c + chunk], [None if history is None else history[r] for r in part],
+                                  eos_token_ids, [None if seen is None or params[r].repetition_penalty == 1.0
+                                                  else seen[r] for r in part])
                 tokens[index] = x.argmax(dim=-1) if ps[0].greedy else \
                     sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]])
         return tokens.tolist()

@@ -49,8 +49,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V it found computed when it started (prefix sharing)
-    # generated token ids as an array (grown by doubling), kept for requests with presence or frequency penalties:
-    # the sampler counts them every step, and a list would be converted anew each time
+    # generated token ids as an array (grown by doubling), kept for requests whose sampler reads them
+    # (SamplingParams.reads_history): it counts them every step, and a list would be converted anew each time
     penalty_ids: np.ndarray | None = None
     # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
     # host work per running request between two launches), so what a caller does to that list changes nothing here
@@ -60,7 +60,7 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        if self.params.penalized:
+        if self.params.reads_history:
             self.penalty_ids = np.empty(16, dtype=np.int64)
 
     @property
@@ -80,7 +80,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def generated_ids(self) -> np.ndarray | None:
-        """The generated token ids (a view), if the request is penalized."""
+        """The generated token ids (a view), if the sampler reads them (SamplingParams.reads_history)."""
         return None if self.penalty_ids is None else self.penalty_ids[:self.num_completion_tokens]
 
     def append_token(self, token_id: int, now: float) -> None:

@@ -58,12 +58,12 @@ def follow_reference(ref: LLM, llm: LLM) -> None:
     sampled: list[list[int]] = []
     ref_sample, llm_sample = ref.sampler, llm.sampler
 
-    def ref_sampler(logits, params, generators, history=None):
-        sampled.append(list(ref_sample(logits, params, generators, history)))
+    def ref_sampler(logits, params, generators, *rest):
+        sampled.append(list(ref_sample(logits, params, generators, *rest)))
         return sampled[-1]
 
-    def llm_sampler(logits, params, generators, history=None):
-        own, want = llm_sample(logits, params, generators, history), sampled[-1]
+    def llm_sampler(logits, params, generators, *rest):
+        own, want = llm_sample(logits, params, generators, *rest), sampled[-1]
         for row, (a, b) in enumerate(zip(own, want)):
             if a != b:
                 top, theirs = float(logits[row, a]), float(logits[row, b])

@@ -72,7 +72,8 @@ def test_sampling_params_validate():
                 dict(logit_bias={1: 101}), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 1.0}),
                 dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)]), dict(min_p=-0.1),
                 dict(min_p=1.5), dict(min_p=True), dict(stop_token_ids=[-1]), dict(stop_token_ids=3),
-                dict(stop_token_ids=[True]), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.0)):
+                dict(stop_token_ids=[True]), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.0),
+                dict(repetition_penalty=0.0), dict(repetition_penalty=11.0), dict(repetition_penalty="1")):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -426,6 +427,11 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
                         use_tqdm=False)[0]
     assert stop_id not in held.token_ids[:first + 3] and held.token_ids[:first] == full.token_ids[:first]
     assert len(held.token_ids) >= first + 3 and (held.finish_reason == "length" or held.token_ids[-1] == stop_id)
+    # a second stop id that `held` first generates past min_tokens ends the request there
+    j = next(j for j in range(first + 3, len(held.token_ids)) if held.token_ids[j] not in held.token_ids[:j])
+    free = llm.generate([PROMPTS[0]], greedy(16, stop_token_ids=[stop_id, held.token_ids[j]], min_tokens=first + 3),
+                        use_tqdm=False)[0]
+    assert free.finish_reason == "stop" and free.token_ids == held.token_ids[:j + 1]
     late = llm.generate([PROMPTS[0]], greedy(16, stop=[stop], min_tokens=16), use_tqdm=False)[0]
     assert late.finish_reason == "length" and late.text == full.text
     chunks = list(llm.stream(PROMPTS[0], greedy(16)))
@@ -673,6 +679,19 @@ def test_penalties_and_logit_bias_match_transformers(hf_dir):
         assert out.token_ids == want[0, ids.shape[1]:].tolist(), params
     assert outs[2].token_ids == plain[2].token_ids
     assert all(o.token_ids != p.token_ids for o, p in zip(outs[:2] + outs[3:], plain[:2] + plain[3:]))
+    # the repetition penalty over the prompt's and the generated tokens, as transformers' processor applies it (and
+    # before the OpenAI penalties, vLLM's order), batched with a plain row
+    repeat = [greedy(16, repetition_penalty=1.6), greedy(16, repetition_penalty=1.3, presence_penalty=0.5),
+              greedy(16), greedy(16, repetition_penalty=0.7)]
+    outs = llm.generate(PROMPTS, repeat, use_tqdm=False)
+    for out, params in zip(outs, repeat):
+        ids = torch.tensor([out.prompt_token_ids])
+        steps = [transformers.RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
+                 OpenAIPenalties(ids.shape[1], params)]
+        want = ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            logits_processor=transformers.LogitsProcessorList(steps))
+        assert out.token_ids == want[0, ids.shape[1]:].tolist(), params
+    assert outs[0].token_ids != plain[0].token_ids and outs[3].token_ids != plain[3].token_ids
     sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=4, frequency_penalty=1.0, ignore_eos=True)
     alone = llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0]
     batched = llm.generate(PROMPTS, [sampled] + cases[1:], use_tqdm=False)[0]

@@ -337,6 +337,11 @@ def test_penalties_and_logit_bias_match_offline_engine(client, serve_app, offlin
     resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"stop_token_ids": [stop_id], "min_tokens": 6}, **kw)
     assert resp.choices[0].text == held.text and resp.usage.completion_tokens == len(held.token_ids)
+    rep = offline(PROMPT, repetition_penalty=1.5)
+    assert rep.text != offline(PROMPT).text
+    resp = client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"repetition_penalty": 1.5})
+    assert resp.choices[0].text == rep.text
     wait_idle()
 
 
@@ -436,6 +441,7 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("stop_token_ids not a list", "/v1/completions", body(stop_token_ids=7), 400),
         ("a negative stop token id", "/v1/completions", body(stop_token_ids=[3, -1]), 400),
         ("negative min_tokens", "/v1/completions", body(min_tokens=-1), 400),
+        ("repetition_penalty zero", "/v1/completions", body(repetition_penalty=0), 400),
         ("min_tokens above max_tokens", "/v1/completions", body(min_tokens=5, max_tokens=2), 400),
         ("negative seed", "/v1/completions", body(seed=-1), 400),
         ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
