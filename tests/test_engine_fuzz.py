@@ -52,9 +52,12 @@ ops = st.lists(st.one_of(
 
 
 def sampled(max_tokens: int, seed: int | None) -> SamplingParams:
+    """Greedy where seed is None; else sampled with that seed, seeds 2 and 3 with a min-p filter and a repetition
+    penalty over the prompt and the tokens so far (whose recompute after a preemption must see the same tokens)."""
     if seed is None:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=50, seed=seed)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=50, seed=seed,
+                          min_p=0.05 if seed == 2 else 0.0, repetition_penalty=1.3 if seed == 3 else 1.0)
 
 
 def check_kv(llm: LLM) -> None:
