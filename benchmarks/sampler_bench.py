@@ -37,6 +37,7 @@ CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its 
     "t1-seeded": dict(temperature=1.0, seed=True),
     "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
     "t0.7-k50": dict(temperature=0.7, top_k=50),
+    "t1-minp0.05": dict(temperature=1.0, min_p=0.05),  # vLLM's min_p: a mask, no sort
     "half-greedy-t1": None,  # even rows greedy, odd rows at temperature 1
     # adjusted rows (sampling.adjust_logits): the penalties count `--history` generated tokens a row
     "greedy-penalties": dict(presence_penalty=0.5, frequency_penalty=0.5),
