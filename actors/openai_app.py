@@ -407,6 +407,14 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     return wire
 
 
+def _chat_ids(tokenizer, messages: list[dict], template_kwargs: dict | None) -> list[int]:
+    """Chat messages rendered by the checkpoint's template, tokenized; a template that refuses them is a 400."""
+    try:
+        return tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise _bad(str(e), "messages") from None
+
+
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=5)
 class EngineReplica:
@@ -435,13 +443,11 @@ class EngineReplica:
     def tokenize(self, job: TokenizeJob) -> dict:
         """vLLM's /tokenize answer: the ids a completion (or, with messages, a chat completion) would start from."""
         tok = self.engine.llm.tokenizer
-        if job.messages is not None:
-            try:
-                ids = tok.apply_chat_template(job.messages, **(job.chat_template_kwargs or {}))
-            except ChatTemplateError as e:
-                return _bad(str(e), "messages").body()
-        else:
-            ids = tok.encode(job.prompt, add_special_tokens=job.add_special_tokens)
+        try:
+            ids = _chat_ids(tok, job.messages, job.chat_template_kwargs) if job.messages is not None else \
+                tok.encode(job.prompt, add_special_tokens=job.add_special_tokens)
+        except APIError as exc:
+            return exc.body()
         out = {"count": len(ids), "max_model_len": self.engine.llm.max_model_len, "tokens": ids}
         if job.return_token_strs:
             out["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
@@ -457,9 +463,9 @@ class EngineReplica:
         llm = self.engine.llm
         if job.messages is not None:
             try:
-                prompt_ids = llm.tokenizer.apply_chat_template(job.messages, **(job.chat_template_kwargs or {}))
-            except ChatTemplateError as e:
-                yield _bad(str(e), "messages").body()
+                prompt_ids = _chat_ids(llm.tokenizer, job.messages, job.chat_template_kwargs)
+            except APIError as exc:
+                yield exc.body()
                 return
         else:
             prompt_ids = llm.tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else job.prompt
@@ -830,16 +836,16 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_model_dir(path: str) -> str:
-    """Absolute path of a model directory; a relative one is looked up in the current directory, then in
-    the repository root (where models/ ships the bundled model), so `serve run clusters/serve.yaml` works
-    from anywhere with an in-tree install; else `path` is a Hugging Face Hub repository id (fetched into the Hub's
-    cache on this node)."""
+def resolve_model_dir(path: str) -> tuple[str, str]:
+    """Absolute path of a model directory and the name it is served under by default (its own name); a relative one
+    is looked up in the current directory, then in the repository root (where models/ ships the bundled model), so
+    `serve run clusters/serve.yaml` works from anywhere with an in-tree install; else `path` is a Hugging Face Hub
+    repository id (fetched into the Hub's cache on this node), served under that id."""
     for candidate in (Path(path), REPO_ROOT / path):
         if candidate.is_dir():
-            return str(candidate.resolve())
+            return str(candidate.resolve()), candidate.resolve().name
     try:
-        return str(resolve_model(path).resolve())
+        return str(resolve_model(path).resolve()), path
     except FileNotFoundError as e:
         raise FileNotFoundError(f"model directory {path!r} not found (cwd {Path.cwd()}, repository {REPO_ROOT}), "
                                 f"nor on the Hub: {e}") from None
@@ -850,10 +856,8 @@ def build_app(args: AppArgs) -> serve.Application:
     gpus = args.num_gpus_per_replica
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() else 0.0
-    model_dir = resolve_model_dir(args.model_dir)
-    local = Path(args.model_dir).is_dir() or (REPO_ROOT / args.model_dir).is_dir()
-    # served as its directory's name or as the Hub repository id it was given, unless engine_options name it
-    options = {"served_model_name": Path(model_dir).name if local else args.model_dir, **args.engine_options}
+    model_dir, name = resolve_model_dir(args.model_dir)
+    options = {"served_model_name": name, **args.engine_options}  # unless engine_options name it
     cfg = EngineConfig(model_dir, args.gpu_memory_budget, "cuda" if gpus else "cpu", options,
                        store_root=args.store_root, expert_impl=args.expert_impl)
     actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}

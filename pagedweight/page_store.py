@@ -114,7 +114,7 @@ class PageStore:
                 dst.truncate(pos)
         except BaseException as exc:  # a partial store would hold the node's shared memory for nothing
             tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not isinstance(exc, PageStoreFull):
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 raise PageStoreFull(path, pos, shutil.disk_usage(path).free) from exc
             raise
         os.replace(tmp, path / "pages.bin")

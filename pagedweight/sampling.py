@@ -228,9 +228,9 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], history: list[n
     its stop tokens (its stop_token_ids, and `eos_token_ids` unless it ignores EOS), as vLLM's min-tokens processor."""
     rows, vocab = x.shape
     dev = x.device
-    banned = [(i, [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]) for i, (p, h) in
-              enumerate(zip(params, history)) if p.min_tokens > (0 if h is None else len(h))]
-    banned = [i * vocab + t for i, ids in banned for t in ids if t < vocab]
+    banned = [i * vocab + t for i, (p, h) in enumerate(zip(params, history))
+              if p.min_tokens > (0 if h is None else len(h))
+              for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if t < vocab]
     if banned:
         x.view(-1).index_fill_(0, torch.tensor(banned).to(dev, non_blocking=True), float("-inf"))
     biased = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]

@@ -51,7 +51,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose K/V it found computed when it started (prefix sharing)
     # generated token ids as an array (grown by doubling), kept for requests whose sampler reads them
     # (SamplingParams.reads_history): it counts them every step, and a list would be converted anew each time
-    penalty_ids: np.ndarray | None = None
+    history_ids: np.ndarray | None = None
     # counted once: every RequestOutput of the request carries prompt_token_ids itself (a copy per step was O(prompt)
     # host work per running request between two launches), so what a caller does to that list changes nothing here
     num_prompt_tokens: int = field(init=False)
@@ -61,7 +61,7 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.params.reads_history:
-            self.penalty_ids = np.empty(16, dtype=np.int64)
+            self.history_ids = np.empty(16, dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -81,15 +81,15 @@ class Sequence:
 
     def generated_ids(self) -> np.ndarray | None:
         """The generated token ids (a view), if the sampler reads them (SamplingParams.reads_history)."""
-        return None if self.penalty_ids is None else self.penalty_ids[:self.num_completion_tokens]
+        return None if self.history_ids is None else self.history_ids[:self.num_completion_tokens]
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
-        if self.penalty_ids is not None:
+        if self.history_ids is not None:
             n = self.num_completion_tokens
-            if n > len(self.penalty_ids):
-                self.penalty_ids = np.concatenate([self.penalty_ids, np.empty_like(self.penalty_ids)])
-            self.penalty_ids[n - 1] = token_id
+            if n > len(self.history_ids):
+                self.history_ids = np.concatenate([self.history_ids, np.empty_like(self.history_ids)])
+            self.history_ids[n - 1] = token_id
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
