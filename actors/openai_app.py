@@ -209,7 +209,10 @@ MAX_LOGPROBS = 20  # the API's top_logprobs bound (SamplingParams takes the same
 # choices of one request (prompts x n), each an engine request: they are held whole in the ingress until the last one
 # ends (vLLM takes any number; a bound keeps one request from holding an ingress's memory for thousands)
 MAX_PROMPTS = 256
-UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None}
+# parameters this server does not implement, with the value that asks for nothing: any other value is a 400 rather
+# than an answer that silently ignores it (a client asking for JSON mode must not get free text back as if it were)
+UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None, "response_format": {"type": "text"},
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
 
 
 def _token_ids(body: dict, name: str) -> list[int] | None:
@@ -276,7 +279,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     model = _model(body, served_model)
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != neutral and value != {} and value != []:
+        if value is not None and value != neutral and value not in ({}, []):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
     stream = _flag(body, "stream", False)
     options = body.get("stream_options") or {}

@@ -114,7 +114,7 @@ def test_chat_matches_offline_engine_stream_and_not(client, serve_app, offline):
     assert resp.choices[0].message.content == ref.text and ref.text.strip()
     assert resp.usage.completion_tokens == len(ref.token_ids)
     chunks = list(client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True))
+                                                 temperature=0, stream=True, response_format={"type": "text"}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
@@ -461,6 +461,13 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("content not text", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400),
         ("chat absurd max_tokens", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "hi"}], max_tokens=-1), 400),
+        ("chat JSON mode", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}), 400),
+        ("chat tools", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"}],
+                                                    tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+        ("suffix", "/v1/completions", body(suffix="x"), 400),
+        ("best_of 2", "/v1/completions", body(best_of=2), 400),
+        ("guided_json", "/v1/completions", body(guided_json={"type": "object"}), 400),
         ("chat_template_kwargs not an object", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=[1]), 400),
     ]
