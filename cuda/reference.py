@@ -1,5 +1,5 @@
-"""Torch reference twins of the Numba kernels (MoE, paged decode attention): same signatures, any device, float32
-(expert weights via bitplanes.dequantize)."""
+"""Torch reference twins of the Numba kernels (MoE, paged decode attention, the nucleus cut): same signatures, any
+device, float32 (expert weights via bitplanes.dequantize)."""
 from __future__ import annotations
 
 import torch
@@ -52,3 +52,20 @@ def paged_decode_attention_reference(q: torch.Tensor, kv: torch.Tensor, tables: 
     visible = torch.arange(k.shape[1], device=q.device)[None, :] < lengths[:, None]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def top_p_cut_reference(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """sampling_kernels.top_p_cut by a sort: each row's fixed-point token masses in descending logit order, summed;
+    the cut is the logit where the running mass first reaches ceil(top_p * total)."""
+    from .sampling_kernels import FRACTION_BITS, LOG_RANGE
+
+    top = x.amax(dim=-1, keepdim=True)
+    d = top - x
+    mass = torch.where(d < float(LOG_RANGE), torch.exp(-d).double() * 2.0 ** FRACTION_BITS, 0.0).floor().long()
+    values, order = x.sort(dim=-1, descending=True)
+    running = mass.gather(1, order).cumsum(dim=-1)
+    total = running[:, -1].double()
+    target = torch.ceil(top_p.double() * total).minimum(total).clamp(min=1.0).long()
+    cut = values.gather(1, (running >= target[:, None]).int().argmax(dim=-1, keepdim=True)).squeeze(1)
+    keep_all = (top_p >= 1.0) | ~torch.isfinite(top.squeeze(1))
+    return torch.where(keep_all, float("-inf"), cut)

@@ -395,7 +395,7 @@ class LLM:
         """The largest steps the engine schedules. First one prompt as long as the KV cache and max_model_len allow,
         alone: its chunks of max_num_batched_tokens at the longest context, each chunk's tokens scored with the most
         alternatives (prompt_logprobs: the LM head's chunks beside the chunk's hidden states). Then the widest decode
-        at the longest block table, its tokens sampled through a top-p filter (the sampler's largest temporaries):
+        at the longest block table, its tokens sampled through a top-k and top-p filter (the sampler's sort, its largest temporaries):
         such a prompt again beside as many one-token prompts as a step can decode with it, which keep decoding until
         it decodes too. A decode graph gathers every row padded to the longest table
         (runner.DecodeGraphs keys (B, blocks)), so this is its largest gather and graph; seen more than once, it is
@@ -415,8 +415,9 @@ class LLM:
         shorts = min(opts.max_num_seqs, opts.max_num_batched_tokens) - 1
         while shorts and shorts * self._short_blocks(shorts) > free // 2:
             shorts -= 1
-        # sampled with a top-p filter: the sampler's sort is its largest temporary (sampling.py)
-        sampled = dict(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+        # sampled with a top-k filter of all but one token and top-p: the sampler's sort is its largest temporary
+        # (sampling.py; on a GPU top-p alone takes the nucleus cut kernel, which sorts nothing)
+        sampled = dict(temperature=1.0, top_k=vocab - 1, top_p=0.9, seed=0, ignore_eos=True)
         long_params = SamplingParams(max_tokens=6, **sampled)  # >= 2 steps of the widest decode
         room = free - shorts * self._short_blocks(shorts) - 2
         prompts = [long_prompt(room, long_params.max_tokens)] + [[(11 * i + 5) % vocab] for i in range(shorts)]

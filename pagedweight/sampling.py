@@ -159,16 +159,17 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # The sampler's [rows, V] temporaries stay within SAMPLE_CHUNK_BYTES: it takes the rows in chunks, priced per logit at
 # what the H200 measured (peak allocated beyond the logits, sampler_bench-nvidia-h200-20261203-s35-ab2.json at 13 rows
 # of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
-# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise), and about 4
+# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise; top-p alone
+# on a GPU adds only the nucleus cut's mask: no sort, 1 byte, computed), and about 4
 # more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
 # …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts, 4 bytes a logit,
 # priced at 5: greedy rows with penalties allocated 64.4 MiB in 55-row chunks priced at 4 (the ids and their
 # offsets beside the counts, sampler_bench-nvidia-h200-20261203-s36-penalties.json). The engine's start-up profile
-# samples its widest decode step with a top-p filter, so the activation reserve holds a chunk's worth.
+# samples its widest decode step through the sort (top-k and top-p), so the activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
-MIN_P_BYTES_PER_ENTRY = 1  # min-p's boolean mask (computed, not measured)
+MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -177,6 +178,11 @@ def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
     if all(v == values[0] for v in values):
         return values[0]
     return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
+
+
+def _nucleus_kernel(x: torch.Tensor) -> bool:
+    """Whether top-p goes through the nucleus cut kernel: float32 rows on a GPU."""
+    return x.is_cuda and x.dtype == torch.float32
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -188,7 +194,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
     all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
-    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens."""
+    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens; on a GPU, rows
+    with top-p and no top-k take the nucleus cut kernel instead (cuda/sampling_kernels.py: no sort, the same kept
+    tokens except that ties at the cut all stay)."""
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -196,13 +204,18 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     if any(p.min_p > 0.0 for p in params):
         floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
         x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
-    if any(top_k) or any(p.top_p < 1.0 for p in params):
+    nucleus = any(p.top_p < 1.0 for p in params)
+    if nucleus and not any(top_k) and _nucleus_kernel(x):
+        from pagedweight.cuda.sampling_kernels import top_p_cut
+        cut = top_p_cut(x, torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True))
+        x.masked_fill_(x < cut[:, None], float("-inf"))
+    elif any(top_k) or nucleus:
         width = max(top_k) if all(top_k) else vocab
         kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
         if any(k != width for k in top_k):
             k = _per_row([k or vocab for k in top_k], dev)
             kept.masked_fill_(torch.arange(width, device=dev) >= k, float("-inf"))
-        if any(p.top_p < 1.0 for p in params):  # drop a token when the mass before it already reaches top_p
+        if nucleus:  # drop a token when the mass before it already reaches top_p
             probs = torch.softmax(kept, dim=-1)
             kept.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev),
                               float("-inf"))
@@ -290,7 +303,7 @@ class Sampler:
         if not sampled and not adjusted:
             return logits.argmax(dim=-1).tolist()
         if len(sampled) == len(params):  # no gather
-            chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False)
+            chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False, cuda=logits.is_cuda)
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
                      for i in range(0, len(params), chunk)]
             return (torch.cat(picks) if len(picks) > 1 else picks[0]).tolist()
@@ -300,7 +313,7 @@ class Sampler:
             if not rows:
                 continue
             ps = [params[r] for r in rows]
-            chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust)
+            chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust, cuda=logits.is_cuda)
             for c in range(0, len(rows), chunk):
                 index = torch.tensor(rows[c:c + chunk]).to(logits.device, non_blocking=True)
                 x = logits.index_select(0, index).float()
@@ -341,12 +354,14 @@ class Sampler:
         return _entries(picked, tokens, counts)
 
 
-def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool) -> int:
-    """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted)."""
+def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool, cuda: bool) -> int:
+    """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted); `cuda`:
+    whether top-p without top-k takes the nucleus cut kernel (no sort: a mask, as min-p's)."""
     sampled = [p for p in params if not p.greedy]
-    per_entry = (FILTERED_BYTES_PER_ENTRY if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else
+    top_k, top_p = any(p.top_k > 0 for p in sampled), any(p.top_p < 1.0 for p in sampled)
+    per_entry = (FILTERED_BYTES_PER_ENTRY if top_k or (top_p and not cuda) else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
-        (MIN_P_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) else 0) + \
+        (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or (top_p and cuda and not top_k) else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
     return max(1, SAMPLE_CHUNK_BYTES // (max(per_entry, 1) * vocab))
 

@@ -1,0 +1,176 @@
+"""The nucleus cut kernel (cuda/sampling_kernels.py) against its sort-based torch twin, and the sampler with it
+against the sampler's sort: the same kept tokens, so with the same seeds the same draws.
+
+The kernel runs under the CUDA simulator in a child process (NUMBA_ENABLE_CUDASIM must be set before numba.cuda is
+imported); a second child compiles it to sm_90 PTX with the argument types the launcher builds. With
+PAGEDWEIGHT_TEST_DEVICE=cuda the same comparisons run on the GPU at a real vocabulary (151,936).
+
+The twin computes each token's mass with torch's float32 exp where the kernel calls CUDA's (or, under the simulator,
+Python's double exp rounded to float32): they may differ by an ulp, which moves a cut only if the running mass lands
+within such an ulp of the target, not on these inputs (the comparison is exact, and it fails if it ever happens).
+"""
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+
+import pytest
+
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json, run_children_json
+
+DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
+
+COMPARE = textwrap.dedent(r"""
+    import torch
+    from pagedweight import sampling
+    from pagedweight.cuda import sampling_kernels as sk
+    from pagedweight.cuda.reference import top_p_cut_reference
+    from pagedweight.sampling import SamplingParams, sample_rows
+
+    def rows(device, R, V, seed):
+        # spreads from flat (most of the vocabulary in the nucleus) to peaked (a few tokens), masked tokens (min-p),
+        # a block of ties at the top, a row whose top is its only finite logit, and one with nothing finite
+        g = torch.Generator().manual_seed(seed)
+        spread = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0, 8.0, 1.0, 1.0, 1.0, 3.0])[torch.arange(R) % 10]
+        x = torch.randn(R, V, generator=g) * spread[:, None]
+        x[1, ::3] = float("-inf")
+        x[6, : V // 10] = 4.0
+        x[7] = float("-inf")
+        x[7, V // 2] = 0.5
+        # two adjacent floats of equal mass (exp(-1.5e-8) is 1.0 in float32) and top_p 0.5: the running mass meets
+        # the target exactly at the first, which alone is kept (their keys part in the last byte, mid-chunk)
+        x[4] = float("-inf")
+        x[4, 5] = 0.2
+        x[4, 9] = torch.nextafter(x[4, 5], torch.tensor(-1.0))
+        if R > 8:
+            x[8] = float("-inf")
+        p = torch.tensor([0.9, 0.5, 0.95, 0.1, 0.9, 0.999, 0.3, 0.9, 0.9, 1e-4])[torch.arange(R) % 10]
+        p[4] = 0.5
+        p[R - 1] = 1.0  # keeps everything
+        return x.to(device), p.to(device)
+
+    def kept_mass(x, cut):
+        # float64 probabilities: the nucleus's mass, and its mass without the tokens tied at the cut
+        prob = torch.softmax(x.double(), dim=-1)
+        keep = x >= cut[:, None]
+        above = x > cut[:, None]
+        return (prob * keep).sum(-1), (prob * above).sum(-1)
+
+    def compare(device, R, V, seed, draws):
+        x, p = rows(device, R, V, seed)
+        cut = sk.top_p_cut(x, p)
+        want = top_p_cut_reference(x, p)
+        finite = torch.isfinite(x).any(-1)
+        inside, strictly = kept_mass(x, cut)
+        ok = finite & (p < 1.0)
+        out = dict(equal=bool(torch.equal(cut, want)), cut=cut.tolist(), want=want.tolist(),
+                   # the nucleus holds top_p of the mass, and would not without its lowest logit's tokens
+                   holds=bool((inside[ok] >= p[ok].double() - 1e-6).all()),
+                   minimal=bool((strictly[ok] < p[ok].double() + 1e-6).all()),
+                   all_kept=bool((cut[~ok] == float("-inf")).all()), dtype=str(cut.dtype), shape=list(cut.shape))
+        # the sampler, seeded rows: the kernel's path against the sort's (the same noise over the same kept tokens),
+        # but for rows 6 and 8, whose cut falls in a block of ties (the kernel keeps all of them, the sort some)
+        untied = torch.tensor([i not in (6, 8) for i in range(R)], device=x.device)
+        same = 0
+        for s in range(draws):
+            params = [SamplingParams(temperature=1.0, top_p=float(q), seed=s * 100 + i)
+                      for i, q in enumerate(p.tolist())]
+            logits = x.clone()
+            logits[8:9] = 0.0  # every row needs a finite logit to sample
+            gens = lambda: [sampling.make_generator(q.seed, logits.device) for q in params]
+            with_kernel = sample_rows(logits, params, gens())
+            saved = sampling._nucleus_kernel
+            sampling._nucleus_kernel = lambda t: False
+            try:
+                with_sort = sample_rows(logits, params, gens())
+            finally:
+                sampling._nucleus_kernel = saved
+            same += int(torch.equal(with_kernel[untied], with_sort[untied]))
+        out["draws_equal"] = [same, draws]
+        return out
+""")
+
+SIM_CHILD = COMPARE + textwrap.dedent(r"""
+    import json, sys
+    torch.set_num_threads(1)
+    sampling._nucleus_kernel = lambda t: True  # the simulator runs the kernel on CPU tensors
+    # V = 700: three rounds of a 64-thread block's 4 loads, the last one partial
+    json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=3) for seed in (0, 1)}, sys.stdout)
+""")
+
+COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
+    import numba
+    torch.set_num_threads(1)
+    from unittest import mock
+    kernels = sk
+    sigs = {"_top_p_cut_kernel": []}
+
+    %(recorder)s
+
+    with mock.patch.multiple(sk, SIMULATOR=True, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
+                             _top_p_cut_kernel=Recorder("_top_p_cut_kernel")):
+        x, p = rows("cpu", 10, 300, 0)
+        sk.top_p_cut(x, p)
+""") % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
+
+
+def check(r: dict) -> None:
+    assert r["equal"], (r["cut"], r["want"])
+    assert r["holds"] and r["minimal"] and r["all_kept"], r
+    assert r["dtype"] == "torch.float32" and r["shape"] == [len(r["want"])]
+    assert r["draws_equal"][0] == r["draws_equal"][1], r["draws_equal"]
+
+
+@pytest.fixture(scope="module")
+def sim() -> dict:
+    return run_children_json([SIM_CHILD], timeout=900, NUMBA_ENABLE_CUDASIM="1")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nucleus_cut_matches_its_twin_under_simulator(sim: dict, seed: int) -> None:
+    r = sim[f"sim/{seed}"]
+    check(r)
+    # top_p 1 keeps all; a lone finite logit; the exact meeting keeps 0.2 alone, not its neighbour below
+    assert r["want"][-1] == float("-inf") and r["want"][7] == 0.5 and r["want"][4] > 0.19999999, r["want"]
+
+
+def test_twin_keeps_what_the_sorted_rule_keeps() -> None:
+    """The twin's cut against the sampler's own sorted rule (a token stays while the mass before it is below top_p),
+    on rows without ties: the same kept tokens."""
+    import torch
+
+    from pagedweight.cuda.reference import top_p_cut_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 500, generator=g) * torch.linspace(0.1, 6.0, 64)[:, None]
+    p = torch.rand(64, generator=g).clamp(0.01, 0.99)
+    values, _ = x.sort(dim=-1, descending=True)
+    prob = torch.softmax(values.double(), dim=-1)
+    kept = (prob.cumsum(-1) - prob) < p[:, None].double()
+    sorted_cut = values.masked_fill(~kept, float("inf")).amin(dim=-1)
+    assert torch.equal(top_p_cut_reference(x, p), sorted_cut)
+
+
+def test_nucleus_cut_compiles_to_sm90_ptx() -> None:
+    out = run_child_json(COMPILE_CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
+    (r,) = out["_top_p_cut_kernel"]
+    assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
+    assert re.search(r"16sampling_kernels17_top_p_cut_kernelB", r["entries"][0]), r
+
+
+def test_nucleus_cut_refuses_what_it_cannot_take() -> None:
+    import torch
+
+    from pagedweight.cuda import sampling_kernels as sk
+
+    with pytest.raises(ValueError, match="float32 logits"):
+        sk.top_p_cut(torch.zeros(2, 8, dtype=torch.float16), torch.ones(2))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernel on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("rows", [10, 32])
+def test_nucleus_cut_matches_its_twin_on_gpu(rows: int) -> None:
+    ns: dict = {}
+    exec(COMPARE, ns)
+    check(ns["compare"]("cuda", rows, 151936, 0, draws=4))
