@@ -11,6 +11,7 @@ CPU).
     python -m benchmarks.sampler_bench --label after
     git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
     python -m benchmarks.sampler_bench --old /tmp/old_sampling.py --label ab   # the old file's Sampler beside it
+    python -m benchmarks.sampler_bench --sort-arm --cases t0.8-p0.9 --label nucleus   # top-p: kernel against sort
     python -m benchmarks.sampler_bench --prompt 73,512,2048 --chunk-mib 64,256 --label plp
 
 `--prompt R,...` times `Sampler.prompt_logprobs` instead: R prompt rows' final hidden states [R, H] (fp16 on CUDA, H:
@@ -21,13 +22,15 @@ the chunking and the log-probabilities add to the floor of the head's own work.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
-from benchmarks.common import old_functions, write_result
+from benchmarks.common import write_result
 from pagedweight import sampling
 from pagedweight.sampling import SamplingParams
 
@@ -44,6 +47,18 @@ CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its 
     "t1-penalties": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
     "greedy-bias": dict(logit_bias={t: 5.0 for t in range(0, 3000, 30)}),  # 100 biased tokens a row
 }
+
+
+class _SortSampler(sampling.Sampler):
+    """The sampler with the nucleus cut kernel off: top-p through the sort, as on the CPU."""
+
+    def __call__(self, *args, **kwargs):
+        saved = sampling._nucleus_kernel
+        sampling._nucleus_kernel = lambda x: False
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            sampling._nucleus_kernel = saved
 
 
 def case_params(case: str, batch: int) -> list[SamplingParams]:
@@ -118,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
+    p.add_argument("--sort-arm", action="store_true",
+                   help="also arm 'sort': top-p through the sort where the nucleus cut kernel would take it")
     p.add_argument("--history", type=int, default=1024, help="generated tokens a penalized row counts")
     p.add_argument("--prompt", default=None, metavar="R,...", help="time prompt log-probabilities of R rows instead")
     p.add_argument("--hidden", type=int, default=2048, help="with --prompt: the LM head's input width")
@@ -128,9 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     dev = torch.device(args.device)
     arms = {"new": (sampling.Sampler(), sampling.make_generator)}
-    if args.old:
-        old = old_functions(args.old, ["Sampler", "make_generator"], vars(sampling))
-        arms = {"old": (old["Sampler"](), old["make_generator"]), **arms}
+    if args.old:  # the whole old module: its Sampler calls its own helpers, whatever their signatures now
+        spec = importlib.util.spec_from_file_location("old_sampling", args.old)
+        old = sys.modules["old_sampling"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(old)
+        arms = {"old": (old.Sampler(), old.make_generator), **arms}
+    if args.sort_arm:
+        arms["sort"] = (_SortSampler(), sampling.make_generator)
     rows = prompt_rows(args, dev) if args.prompt else []
     for batch in [] if args.prompt else [int(b) for b in args.batches.split(",")]:
         logits = torch.randn(batch, args.vocab, device=dev) * 3

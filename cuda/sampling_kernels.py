@@ -30,20 +30,23 @@ import torch
 from ._compat import SIMULATOR, cuda
 from .moe_kernels import _dev, _stream
 
-THREADS = 512  # one row's threads (the simulator runs fewer: each is a Python thread there)
+THREADS = 512  # a block's threads (the simulator runs fewer: each is a Python thread there)
 SIM_THREADS = 64
 LOADS = 4  # elements a thread loads before using any
-BINS = 256  # a histogram's bins; 32 chunks of 8 for the scan
+ROUNDS, SIM_ROUNDS = 4, 1  # rounds of LOADS a thread takes in the split passes: a block's slice of the row
+FINE = 2048  # the first pass's bins over [0, LOG_RANGE): 0.0135 nats each
+BINS = 256  # a key pass's bins; 32 chunks of 8 for its scan
 CHUNKS = 32
 PER_CHUNK = BINS // CHUNKS
+CAP = 4096  # candidates (the cut's fine bin's tokens) the last launch holds in shared memory; more: read in place
 FRACTION_BITS = 40  # a token's mass in units of 2^-40 of the top token's
 LOG_RANGE = np.float32(FRACTION_BITS * math.log(2.0))  # tokens further below the top carry no mass
-BIN_SCALE = np.float32(BINS / float(LOG_RANGE))
+FINE_SCALE = np.float32(FINE / float(LOG_RANGE))
 SCALE = np.float32(2.0 ** FRACTION_BITS)
 SIGN = 1 << 31
 NEG_INF_BITS = -8388608  # 0xFF800000 as int32
 
-float32, float64, int64, uint64 = np.float32, np.float64, np.int64, np.uint64
+float32, float64, int64 = np.float32, np.float64, np.int64
 
 
 @cuda.jit(device=True, inline=True)
@@ -54,109 +57,203 @@ def _key(bits):
 
 
 @cuda.jit(device=True, inline=True)
-def _bin(d):
-    """The first pass's bin of a token m - x = d below the top (d < LOG_RANGE)."""
-    return min(int64(d * BIN_SCALE), int64(BINS - 1))
+def _fine_bin(d):
+    """The first pass's bin of a token d = m - x below the top (d < LOG_RANGE)."""
+    return min(int64(d * FINE_SCALE), int64(FINE - 1))
 
 
 @cuda.jit(device=True, inline=True)
 def _mass(d):
     """The fixed-point mass of a token d below the top (0 past LOG_RANGE, and for NaN)."""
     if d < LOG_RANGE:
-        return uint64(float32(math.exp(-d)) * SCALE)
-    return uint64(0)
+        return int64(float32(math.exp(-d)) * SCALE)
+    return int64(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _scan(hist, part, state, t, level, p):
-    """Thread 0 finds the bin where the running mass crosses the target, walking the bins from the largest logits
-    down (the first pass's bins ascending, the key passes' descending): state[1] <- that bin (level 0) or the key's
-    prefix extended by it, state[2] += the mass of the bins walked past; at level 0 it first sets the target
-    state[3] = ceil(p * Z) from the row's total Z. Threads t < CHUNKS first sum a chunk each."""
+def _skip(top, p):
+    """Whether a row keeps every token: top_p >= 1, or a top that is not finite (every logit masked, or NaN)."""
+    return not (p < 1.0) or not (top > -math.inf) or not (top < math.inf)
+
+
+@cuda.jit(cache=True)
+def _fine_hist_kernel(x, top, top_p, hist, rounds):
+    """Grid (R, slices): hist[r, :FINE] += the masses of row r's tokens in this block's slice, by fine bin (the
+    block's histogram in shared memory, then one global atomic per bin it touched)."""
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    V = x.shape[1]
+    m = top[r]
+    if _skip(m, top_p[r]):
+        return
+    local = cuda.shared.array(FINE, np.int64)
+    for b in range(t, FINE, T):
+        local[b] = 0
+    cuda.syncthreads()
+    vals = cuda.local.array(LOADS, np.float32)
+    start = cuda.blockIdx.y * T * LOADS * rounds
+    for rnd in range(rounds):
+        base = start + rnd * T * LOADS
+        for u in range(LOADS):  # every load issued before any is used (past V: element V - 1, not counted)
+            vals[u] = x[r, min(base + u * T + t, V - 1)]
+        for u in range(LOADS):
+            d = m - vals[u]
+            q = _mass(d)
+            if q > 0 and base + u * T + t < V:
+                cuda.atomic.add(local, _fine_bin(d), q)
+    cuda.syncthreads()
+    for b in range(t, FINE, T):
+        if local[b] > 0:
+            cuda.atomic.add(hist, (r, b), local[b])
+
+
+@cuda.jit(device=True, inline=True)
+def _find_fine(hist, r, p, part, found, t, T):
+    """The block's view of row r's fine histogram: found[0] <- the bin where the running mass (from the top token
+    down) reaches target = ceil(p * Z), found[1] <- the mass of the bins before it, found[2] <- target. Each thread
+    sums FINE / T bins, an inclusive scan over the threads' sums (Hillis-Steele in shared memory), and the one thread
+    whose span holds the target walks its bins."""
+    per = FINE // T
+    s = int64(0)
+    for j in range(per):
+        s += hist[r, t * per + j]
+    part[t] = s
+    cuda.syncthreads()
+    step = 1
+    while step < T:
+        v = part[t - step] if t >= step else int64(0)
+        cuda.syncthreads()
+        part[t] += v
+        cuda.syncthreads()
+        step *= 2
+    z = part[T - 1]
+    target = int64(max(min(math.ceil(p * float64(z)), float64(z)), 1.0))
+    above = part[t - 1] if t > 0 else int64(0)
+    if above < target <= part[t]:
+        b = t * per
+        for j in range(per):
+            b = t * per + j
+            if above + hist[r, b] >= target:
+                break
+            above += hist[r, b]
+        found[0] = b
+        found[1] = above
+        found[2] = target
+    cuda.syncthreads()
+
+
+@cuda.jit(cache=True)
+def _gather_kernel(x, xi, top, top_p, hist, count, cand, cand_bits, state, rounds, cap):
+    """Grid (R, slices): the tokens of this block's slice that fall in the cut's fine bin go to cand[r] and their
+    bits to cand_bits[r] (up to cap; count[r] counts them all); block (r, 0) writes the bin, the mass above it and
+    the target to state[r]."""
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    V = x.shape[1]
+    m = top[r]
+    p = float64(top_p[r])
+    if _skip(m, p):
+        return
+    part = cuda.shared.array(THREADS, np.int64)
+    found = cuda.shared.array(3, np.int64)
+    _find_fine(hist, r, p, part, found, t, T)
+    if cuda.blockIdx.y == 0 and t < 3:
+        state[r, t] = found[t]
+    cut_bin = found[0]
+    vals = cuda.local.array(LOADS, np.float32)
+    start = cuda.blockIdx.y * T * LOADS * rounds
+    for rnd in range(rounds):
+        base = start + rnd * T * LOADS
+        for u in range(LOADS):
+            vals[u] = x[r, min(base + u * T + t, V - 1)]
+        for u in range(LOADS):
+            d = m - vals[u]
+            if d < LOG_RANGE and _fine_bin(d) == cut_bin and base + u * T + t < V:
+                slot = cuda.atomic.add(count, r, 1)
+                if slot < cap:
+                    cand[r, slot] = vals[u]
+                    cand_bits[r, slot] = xi[r, base + u * T + t]
+
+
+@cuda.jit(device=True, inline=True)
+def _scan_keys(hist, part, state, t, first):
+    """Thread 0 walks a key pass's bins from the largest key down to the one where the running mass reaches the
+    target: state[0] <- the key prefix extended by it (`first`: no prefix yet), state[1] += the mass walked past.
+    Threads t < CHUNKS first sum a chunk of PER_CHUNK bins each."""
     if t < CHUNKS:
-        s = uint64(0)
+        s = int64(0)
         for j in range(PER_CHUNK):
             s += hist[t * PER_CHUNK + j]
         part[t] = s
     cuda.syncthreads()
     if t == 0:
-        if level == 0:
-            z = uint64(0)
-            for c in range(CHUNKS):
-                z += part[c]
-            state[3] = int64(max(min(math.ceil(p * float64(z)), float64(z)), 1.0))
-        target = uint64(state[3])
-        above = uint64(state[2])
+        target = state[2]
+        above = state[1]
         b = 0
         for i in range(CHUNKS):  # the last chunk and bin are taken if nothing crossed before (cannot happen)
-            c = i if level == 0 else CHUNKS - 1 - i
+            c = CHUNKS - 1 - i
             if above + part[c] >= target or i == CHUNKS - 1:
                 for j in range(PER_CHUNK):
-                    b = c * PER_CHUNK + (j if level == 0 else PER_CHUNK - 1 - j)
+                    b = c * PER_CHUNK + PER_CHUNK - 1 - j
                     if above + hist[b] >= target or j == PER_CHUNK - 1:
                         break
                     above += hist[b]
                 break
             above += part[c]
-        state[2] = int64(above)
-        state[1] = int64(b) if level == 0 else state[1] * BINS + int64(b)
+        state[1] = above
+        state[0] = int64(b) if first else state[0] * BINS + int64(b)
     cuda.syncthreads()
 
 
 @cuda.jit(cache=True)
-def _top_p_cut_kernel(x, xi, top, top_p, cut_bits):
-    """Row r's cut into cut_bits[r] (float32 bits; -inf where the row keeps everything: top_p >= 1, or a top that
-    is not finite). x [R, V] float32 logits (-inf: masked), xi the same memory as int32, top [R] each row's largest
-    logit, top_p [R] float32."""
+def _cut_kernel(x, xi, top, top_p, count, cand, cand_bits, state, cut_bits, cap):
+    """Grid (R,): row r's cut into cut_bits[r] (float32 bits; -inf where the row keeps everything). The cut's key is
+    selected 8 bits a pass among the fine bin's tokens: from shared memory when they fit in `cap`, else from the row
+    in place (tokens of that bin only)."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     T = cuda.blockDim.x
     V = x.shape[1]
-    hist = cuda.shared.array(BINS, np.uint64)
-    part = cuda.shared.array(CHUNKS, np.uint64)
-    state = cuda.shared.array(4, np.int64)  # the cut's first-pass bin, bin then key prefix, mass above, target
-    vals = cuda.local.array(LOADS, np.float32)
-    bits = cuda.local.array(LOADS, np.int32)
     m = top[r]
-    p = float64(top_p[r])
-    if not (p < 1.0) or not (m > -math.inf) or not (m < math.inf):
+    if _skip(m, top_p[r]):
         if t == 0:
             cut_bits[r] = NEG_INF_BITS
         return
+    held = cuda.shared.array(CAP, np.float32)
+    held_bits = cuda.shared.array(CAP, np.int32)
+    hist = cuda.shared.array(BINS, np.int64)
+    part = cuda.shared.array(CHUNKS, np.int64)
+    sel = cuda.shared.array(3, np.int64)  # key prefix, mass above, target
+    n = count[r]
+    inside = n <= cap
+    if inside:
+        for i in range(t, n, T):
+            held[i] = cand[r, i]
+            held_bits[i] = cand_bits[r, i]
     if t == 0:
-        state[1] = 0
-        state[2] = 0
-    for level in range(5):  # 0: bins by m - x; 1..4: the cut's key, 8 bits a pass from the top
+        sel[0] = 0
+        sel[1] = state[r, 1]
+        sel[2] = state[r, 2]
+    cut_bin = state[r, 0]
+    for level in range(4):  # the key's bytes from the top
         for b in range(t, BINS, T):
             hist[b] = 0
         cuda.syncthreads()
-        shift = 32 - 8 * level
-        cut_bin = state[0]
-        prefix = state[1]
-        for base in range(0, V, T * LOADS):
-            for u in range(LOADS):  # every load issued before any is used (past V: element V - 1, not counted)
-                i = min(base + u * T + t, V - 1)
-                vals[u] = x[r, i]
-                bits[u] = xi[r, i]
-            for u in range(LOADS):
-                d = m - vals[u]
-                q = _mass(d)
-                if q > 0 and base + u * T + t < V:
-                    if level == 0:
-                        cuda.atomic.add(hist, _bin(d), q)
-                    elif _bin(d) == cut_bin:
-                        k = _key(bits[u])
-                        if level == 1 or (k >> (shift + 8)) == prefix:
-                            cuda.atomic.add(hist, (k >> shift) & (BINS - 1), q)
+        shift = 24 - 8 * level
+        prefix = sel[0]
+        for i in range(t, n if inside else V, T):
+            v = held[i] if inside else x[r, i]
+            d = m - v
+            if d < LOG_RANGE and (inside or _fine_bin(d) == cut_bin):
+                k = _key(held_bits[i] if inside else xi[r, i])
+                if level == 0 or (k >> (shift + 8)) == prefix:
+                    cuda.atomic.add(hist, (k >> shift) & (BINS - 1), _mass(d))
         cuda.syncthreads()
-        _scan(hist, part, state, t, level, p)
-        if level == 0:
-            if t == 0:
-                state[0] = state[1]  # the bin that holds the cut; the key passes start from an empty prefix
-                state[1] = 0
-            cuda.syncthreads()
+        _scan_keys(hist, part, sel, t, level == 0)
     if t == 0:
-        k = state[1]
+        k = sel[0]
         cut_bits[r] = k - SIGN if k >= SIGN else int64(-1) - k  # the key back to the float's (signed) bits
 
 
@@ -165,16 +262,30 @@ def takes(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and (x.is_cuda or SIMULATOR)
 
 
-def top_p_cut(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_p_cut(x: torch.Tensor, top_p: torch.Tensor, cap: int = CAP) -> torch.Tensor:
     """Each row's nucleus cut: x [R, V] float32 logits (after temperature and any mask, -inf: masked), top_p [R]
     float32 -> [R] float32, the smallest logit the row's nucleus keeps (-inf: the whole row). x >= cut[:, None] is
-    the nucleus, ties at the cut included. One launch and one reduction, no host read, no [R, V] temporary."""
+    the nucleus, ties at the cut included. Three launches and a reduction, no host read, R x 48 KiB of buffers.
+    `cap` (at most CAP; tests lower it) bounds the candidates held in shared memory."""
     if not takes(x) or top_p.shape != x.shape[:1]:
         raise ValueError(f"top_p_cut takes float32 logits [R, V] on the GPU and top_p [R], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device} and {tuple(top_p.shape)}")
     x = x.contiguous()
+    rows, vocab = x.shape
+    threads, rounds = (SIM_THREADS, SIM_ROUNDS) if SIMULATOR else (THREADS, ROUNDS)
+    slices = -(-vocab // (threads * LOADS * rounds))
+    dev = x.device
     top = x.amax(dim=-1)
-    cut = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
-    _top_p_cut_kernel[x.shape[0], SIM_THREADS if SIMULATOR else THREADS, _stream()](
-        _dev(x), _dev(x.view(torch.int32)), _dev(top), _dev(top_p.to(torch.float32)), _dev(cut))
+    p = top_p.to(torch.float32)
+    counts = torch.zeros(rows, FINE + 4, dtype=torch.int64, device=dev)  # the fine histogram, count, state (3)
+    hist, count, state = counts[:, :FINE], counts[:, FINE], counts[:, FINE + 1:]
+    cand = torch.empty(rows, 2 * CAP, dtype=torch.float32, device=dev)  # values, then their bits
+    cut = torch.empty(rows, dtype=torch.int32, device=dev)
+    xv, xi, tv, pv = _dev(x), _dev(x.view(torch.int32)), _dev(top), _dev(p)
+    hv, cv, sv = _dev(hist), _dev(count), _dev(state)
+    values, bits = _dev(cand[:, :CAP]), _dev(cand[:, CAP:].view(torch.int32))
+    stream = _stream()
+    _fine_hist_kernel[(rows, slices), threads, stream](xv, tv, pv, hv, rounds)
+    _gather_kernel[(rows, slices), threads, stream](xv, xi, tv, pv, hv, cv, values, bits, sv, rounds, min(cap, CAP))
+    _cut_kernel[rows, threads, stream](xv, xi, tv, pv, cv, values, bits, sv, _dev(cut), min(cap, CAP))
     return cut.view(torch.float32)

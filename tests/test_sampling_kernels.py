@@ -64,7 +64,9 @@ COMPARE = textwrap.dedent(r"""
         finite = torch.isfinite(x).any(-1)
         inside, strictly = kept_mass(x, cut)
         ok = finite & (p < 1.0)
+        # the same with 3 candidates held: rows whose cut's fine bin holds more read the row in place
         out = dict(equal=bool(torch.equal(cut, want)), cut=cut.tolist(), want=want.tolist(),
+                   in_place=bool(torch.equal(sk.top_p_cut(x, p, cap=3), want)),
                    # the nucleus holds top_p of the mass, and would not without its lowest logit's tokens
                    holds=bool((inside[ok] >= p[ok].double() - 1e-6).all()),
                    minimal=bool((strictly[ok] < p[ok].double() + 1e-6).all()),
@@ -104,19 +106,19 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
     torch.set_num_threads(1)
     from unittest import mock
     kernels = sk
-    sigs = {"_top_p_cut_kernel": []}
+    sigs = {name: [] for name in ("_fine_hist_kernel", "_gather_kernel", "_cut_kernel")}
 
     %(recorder)s
 
     with mock.patch.multiple(sk, SIMULATOR=True, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
-                             _top_p_cut_kernel=Recorder("_top_p_cut_kernel")):
+                             **{name: Recorder(name) for name in sigs}):
         x, p = rows("cpu", 10, 300, 0)
         sk.top_p_cut(x, p)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
 
 def check(r: dict) -> None:
-    assert r["equal"], (r["cut"], r["want"])
+    assert r["equal"] and r["in_place"], (r["cut"], r["want"])
     assert r["holds"] and r["minimal"] and r["all_kept"], r
     assert r["dtype"] == "torch.float32" and r["shape"] == [len(r["want"])]
     assert r["draws_equal"][0] == r["draws_equal"][1], r["draws_equal"]
@@ -154,9 +156,11 @@ def test_twin_keeps_what_the_sorted_rule_keeps() -> None:
 
 def test_nucleus_cut_compiles_to_sm90_ptx() -> None:
     out = run_child_json(COMPILE_CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
-    (r,) = out["_top_p_cut_kernel"]
-    assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
-    assert re.search(r"16sampling_kernels17_top_p_cut_kernelB", r["entries"][0]), r
+    assert sorted(out) == ["_cut_kernel", "_fine_hist_kernel", "_gather_kernel"], sorted(out)
+    for name, runs in out.items():
+        (r,) = runs
+        assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
+        assert re.search(rf"16sampling_kernels{len(name)}{name}B", r["entries"][0]), r
 
 
 def test_nucleus_cut_refuses_what_it_cannot_take() -> None:
