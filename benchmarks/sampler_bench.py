@@ -11,7 +11,7 @@ CPU).
     python -m benchmarks.sampler_bench --label after
     git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
     python -m benchmarks.sampler_bench --old /tmp/old_sampling.py --label ab   # the old file's Sampler beside it
-    python -m benchmarks.sampler_bench --sort-arm --cases t0.8-p0.9 --label nucleus   # top-p: kernel against sort
+    python -m benchmarks.sampler_bench --nucleus-arms --cases t0.8-p0.9 --label nucleus   # top-p: kernel, sort
     python -m benchmarks.sampler_bench --prompt 73,512,2048 --chunk-mib 64,256 --label plp
 
 `--prompt R,...` times `Sampler.prompt_logprobs` instead: R prompt rows' final hidden states [R, H] (fp16 on CUDA, H:
@@ -49,16 +49,20 @@ CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its 
 }
 
 
-class _SortSampler(sampling.Sampler):
-    """The sampler with the nucleus cut kernel off: top-p through the sort, as on the CPU."""
+class _ArmSampler(sampling.Sampler):
+    """The sampler with top-p through the sort (min_rows: a huge number) or the nucleus cut kernel from min_rows
+    rows (1: always)."""
+
+    def __init__(self, min_rows: int):
+        self.min_rows = min_rows
 
     def __call__(self, *args, **kwargs):
-        saved = sampling._nucleus_kernel
-        sampling._nucleus_kernel = lambda x: False
+        saved = sampling.NUCLEUS_KERNEL_MIN_ROWS
+        sampling.NUCLEUS_KERNEL_MIN_ROWS = self.min_rows
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            sampling._nucleus_kernel = saved
+            sampling.NUCLEUS_KERNEL_MIN_ROWS = saved
 
 
 def case_params(case: str, batch: int) -> list[SamplingParams]:
@@ -133,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
-    p.add_argument("--sort-arm", action="store_true",
-                   help="also arm 'sort': top-p through the sort where the nucleus cut kernel would take it")
+    p.add_argument("--nucleus-arms", action="store_true",
+                   help="also arms 'sort' and 'kernel': top-p always through the sort, always through the nucleus cut "
+                        "kernel ('new' follows sampling.NUCLEUS_KERNEL_MIN_ROWS)")
     p.add_argument("--history", type=int, default=1024, help="generated tokens a penalized row counts")
     p.add_argument("--prompt", default=None, metavar="R,...", help="time prompt log-probabilities of R rows instead")
     p.add_argument("--hidden", type=int, default=2048, help="with --prompt: the LM head's input width")
@@ -150,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         old = sys.modules["old_sampling"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
         spec.loader.exec_module(old)
         arms = {"old": (old.Sampler(), old.make_generator), **arms}
-    if args.sort_arm:
-        arms["sort"] = (_SortSampler(), sampling.make_generator)
+    if args.nucleus_arms:
+        arms["sort"] = (_ArmSampler(1 << 30), sampling.make_generator)
+        arms["kernel"] = (_ArmSampler(1), sampling.make_generator)
     rows = prompt_rows(args, dev) if args.prompt else []
     for batch in [] if args.prompt else [int(b) for b in args.batches.split(",")]:
         logits = torch.randn(batch, args.vocab, device=dev) * 3

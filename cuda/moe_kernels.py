@@ -725,11 +725,7 @@ class _PreparedLaunch:
         self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
         self._func = _cufunc(dispatcher, args)
         ints, self._slot = kernel_params(args, var)
-        # every parameter is int64 here (arrays' fields, ints, a bool): the driver copies each parameter's own size
-        # from its address, little-endian, so a narrower one (the bool) reads the low bytes
-        self._vals = (ctypes.c_int64 * len(ints))(*ints)
-        base = ctypes.addressof(self._vals)
-        self._params = (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
+        self._vals, self._params = _param_block(ints)
         self._stream = torch.cuda.current_stream().cuda_stream
 
     def __call__(self, grid: tuple[int, int, int], value: int) -> None:
@@ -742,6 +738,33 @@ class _PreparedLaunch:
                                    ctypes.addressof(self._params), 0)
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
+
+
+def launch(dispatcher, grid: tuple[int, ...], block: int, args: tuple) -> None:
+    """One launch of a kernel straight through the driver on torch's current stream: tensors and Python ints as
+    `kernel_params` flattens them, no Numba views and no marshalling (which cost ~0.1 ms of host time a launch of a
+    dozen arguments, `_PreparedLaunch`). For kernels launched once per call outside a CUDA graph, e.g. the sampler's.
+    The simulator launches through Numba (tensors must be contiguous there: `_dev` copies a strided one)."""
+    if SIMULATOR:
+        dispatcher[grid, block, 0](*[_dev(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return
+    from numba.cuda.cudadrv.driver import binding
+
+    vals, params = _param_block(kernel_params(args)[0])
+    grid = (*grid, 1, 1)[:3]
+    err, = binding.cuLaunchKernel(_cufunc(dispatcher, args), *grid, block, 1, 1, 0,
+                                  torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+    if err != binding.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernel of {dispatcher.__name__}: {err}")
+
+
+def _param_block(ints: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The driver's kernelParams for flat int64 parameters: the values, and the array of their addresses (keep both
+    alive until the launch returns). Every parameter is int64 here (arrays' fields, ints, a bool): the driver copies
+    each parameter's own size from its address, little-endian, so a narrower one (the bool) reads the low bytes."""
+    vals = (ctypes.c_int64 * len(ints))(*ints)
+    base = ctypes.addressof(vals)
+    return vals, (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
 
 
 def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:

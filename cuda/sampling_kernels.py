@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ._compat import SIMULATOR, cuda
-from .moe_kernels import _dev, _stream
+from .moe_kernels import launch
 
 THREADS = 512  # a block's threads (the simulator runs fewer: each is a Python thread there)
 SIM_THREADS = 64
@@ -77,8 +77,8 @@ def _skip(top, p):
 
 
 @cuda.jit(cache=True)
-def _fine_hist_kernel(x, top, top_p, hist, rounds):
-    """Grid (R, slices): hist[r, :FINE] += the masses of row r's tokens in this block's slice, by fine bin (the
+def _fine_hist_kernel(x, top, top_p, counts, rounds):
+    """Grid (R, slices): counts[r, :FINE] += the masses of row r's tokens in this block's slice, by fine bin (the
     block's histogram in shared memory, then one global atomic per bin it touched)."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -105,7 +105,7 @@ def _fine_hist_kernel(x, top, top_p, hist, rounds):
     cuda.syncthreads()
     for b in range(t, FINE, T):
         if local[b] > 0:
-            cuda.atomic.add(hist, (r, b), local[b])
+            cuda.atomic.add(counts, (r, b), local[b])
 
 
 @cuda.jit(device=True, inline=True)
@@ -144,10 +144,10 @@ def _find_fine(hist, r, p, part, found, t, T):
 
 
 @cuda.jit(cache=True)
-def _gather_kernel(x, xi, top, top_p, hist, count, cand, cand_bits, state, rounds, cap):
+def _gather_kernel(x, xi, top, top_p, counts, cand, cand_bits, rounds, cap):
     """Grid (R, slices): the tokens of this block's slice that fall in the cut's fine bin go to cand[r] and their
-    bits to cand_bits[r] (up to cap; count[r] counts them all); block (r, 0) writes the bin, the mass above it and
-    the target to state[r]."""
+    bits to cand_bits[r] (up to cap; counts[r, FINE] counts them all); block (r, 0) writes the bin, the mass above
+    it and the target to counts[r, FINE + 1:]."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -158,9 +158,9 @@ def _gather_kernel(x, xi, top, top_p, hist, count, cand, cand_bits, state, round
         return
     part = cuda.shared.array(THREADS, np.int64)
     found = cuda.shared.array(3, np.int64)
-    _find_fine(hist, r, p, part, found, t, T)
+    _find_fine(counts, r, p, part, found, t, T)
     if cuda.blockIdx.y == 0 and t < 3:
-        state[r, t] = found[t]
+        counts[r, FINE + 1 + t] = found[t]
     cut_bin = found[0]
     vals = cuda.local.array(LOADS, np.float32)
     start = cuda.blockIdx.y * T * LOADS * rounds
@@ -171,7 +171,7 @@ def _gather_kernel(x, xi, top, top_p, hist, count, cand, cand_bits, state, round
         for u in range(LOADS):
             d = m - vals[u]
             if d < LOG_RANGE and _fine_bin(d) == cut_bin and base + u * T + t < V:
-                slot = cuda.atomic.add(count, r, 1)
+                slot = cuda.atomic.add(counts, (r, FINE), 1)
                 if slot < cap:
                     cand[r, slot] = vals[u]
                     cand_bits[r, slot] = xi[r, base + u * T + t]
@@ -208,7 +208,7 @@ def _scan_keys(hist, part, state, t, first):
 
 
 @cuda.jit(cache=True)
-def _cut_kernel(x, xi, top, top_p, count, cand, cand_bits, state, cut_bits, cap):
+def _cut_kernel(x, xi, top, top_p, counts, cand, cand_bits, cut_bits, cap):
     """Grid (R,): row r's cut into cut_bits[r] (float32 bits; -inf where the row keeps everything). The cut's key is
     selected 8 bits a pass among the fine bin's tokens: from shared memory when they fit in `cap`, else from the row
     in place (tokens of that bin only)."""
@@ -226,7 +226,7 @@ def _cut_kernel(x, xi, top, top_p, count, cand, cand_bits, state, cut_bits, cap)
     hist = cuda.shared.array(BINS, np.int64)
     part = cuda.shared.array(CHUNKS, np.int64)
     sel = cuda.shared.array(3, np.int64)  # key prefix, mass above, target
-    n = count[r]
+    n = counts[r, FINE]
     inside = n <= cap
     if inside:
         for i in range(t, n, T):
@@ -234,9 +234,9 @@ def _cut_kernel(x, xi, top, top_p, count, cand, cand_bits, state, cut_bits, cap)
             held_bits[i] = cand_bits[r, i]
     if t == 0:
         sel[0] = 0
-        sel[1] = state[r, 1]
-        sel[2] = state[r, 2]
-    cut_bin = state[r, 0]
+        sel[1] = counts[r, FINE + 2]
+        sel[2] = counts[r, FINE + 3]
+    cut_bin = counts[r, FINE + 1]
     for level in range(4):  # the key's bytes from the top
         for b in range(t, BINS, T):
             hist[b] = 0
@@ -265,7 +265,8 @@ def takes(x: torch.Tensor) -> bool:
 def top_p_cut(x: torch.Tensor, top_p: torch.Tensor, cap: int = CAP) -> torch.Tensor:
     """Each row's nucleus cut: x [R, V] float32 logits (after temperature and any mask, -inf: masked), top_p [R]
     float32 -> [R] float32, the smallest logit the row's nucleus keeps (-inf: the whole row). x >= cut[:, None] is
-    the nucleus, ties at the cut included. Three launches and a reduction, no host read, R x 48 KiB of buffers.
+    the nucleus, ties at the cut included. Three launches (straight through the driver) and a reduction, no host
+    read, R x 48 KiB of buffers.
     `cap` (at most CAP; tests lower it) bounds the candidates held in shared memory."""
     if not takes(x) or top_p.shape != x.shape[:1]:
         raise ValueError(f"top_p_cut takes float32 logits [R, V] on the GPU and top_p [R], got {tuple(x.shape)} "
@@ -275,17 +276,13 @@ def top_p_cut(x: torch.Tensor, top_p: torch.Tensor, cap: int = CAP) -> torch.Ten
     threads, rounds = (SIM_THREADS, SIM_ROUNDS) if SIMULATOR else (THREADS, ROUNDS)
     slices = -(-vocab // (threads * LOADS * rounds))
     dev = x.device
-    top = x.amax(dim=-1)
-    p = top_p.to(torch.float32)
+    xi, top, p = x.view(torch.int32), x.amax(dim=-1), top_p.to(torch.float32).contiguous()
     counts = torch.zeros(rows, FINE + 4, dtype=torch.int64, device=dev)  # the fine histogram, count, state (3)
-    hist, count, state = counts[:, :FINE], counts[:, FINE], counts[:, FINE + 1:]
-    cand = torch.empty(rows, 2 * CAP, dtype=torch.float32, device=dev)  # values, then their bits
+    cand = torch.empty(rows, CAP, dtype=torch.float32, device=dev)
+    cand_bits = torch.empty(rows, CAP, dtype=torch.int32, device=dev)
     cut = torch.empty(rows, dtype=torch.int32, device=dev)
-    xv, xi, tv, pv = _dev(x), _dev(x.view(torch.int32)), _dev(top), _dev(p)
-    hv, cv, sv = _dev(hist), _dev(count), _dev(state)
-    values, bits = _dev(cand[:, :CAP]), _dev(cand[:, CAP:].view(torch.int32))
-    stream = _stream()
-    _fine_hist_kernel[(rows, slices), threads, stream](xv, tv, pv, hv, rounds)
-    _gather_kernel[(rows, slices), threads, stream](xv, xi, tv, pv, hv, cv, values, bits, sv, rounds, min(cap, CAP))
-    _cut_kernel[rows, threads, stream](xv, xi, tv, pv, cv, values, bits, sv, _dev(cut), min(cap, CAP))
+    cap = min(cap, CAP)
+    launch(_fine_hist_kernel, (rows, slices), threads, (x, top, p, counts, rounds))
+    launch(_gather_kernel, (rows, slices), threads, (x, xi, top, p, counts, cand, cand_bits, rounds, cap))
+    launch(_cut_kernel, (rows,), threads, (x, xi, top, p, counts, cand, cand_bits, cut, cap))
     return cut.view(torch.float32)

@@ -170,6 +170,8 @@ SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
 MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
+# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort
+NUCLEUS_KERNEL_MIN_ROWS = 1
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -180,13 +182,8 @@ def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
     return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
 
 
-def _nucleus_kernel(x: torch.Tensor) -> bool:
-    """Whether top-p goes through the nucleus cut kernel: float32 rows on a GPU."""
-    return x.is_cuda and x.dtype == torch.float32
-
-
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+                generators: list[torch.Generator | None], nucleus_kernel: bool = False) -> torch.Tensor:
     """One token per row of logits [R, V] from softmax(logits / T) restricted by min-p, top-k, then top-p (over the
     top-k's renormalised probabilities, vLLM's order): the Gumbel-max draw argmax(logits / T - log E), E ~ Exp(1)
     per token, over the kept tokens. Batched over the rows with no host read; returns [R] int64 on logits' device.
@@ -194,9 +191,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
     all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
-    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens; on a GPU, rows
-    with top-p and no top-k take the nucleus cut kernel instead (cuda/sampling_kernels.py: no sort, the same kept
-    tokens except that ties at the cut all stay)."""
+    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens; with
+    `nucleus_kernel` (a GPU), rows with top-p and no top-k take the nucleus cut kernel instead
+    (cuda/sampling_kernels.py: no sort, the same kept tokens except that ties at the cut all stay)."""
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -205,7 +202,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
         x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     nucleus = any(p.top_p < 1.0 for p in params)
-    if nucleus and not any(top_k) and _nucleus_kernel(x):
+    if nucleus and not any(top_k) and nucleus_kernel:
         from pagedweight.cuda.sampling_kernels import top_p_cut
         cut = top_p_cut(x, torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True))
         x.masked_fill_(x < cut[:, None], float("-inf"))
@@ -303,8 +300,9 @@ class Sampler:
         if not sampled and not adjusted:
             return logits.argmax(dim=-1).tolist()
         if len(sampled) == len(params):  # no gather
-            chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False, cuda=logits.is_cuda)
-            picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk])
+            kernel = _takes_nucleus_kernel(logits, len(params))
+            chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False, nucleus_kernel=kernel)
+            picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk], kernel)
                      for i in range(0, len(params), chunk)]
             return (torch.cat(picks) if len(picks) > 1 else picks[0]).tolist()
         tokens = logits.argmax(dim=-1)
@@ -313,7 +311,8 @@ class Sampler:
             if not rows:
                 continue
             ps = [params[r] for r in rows]
-            chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust, cuda=logits.is_cuda)
+            kernel = _takes_nucleus_kernel(logits, len(rows))
+            chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust, nucleus_kernel=kernel)
             for c in range(0, len(rows), chunk):
                 index = torch.tensor(rows[c:c + chunk]).to(logits.device, non_blocking=True)
                 x = logits.index_select(0, index).float()
@@ -323,7 +322,7 @@ class Sampler:
                                   eos_token_ids, [None if seen is None or params[r].repetition_penalty == 1.0
                                                   else seen[r] for r in part])
                 tokens[index] = x.argmax(dim=-1) if ps[0].greedy else \
-                    sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]])
+                    sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]], kernel)
         return tokens.tolist()
 
     @staticmethod
@@ -354,14 +353,22 @@ class Sampler:
         return _entries(picked, tokens, counts)
 
 
-def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool, cuda: bool) -> int:
-    """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted); `cuda`:
-    whether top-p without top-k takes the nucleus cut kernel (no sort: a mask, as min-p's)."""
+def _takes_nucleus_kernel(logits: torch.Tensor, rows: int) -> bool:
+    """Whether a step's `rows` sampled rows take top-p through the nucleus cut kernel: on a GPU, from
+    NUCLEUS_KERNEL_MIN_ROWS rows (decided per step, not per chunk: the chunks are priced by it)."""
+    return logits.is_cuda and rows >= NUCLEUS_KERNEL_MIN_ROWS
+
+
+def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool,
+                nucleus_kernel: bool = False) -> int:
+    """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted);
+    `nucleus_kernel`: whether top-p without top-k takes the nucleus cut kernel (no sort: a mask, as min-p's)."""
     sampled = [p for p in params if not p.greedy]
     top_k, top_p = any(p.top_k > 0 for p in sampled), any(p.top_p < 1.0 for p in sampled)
-    per_entry = (FILTERED_BYTES_PER_ENTRY if top_k or (top_p and not cuda) else
+    cut = top_p and nucleus_kernel and not top_k
+    per_entry = (FILTERED_BYTES_PER_ENTRY if (top_k or top_p) and not cut else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
-        (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or (top_p and cuda and not top_k) else 0) + \
+        (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or cut else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
     return max(1, SAMPLE_CHUNK_BYTES // (max(per_entry, 1) * vocab))
 

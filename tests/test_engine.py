@@ -99,7 +99,8 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def test_sampler_follows_the_filtered_distribution():
-    """On PAGEDWEIGHT_TEST_DEVICE (the H200: CUDA's sort, topk and RNG)."""
+    """On PAGEDWEIGHT_TEST_DEVICE (the H200: CUDA's sort, topk and RNG, and top-p alone through the nucleus cut
+    kernel)."""
     torch.manual_seed(0)
     n, row = 4000, torch.randn(40) * 2
     rows = row.to(DEVICE).expand(n, -1)
@@ -108,7 +109,7 @@ def test_sampler_follows_the_filtered_distribution():
              SamplingParams(temperature=1.0, top_k=40, top_p=0.999), SamplingParams(temperature=1.0, min_p=0.1),
              SamplingParams(temperature=0.8, min_p=0.05, top_p=0.9)]
     for p in cases:
-        draws = sample_rows(rows, [p] * n, [None] * n).cpu().numpy()
+        draws = sample_rows(rows, [p] * n, [None] * n, nucleus_kernel=DEVICE == "cuda").cpu().numpy()
         want = reference_probs(row, p).numpy()
         freq = np.bincount(draws, minlength=row.numel()) / n
         assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want)), p  # never a filtered-out token
@@ -116,7 +117,7 @@ def test_sampler_follows_the_filtered_distribution():
         assert p.min_p == 0.0 or (want == 0).any(), "min-p filtered nothing here: the case tests nothing"
     # rows of other parameters in one call each follow their own distribution
     mixed = [cases[i % len(cases)] for i in range(n)]
-    draws = sample_rows(rows, mixed, [None] * n).cpu().numpy()
+    draws = sample_rows(rows, mixed, [None] * n, nucleus_kernel=DEVICE == "cuda").cpu().numpy()
     for i, p in enumerate(cases):
         freq = np.bincount(draws[i::len(cases)], minlength=row.numel()) / (n // len(cases))
         assert np.abs(freq - reference_probs(row, p).numpy()).max() < 0.07, p

@@ -81,13 +81,8 @@ COMPARE = textwrap.dedent(r"""
             logits = x.clone()
             logits[8:9] = 0.0  # every row needs a finite logit to sample
             gens = lambda: [sampling.make_generator(q.seed, logits.device) for q in params]
-            with_kernel = sample_rows(logits, params, gens())
-            saved = sampling._nucleus_kernel
-            sampling._nucleus_kernel = lambda t: False
-            try:
-                with_sort = sample_rows(logits, params, gens())
-            finally:
-                sampling._nucleus_kernel = saved
+            with_kernel = sample_rows(logits, params, gens(), nucleus_kernel=True)
+            with_sort = sample_rows(logits, params, gens(), nucleus_kernel=False)
             same += int(torch.equal(with_kernel[untied], with_sort[untied]))
         out["draws_equal"] = [same, draws]
         return out
@@ -96,7 +91,6 @@ COMPARE = textwrap.dedent(r"""
 SIM_CHILD = COMPARE + textwrap.dedent(r"""
     import json, sys
     torch.set_num_threads(1)
-    sampling._nucleus_kernel = lambda t: True  # the simulator runs the kernel on CPU tensors
     # V = 700: three rounds of a 64-thread block's 4 loads, the last one partial
     json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=3) for seed in (0, 1)}, sys.stdout)
 """)
@@ -110,8 +104,9 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 
     %(recorder)s
 
-    with mock.patch.multiple(sk, SIMULATOR=True, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
-                             **{name: Recorder(name) for name in sigs}):
+    from pagedweight.cuda import moe_kernels as mk
+    with mock.patch.multiple(sk, SIMULATOR=True, **{name: Recorder(name) for name in sigs}), \
+            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):
         x, p = rows("cpu", 10, 300, 0)
         sk.top_p_cut(x, p)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
