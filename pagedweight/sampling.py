@@ -170,8 +170,10 @@ SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
 MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
-# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort
-NUCLEUS_KERNEL_MIN_ROWS = 1
+# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 the kernel
+# (then launched through Numba) took 0.55-0.59 ms a call at 1-32 rows where the sort took 0.35 / 0.48 / 0.95 ms at 1 /
+# 4 / 32, and 2.9 against 6.6 ms at 256 (sampler_bench-nvidia-h200-20261205-s40-nucleus2.json): the kernel from 32.
+NUCLEUS_KERNEL_MIN_ROWS = 32
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
