@@ -170,9 +170,10 @@ SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
 MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
-# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 the kernel
-# (then launched through Numba) took 0.55-0.59 ms a call at 1-32 rows where the sort took 0.35 / 0.48 / 0.95 ms at 1 /
-# 4 / 32, and 2.9 against 6.6 ms at 256 (sampler_bench-nvidia-h200-20261205-s40-nucleus2.json): the kernel from 32.
+# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 a call with
+# the kernel (then launched through Numba) took 0.59 / 0.56 / 0.56 / 2.93 ms at 1 / 4 / 32 / 256 rows, the sort 0.35 /
+# 0.48 ms at 1 / 4 (sampler_bench-nvidia-h200-20261205-s40-nucleus2.json) and, in its 8-row chunks, 1.92 / 15.0 ms at
+# 32 / 256 (…-20261203-s35-chunks2.json): the kernel from 32.
 NUCLEUS_KERNEL_MIN_ROWS = 32
 
 
