@@ -14,11 +14,17 @@ exactly the tokens the sorted rule keeps (a token stays while the mass before it
 token tied with the last one kept is kept. Integer sums are exact in any order, so the atomics' order cannot move the
 cut: the same logits give the same cut on every run.
 
-How, one block per row: a pass bins the tokens by m - x (256 equal bins over [0, 40 ln 2)) and sums their masses; the
-bin where the running mass crosses the target holds the cut. Four more passes over that bin's tokens only select the
-cut's float bits 8 at a time (keys ordered as the floats are). Each pass reads the row from global memory (a row of
-151,936 float32 logits is 594 KiB), LOADS elements per thread in flight; the histograms and their scans live in
-shared memory, so the CUDA simulator runs this very kernel in the CPU tests (tests/test_sampling_kernels.py).
+How, in three launches (tests/test_sampling_kernels.py runs them under the CUDA simulator: shared-memory reductions
+and atomics only, no warp shuffles):
+1. `_fine_hist_kernel`, grid (rows, slices of THREADS x LOADS x ROUNDS tokens): each block sums its slice's masses in
+   FINE bins by m - x (0.0135 nats each) in shared memory, then adds them to the row's histogram in global memory.
+2. `_gather_kernel`, same grid: each block scans the row's histogram (a block-wide prefix sum) to the bin where the
+   running mass from the top reaches the target, and gathers its slice's tokens in that bin (values and bits).
+3. `_cut_kernel`, one block per row: the cut's float bits, 8 at a time from the top, by four histograms of the
+   gathered tokens' masses over their keys (ordered as the floats are), in shared memory; a bin holding more than
+   CAP tokens (many ties) is read in place from the row instead.
+A single block per row reading the whole row five times (the first form, f322738) cost a batch-1 decode step 0.7 ms
+on the H200 (benchmarks/results/engine_bench-nvidia-h200-20261205-s40-topp.json): one SM's loads.
 """
 from __future__ import annotations
 
