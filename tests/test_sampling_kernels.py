@@ -92,7 +92,9 @@ SIM_CHILD = COMPARE + textwrap.dedent(r"""
     import json, sys
     torch.set_num_threads(1)
     # V = 700: three rounds of a 64-thread block's 4 loads, the last one partial
-    json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=3) for seed in (0, 1)}, sys.stdout)
+    # the sampler's draws on one seed's rows (each kernel call is ~10 s under the simulator)
+    json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=2 if seed == 0 else 0) for seed in (0, 1)},
+              sys.stdout)
 """)
 
 COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
@@ -116,7 +118,7 @@ def check(r: dict) -> None:
     assert r["equal"] and r["in_place"], (r["cut"], r["want"])
     assert r["holds"] and r["minimal"] and r["all_kept"], r
     assert r["dtype"] == "torch.float32" and r["shape"] == [len(r["want"])]
-    assert r["draws_equal"][0] == r["draws_equal"][1], r["draws_equal"]
+    assert r["draws_equal"][0] == r["draws_equal"][1], r["draws_equal"]  # [0, 0] where none were drawn
 
 
 @pytest.fixture(scope="module")
