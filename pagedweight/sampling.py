@@ -159,8 +159,8 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # The sampler's [rows, V] temporaries stay within SAMPLE_CHUNK_BYTES: it takes the rows in chunks, priced per logit at
 # what the H200 measured (peak allocated beyond the logits, sampler_bench-nvidia-h200-20261203-s35-ab2.json at 13 rows
 # of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
-# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise; top-p alone
-# on a GPU adds only the nucleus cut's mask: no sort, 1 byte, computed), and about 4
+# probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise; top-p through
+# the nucleus cut kernel adds its mask, priced at 1: 51.0 MiB in 44-row chunks, …-20261205-s40-nucleus3.json), and about 4
 # more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
 # …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts, 4 bytes a logit,
 # priced at 5: greedy rows with penalties allocated 64.4 MiB in 55-row chunks priced at 4 (the ids and their
@@ -170,11 +170,10 @@ SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
 ADJUSTED_BYTES_PER_ENTRY = 5
 MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
-# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 a call with
-# the kernel (then launched through Numba) took 0.59 / 0.56 / 0.56 / 2.93 ms at 1 / 4 / 32 / 256 rows, the sort 0.35 /
-# 0.48 ms at 1 / 4 (sampler_bench-nvidia-h200-20261205-s40-nucleus2.json) and, in its 8-row chunks, 1.92 / 15.0 ms at
-# 32 / 256 (…-20261203-s35-chunks2.json): the kernel from 32.
-NUCLEUS_KERNEL_MIN_ROWS = 32
+# sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 one call at
+# temperature 0.8, top-p 0.9 took with the kernel 0.38 / 0.37 / 0.48 / 0.39 / 0.38 / 2.13 ms at 1 / 4 / 8 / 16 / 32 /
+# 256 rows, with the sort 0.29 / 0.47 / 0.54 / 1.02 / 1.96 / 15.2 (sampler_bench-nvidia-h200-20261205-s40-nucleus3.json)
+NUCLEUS_KERNEL_MIN_ROWS = 4
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
