@@ -160,8 +160,8 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # what the H200 measured (peak allocated beyond the logits, sampler_bench-nvidia-h200-20261203-s35-ab2.json at 13 rows
 # of 151,936): 49.2 bytes with a top-k or top-p filter (the sort's values and int64 indices and its own buffers,
 # probabilities and their sum, scores back in vocabulary order), 8.1 without (the scores and the noise; top-p through
-# the nucleus cut kernel adds its mask, priced at 1: 51.0 MiB in 44-row chunks, …-20261205-s40-nucleus3.json), and about 4
-# more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
+# the nucleus cut kernel adds its mask, priced at 1: 51.0 MiB in 44-row chunks, …-20261205-s40-nucleus3.json), and
+# about 4 more where a step mixes greedy and sampled rows (their logits gathered: 11.9 bytes, 85.2 MiB at 49 rows,
 # …-s35-chunks.json). Rows whose logits are adjusted (penalties, logit bias) add their token counts, 4 bytes a logit,
 # priced at 5: greedy rows with penalties allocated 64.4 MiB in 55-row chunks priced at 4 (the ids and their
 # offsets beside the counts, sampler_bench-nvidia-h200-20261203-s36-penalties.json). The engine's start-up profile
