@@ -41,14 +41,18 @@ for s in "${steps[@]}"; do case $s in
            --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
-  # the GPU tests (56 of this selection passed at 4d8fd00 in ~230 s on a cold cache), which also compile the kernels
+  # the GPU tests (59 of this selection passed at f5bb1b8 in 40 s on a warm cache; cold, the compile alone ran past 300 s
+  # in session 40, call 1), which also compile the kernels
   # into NUMBA_CACHE_DIR before the engine benchmarks load them
+  # (tests/test_sampling_kernels.py: "on_gpu" selects the nucleus cut against its twin at 151,936 logits)
   enginetest) sel="ap_ or pressure or preempts or cuda_graph or graph or on_gpu or in_place or reload or narrow"
               sel+=" or widths_return or sampler or logprobs or adjust or penalties or prefix or min_tokens"
               step "${ENGINETEST_LIMIT:-360}" env PAGEDWEIGHT_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider \
                 tests/test_decode_graphs.py tests/test_engine.py tests/test_attention_kernel.py tests/test_layer_kernels.py \
-                tests/test_kernels_sim.py tests/test_planner.py -k "$sel" ;;
-  # the engine under random workloads (tests/test_engine_fuzz.py) with the fused kernels and whole-step graphs
+                tests/test_kernels_sim.py tests/test_planner.py tests/test_sampling_kernels.py -k "$sel" ;;
+  # the engine under random workloads (tests/test_engine_fuzz.py) with the fused kernels and whole-step graphs; the
+  # GPU machine lacks hypothesis: `../shared/tools/gpu-wheels --numpy hypothesis==6.170.17 sortedcontainers==2.4.0`
+  # (8 examples per test took 21 s with a warm Numba cache, h200-nvidia-h200-20261205-s40.log, call 2)
   fuzz) step "${FUZZ_LIMIT:-420}" env PAGEDWEIGHT_TEST_DEVICE=cuda PAGEDWEIGHT_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-40} \
           python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_fuzz.py ;;
   # torch.profiler tables of the chunked prefill (host and device time per op: is a prefill step host-bound?); run
