@@ -41,7 +41,7 @@ for s in "${steps[@]}"; do case $s in
            --out /tmp/pw-tiny-moe --results-dir "$OUT" && tar -C /tmp -cf "$OUT/pw-tiny-moe.tar" pw-tiny-moe ;;
   kernels) step "${KERNEL_LIMIT:-300}" python3 -m benchmarks.moe_kernel_bench ${KERNEL_ARGS:-} ;;
   quantize) step "${QUANTIZE_LIMIT:-600}" python3 -m benchmarks.quantize_speed ;;
-  # the GPU tests (59 of this selection passed at f5bb1b8 in 40 s on a warm cache; cold, the compile alone ran past 300 s
+  # the GPU tests (59 of this selection passed at f5bb1b8 in 40 s on a warm cache; on a cold one the run went past 300 s
   # in session 40, call 1), which also compile the kernels
   # into NUMBA_CACHE_DIR before the engine benchmarks load them
   # (tests/test_sampling_kernels.py: "on_gpu" selects the nucleus cut against its twin at 151,936 logits)
