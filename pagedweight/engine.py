@@ -395,9 +395,9 @@ class LLM:
         """The largest steps the engine schedules. First one prompt as long as the KV cache and max_model_len allow,
         alone: its chunks of max_num_batched_tokens at the longest context, each chunk's tokens scored with the most
         alternatives (prompt_logprobs: the LM head's chunks beside the chunk's hidden states). Then the widest decode
-        at the longest block table, its tokens sampled through a top-k and top-p filter (the sampler's sort, its largest temporaries):
-        such a prompt again beside as many one-token prompts as a step can decode with it, which keep decoding until
-        it decodes too. A decode graph gathers every row padded to the longest table
+        at the longest block table, its tokens sampled through a top-k and top-p filter (the sampler's sort, its
+        largest temporaries): such a prompt again beside as many one-token prompts as a step can decode with it,
+        which keep decoding until it decodes too. A decode graph gathers every row padded to the longest table
         (runner.DecodeGraphs keys (B, blocks)), so this is its largest gather and graph; seen more than once, it is
         captured where the engine captures graphs. (Decoding one-token prompts alone, as before, missed it: on the
         H200 the bundled model then served 8 prompts of ~127 tokens with a graph pool 22 MiB larger, session 21.)"""

@@ -361,8 +361,7 @@ def _takes_nucleus_kernel(logits: torch.Tensor, rows: int) -> bool:
     return logits.is_cuda and rows >= NUCLEUS_KERNEL_MIN_ROWS
 
 
-def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool,
-                nucleus_kernel: bool = False) -> int:
+def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool, nucleus_kernel: bool) -> int:
     """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted);
     `nucleus_kernel`: whether top-p without top-k takes the nucleus cut kernel (no sort: a mask, as min-p's)."""
     sampled = [p for p in params if not p.greedy]
