@@ -2,11 +2,11 @@
 
 The sampler's host read ends a step: the next step launches after it. The OpenAI app samples at temperature 1 unless a
 request says otherwise, so this is the path of most HTTP traffic. Logits are random fp32 [B, V] on the device (V:
-Qwen1.5-MoE's vocabulary by default); every row of a case takes the same parameters, and the generator the engine
-gives such a request (`make_generator`: before eda0590 every sampled request had one of its own; since, seeded
-requests only). Rows: per arm, case and batch, the median and P90 ms of a call (wall time, ending with its host read)
-and the peak bytes the call allocated beyond its inputs (`torch.cuda.max_memory_allocated`; not measured on the
-CPU).
+Qwen1.5-MoE's vocabulary by default); the rows of a case take its parameters (or cycle through its list), and the
+generator the engine gives such a request (`make_generator`: before eda0590 every sampled request had one of its own;
+since, seeded requests only). Rows: per arm, case and batch, the median and P90 ms of a call (wall time, ending
+with its host read) and the peak bytes the call allocated beyond its inputs (`torch.cuda.max_memory_allocated`; not
+measured on the CPU).
 
     python -m benchmarks.sampler_bench --label after
     git show REV:pagedweight/sampling.py > /tmp/old_sampling.py
@@ -34,14 +34,18 @@ from benchmarks.common import write_result
 from pagedweight import sampling
 from pagedweight.sampling import SamplingParams
 
-CASES = {  # SamplingParams fields of every row; "seed" seeds row i with i (its own generator), else the global RNG
+CASES = {  # SamplingParams fields of every row (a list: row i takes entry i % its length); "seed" seeds row i with i
+    # (its own generator), else the global RNG
     "greedy": dict(),
     "t1": dict(temperature=1.0),  # the OpenAI app's default
     "t1-seeded": dict(temperature=1.0, seed=True),
     "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
     "t0.7-k50": dict(temperature=0.7, top_k=50),
     "t1-minp0.05": dict(temperature=1.0, min_p=0.05),  # vLLM's min_p: a mask, no sort
-    "half-greedy-t1": None,  # even rows greedy, odd rows at temperature 1
+    "half-greedy-t1": [dict(), dict(temperature=1.0)],  # even rows greedy, odd rows at temperature 1
+    "t0.7-k20-p0.8": dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen's generation_config
+    # half the rows as Qwen's generation_config, half top-p alone: the sort, or top-k as a threshold and the kernel
+    "mixed-k20p0.8-p0.9": [dict(temperature=0.7, top_k=20, top_p=0.8), dict(temperature=0.8, top_p=0.9)],
     # adjusted rows (sampling.adjust_logits): the penalties count `--history` generated tokens a row
     "greedy-penalties": dict(presence_penalty=0.5, frequency_penalty=0.5),
     "t1-penalties": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
@@ -66,11 +70,12 @@ class _ArmSampler(sampling.Sampler):
 
 
 def case_params(case: str, batch: int) -> list[SamplingParams]:
-    if CASES[case] is None:
-        return [SamplingParams(temperature=float(i % 2)) for i in range(batch)]
-    fields = dict(CASES[case])
-    seeded = fields.pop("seed", False)
-    return [SamplingParams(seed=i if seeded else None, **fields) for i in range(batch)]
+    cycle = CASES[case] if isinstance(CASES[case], list) else [CASES[case]]
+    out = []
+    for i in range(batch):
+        fields = dict(cycle[i % len(cycle)])
+        out.append(SamplingParams(seed=i if fields.pop("seed", False) else None, **fields))
+    return out
 
 
 def measure(sampler, make_generator, logits: torch.Tensor, params: list[SamplingParams], reps: int,

@@ -19,7 +19,7 @@ and atomics only, no warp shuffles):
 1. `_fine_hist_kernel`, grid (rows, slices of THREADS x LOADS x ROUNDS tokens): each block sums its slice's masses in
    FINE bins by m - x (0.0135 nats each) in shared memory, then adds them to the row's histogram in global memory.
 2. `_gather_kernel`, same grid: each block scans the row's histogram (a block-wide prefix sum) to the bin where the
-   running mass from the top reaches the target, and gathers its slice's tokens in that bin (values and bits).
+   running mass from the top reaches the target, and gathers its slice's tokens in that bin.
 3. `_cut_kernel`, one block per row: the cut's float bits, 8 at a time from the top, by four histograms of the
    gathered tokens' masses over their keys (ordered as the floats are), in shared memory; a bin holding more than
    CAP tokens (many ties) is read in place from the row instead.
@@ -150,10 +150,10 @@ def _find_fine(hist, r, p, part, found, t, T):
 
 
 @cuda.jit(cache=True)
-def _gather_kernel(x, xi, top, top_p, counts, cand, cand_bits, rounds, cap):
-    """Grid (R, slices): the tokens of this block's slice that fall in the cut's fine bin go to cand[r] and their
-    bits to cand_bits[r] (up to cap; counts[r, FINE] counts them all); block (r, 0) writes the bin, the mass above
-    it and the target to counts[r, FINE + 1:]."""
+def _gather_kernel(x, top, top_p, counts, cand, rounds, cap):
+    """Grid (R, slices): the tokens of this block's slice that fall in the cut's fine bin go to cand[r] (up to cap;
+    counts[r, FINE] counts them all); block (r, 0) writes the bin, the mass above it and the target to
+    counts[r, FINE + 1:]."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -180,7 +180,6 @@ def _gather_kernel(x, xi, top, top_p, counts, cand, cand_bits, rounds, cap):
                 slot = cuda.atomic.add(counts, (r, FINE), 1)
                 if slot < cap:
                     cand[r, slot] = vals[u]
-                    cand_bits[r, slot] = xi[r, base + u * T + t]
 
 
 @cuda.jit(device=True, inline=True)
@@ -217,7 +216,7 @@ def _scan_keys(hist, part, state, t, first):
 def _cut_kernel(x, xi, top, top_p, counts, cand, cand_bits, cut_bits, cap):
     """Grid (R,): row r's cut into cut_bits[r] (float32 bits; -inf where the row keeps everything). The cut's key is
     selected 8 bits a pass among the fine bin's tokens: from shared memory when they fit in `cap`, else from the row
-    in place (tokens of that bin only)."""
+    in place (tokens of that bin only). cand_bits and xi are int32 views of cand and x."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -272,7 +271,7 @@ def top_p_cut(x: torch.Tensor, top_p: torch.Tensor, cap: int = CAP) -> torch.Ten
     """Each row's nucleus cut: x [R, V] float32 logits (after temperature and any mask, -inf: masked), top_p [R]
     float32 -> [R] float32, the smallest logit the row's nucleus keeps (-inf: the whole row). x >= cut[:, None] is
     the nucleus, ties at the cut included. Three launches (straight through the driver) and a reduction, no host
-    read, R x 48 KiB of buffers.
+    read, R x 32 KiB of buffers.
     `cap` (at most CAP; tests lower it) bounds the candidates held in shared memory."""
     if not takes(x) or top_p.shape != x.shape[:1]:
         raise ValueError(f"top_p_cut takes float32 logits [R, V] on the GPU and top_p [R], got {tuple(x.shape)} "
@@ -285,10 +284,9 @@ def top_p_cut(x: torch.Tensor, top_p: torch.Tensor, cap: int = CAP) -> torch.Ten
     xi, top, p = x.view(torch.int32), x.amax(dim=-1), top_p.to(torch.float32).contiguous()
     counts = torch.zeros(rows, FINE + 4, dtype=torch.int64, device=dev)  # the fine histogram, count, state (3)
     cand = torch.empty(rows, CAP, dtype=torch.float32, device=dev)
-    cand_bits = torch.empty(rows, CAP, dtype=torch.int32, device=dev)
     cut = torch.empty(rows, dtype=torch.int32, device=dev)
     cap = min(cap, CAP)
     launch(_fine_hist_kernel, (rows, slices), threads, (x, top, p, counts, rounds))
-    launch(_gather_kernel, (rows, slices), threads, (x, xi, top, p, counts, cand, cand_bits, rounds, cap))
-    launch(_cut_kernel, (rows,), threads, (x, xi, top, p, counts, cand, cand_bits, cut, cap))
+    launch(_gather_kernel, (rows, slices), threads, (x, top, p, counts, cand, rounds, cap))
+    launch(_cut_kernel, (rows,), threads, (x, xi, top, p, counts, cand, cand.view(torch.int32), cut, cap))
     return cut.view(torch.float32)

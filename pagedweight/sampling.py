@@ -174,6 +174,10 @@ MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed,
 # temperature 0.8, top-p 0.9 took with the kernel 0.38 / 0.37 / 0.48 / 0.39 / 0.38 / 2.13 ms at 1 / 4 / 8 / 16 / 32 /
 # 256 rows, with the sort 0.29 / 0.47 / 0.54 / 1.02 / 1.96 / 15.2 (sampler_bench-nvidia-h200-20261205-s40-nucleus3.json)
 NUCLEUS_KERNEL_MIN_ROWS = 4
+# the widest top-k that rows taking the nucleus cut kernel apply as a threshold (the k-th largest logit, from
+# torch.topk: its values and int64 indices and a padded copy of the values, priced at 16 bytes a column, computed);
+# a wider one sorts
+THRESHOLD_TOP_K_MAX, THRESHOLD_BYTES_PER_K = 1024, 16
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -194,8 +198,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
     all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
     sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens; with
-    `nucleus_kernel` (a GPU), rows with top-p and no top-k take the nucleus cut kernel instead
-    (cuda/sampling_kernels.py: no sort, the same kept tokens except that ties at the cut all stay)."""
+    `nucleus_kernel` (a GPU), rows with top-p of which some have no top-k take the nucleus cut kernel instead
+    (cuda/sampling_kernels.py: no sort, the same kept tokens except that ties at the cut all stay), after any top-k
+    as a threshold (ties at the k-th logit all stay, as in vLLM's top-k alone; `_cuts_nucleus`)."""
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -204,8 +209,14 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
         x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     nucleus = any(p.top_p < 1.0 for p in params)
-    if nucleus and not any(top_k) and nucleus_kernel:
+    if nucleus_kernel and _cuts_nucleus(params, vocab):
         from pagedweight.cuda.sampling_kernels import top_p_cut
+        if any(top_k):  # top-k as a threshold: the k-th largest logit (vLLM's order: top-k, then top-p over it)
+            width = max(top_k)
+            top = torch.nn.functional.pad(torch.topk(x, width, dim=-1).values, (0, 1), value=float("-inf"))
+            kth = torch.tensor([k - 1 if k else width for k in top_k]).to(dev, non_blocking=True)
+            x.masked_fill_(x < top.gather(1, kth[:, None]), float("-inf"))
+            del top
         cut = top_p_cut(x, torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True))
         x.masked_fill_(x < cut[:, None], float("-inf"))
     elif any(top_k) or nucleus:
@@ -356,22 +367,34 @@ class Sampler:
 
 
 def _takes_nucleus_kernel(logits: torch.Tensor, rows: int) -> bool:
-    """Whether a step's `rows` sampled rows take top-p through the nucleus cut kernel: on a GPU, from
-    NUCLEUS_KERNEL_MIN_ROWS rows (decided per step, not per chunk: the chunks are priced by it)."""
+    """Whether a step's `rows` sampled rows may take top-p through the nucleus cut kernel (`_cuts_nucleus` says
+    whether they do): on a GPU, from NUCLEUS_KERNEL_MIN_ROWS rows (decided per step, not per chunk: the chunks are
+    priced by it)."""
     return logits.is_cuda and rows >= NUCLEUS_KERNEL_MIN_ROWS
+
+
+def _cuts_nucleus(params: list[SamplingParams], vocab: int) -> bool:
+    """Whether sampled rows that may take the nucleus cut kernel do: some row has top-p, some row has no top-k (when
+    every row has one, the sort is torch.topk's k columns, cheaper than the kernel), and every top-k is at most
+    THRESHOLD_TOP_K_MAX (it becomes a threshold, the k-th largest logit, from torch.topk)."""
+    top_k = [p.top_k for p in params if 0 < p.top_k < vocab]
+    return (any(p.top_p < 1.0 for p in params) and len(top_k) < len(params)
+            and max(top_k, default=0) <= THRESHOLD_TOP_K_MAX)
 
 
 def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool, nucleus_kernel: bool) -> int:
     """Rows a chunk of the sampler takes within SAMPLE_CHUNK_BYTES (greedy rows: only gathered and adjusted);
-    `nucleus_kernel`: whether top-p without top-k takes the nucleus cut kernel (no sort: a mask, as min-p's)."""
+    `nucleus_kernel`: whether the step may take the nucleus cut kernel (no sort: a mask, as min-p's, after any top-k
+    threshold's torch.topk columns)."""
     sampled = [p for p in params if not p.greedy]
-    top_k, top_p = any(p.top_k > 0 for p in sampled), any(p.top_p < 1.0 for p in sampled)
-    cut = top_p and nucleus_kernel and not top_k
+    top_k, top_p = [p.top_k for p in sampled if p.top_k > 0], any(p.top_p < 1.0 for p in sampled)
+    cut = nucleus_kernel and _cuts_nucleus(sampled, vocab)
     per_entry = (FILTERED_BYTES_PER_ENTRY if (top_k or top_p) and not cut else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
         (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or cut else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
-    return max(1, SAMPLE_CHUNK_BYTES // (max(per_entry, 1) * vocab))
+    per_row = per_entry * vocab + (THRESHOLD_BYTES_PER_K * max(top_k) if cut and top_k else 0)
+    return max(1, SAMPLE_CHUNK_BYTES // max(per_row, 1))
 
 
 def _pick(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """The nucleus cut kernel (cuda/sampling_kernels.py) against its sort-based torch twin, and the sampler with it
-against the sampler's sort: the same kept tokens, so with the same seeds the same draws.
+against the sampler's sort: the same kept tokens (rows with a top-k among them), so with the same seeds the same
+draws.
 
 The kernel runs under the CUDA simulator in a child process (NUMBA_ENABLE_CUDASIM must be set before numba.cuda is
 imported); a second child compiles it to sm_90 PTX with the argument types the launcher builds. With
@@ -11,6 +12,7 @@ within such an ulp of the target, not on these inputs (the comparison is exact, 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import textwrap
@@ -72,12 +74,13 @@ COMPARE = textwrap.dedent(r"""
                    minimal=bool((strictly[ok] < p[ok].double() + 1e-6).all()),
                    all_kept=bool((cut[~ok] == float("-inf")).all()), dtype=str(cut.dtype), shape=list(cut.shape))
         # the sampler, seeded rows: the kernel's path against the sort's (the same noise over the same kept tokens),
-        # but for rows 6 and 8, whose cut falls in a block of ties (the kernel keeps all of them, the sort some)
+        # but for rows 6 and 8, whose cut falls in a block of ties (the kernel keeps all of them, the sort some);
+        # every third row also has a top-k (on the kernel's path a threshold, the k-th largest logit)
         untied = torch.tensor([i not in (6, 8) for i in range(R)], device=x.device)
         same = 0
         for s in range(draws):
-            params = [SamplingParams(temperature=1.0, top_p=float(q), seed=s * 100 + i)
-                      for i, q in enumerate(p.tolist())]
+            params = [SamplingParams(temperature=1.0, top_p=float(q), top_k=50 if i % 3 == 0 else 0,
+                                     seed=s * 100 + i) for i, q in enumerate(p.tolist())]
             logits = x.clone()
             logits[8:9] = 0.0  # every row needs a finite logit to sample
             gens = lambda: [sampling.make_generator(q.seed, logits.device) for q in params]
@@ -149,6 +152,41 @@ def test_twin_keeps_what_the_sorted_rule_keeps() -> None:
     kept = (prob.cumsum(-1) - prob) < p[:, None].double()
     sorted_cut = values.masked_fill(~kept, float("inf")).amin(dim=-1)
     assert torch.equal(top_p_cut_reference(x, p), sorted_cut)
+
+
+def test_sampler_on_the_kernels_path_draws_what_the_sort_draws(monkeypatch) -> None:
+    """The sampler's nucleus-cut path (top-k as a threshold, the cut, the mask) with the twin standing in for the
+    kernel, on the CPU: rows mixing top-k and top-p, top-p alone, top-k alone, min-p, and neither draw, seeded, what
+    the sort draws; the path is taken only while some row lacks a top-k and none is wider than the threshold's."""
+    import torch
+
+    from pagedweight import sampling
+    from pagedweight.cuda import reference, sampling_kernels
+
+    calls = []
+    monkeypatch.setattr(sampling_kernels, "top_p_cut", lambda x, p: calls.append(len(p)) or
+                        reference.top_p_cut_reference(x, p))
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 3000, generator=g) * torch.linspace(0.3, 5.0, 12)[:, None]
+    fields = [dict(top_k=40, top_p=0.9), dict(top_p=0.8), dict(top_k=7), dict(), dict(top_k=1000, top_p=0.5),
+              dict(min_p=0.1, top_p=0.95)]
+    params = [sampling.SamplingParams(temperature=1.0, seed=i, **fields[i % len(fields)]) for i in range(12)]
+
+    def draws(kernel: bool, ps: list) -> list[int]:
+        return [sampling.sample_rows(logits, ps, [sampling.make_generator(p.seed + 100 * s, "cpu") for p in ps],
+                                     nucleus_kernel=kernel).tolist() for s in range(20)]
+
+    assert draws(True, params) == draws(False, params) and calls == [12] * 20
+    for wide in ([dataclasses.replace(p, top_k=p.top_k and 1025) for p in params],  # a top-k past the threshold's
+                 [dataclasses.replace(p, top_k=p.top_k or 9) for p in params]):  # every row with a top-k
+        calls.clear()
+        assert draws(True, wide) == draws(False, wide) and not calls
+    # the threshold's columns are priced: fewer rows a chunk than plain top-p, more than the sort
+    vocab = 151936
+    price = [sampling._chunk_rows(vocab, [sampling.SamplingParams(temperature=1.0, top_p=0.9, top_k=k),
+                                          sampling.SamplingParams(temperature=1.0, top_p=0.9)], False, False, True)
+             for k in (0, 1024, 1025)]
+    assert price[0] > price[1] > price[2], price
 
 
 def test_nucleus_cut_compiles_to_sm90_ptx() -> None:
