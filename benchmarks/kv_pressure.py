@@ -30,6 +30,7 @@ from pagedweight.engine import LLM
 from pagedweight.sampling import SamplingParams
 
 
+IDLE_POLL_S = 1.0  # actors/engine_actor.py's STATS_INTERVAL_S: an idle engine's paging boundaries, as often
 # H200 defaults, computed (not measured) from the 2026-11-29 runs: with whole-step graphs a request of ~640 prompt and
 # 16 generated tokens lived ~0.25 s, so 1 arrival/s never overflowed static 6 bits' 128 KV blocks
 # (kv_pressure-nvidia-h200-20261129-home.json: 0 waits). 128 tokens (~1.1 s at ~8 ms a step) at 4/s keep ~4 requests
@@ -156,8 +157,9 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             rid = llm.add_request(sent[i], params, request_id=str(i))
             arrival[rid] = t0 + when
         if not llm.has_unfinished():
-            if not llm.step_idle():  # idle, as the engine actor is: reloads first, then wait for the next arrival
-                time.sleep(max(0.0, due[0][0] - now) if due else 0.0)
+            if not llm.step_idle():  # idle, as the engine actor is: reloads first, then wait for the next arrival,
+                # looking again each IDLE_POLL_S as the actor does (a kept block's retention may end meanwhile)
+                time.sleep(min(max(0.0, due[0][0] - now), IDLE_POLL_S) if due else 0.0)
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
         outs = llm.step()
@@ -283,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                         "previous one ended, its answer included (default: open loop, turns by the clock)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="every mode computes each prompt whole (default: requests share a common prefix's blocks)")
+    p.add_argument("--prefix-retention-s", type=float, default=0.0, metavar="S",
+                   help="PagedWeight's prefix_retention_s: kept prefix blocks stay out of weight reloads' reach for S "
+                        "seconds after their release (default 0)")
     p.add_argument("--chunk", type=int, default=None, help="token budget per step (default 1024; tiny: 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     budget, options = budget_and_options(cfg, weights, args.parent_bits, outside, page, room, chunk,
                                          args.shared_prefix + hi + (args.turns - 1) * (hi // 4) + gen
                                          + (args.turns - 1) * gen * (args.think_s is not None))
-    options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching)
+    options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching,
+                   prefix_retention_s=args.prefix_retention_s)  # static widths: no reload, no retention
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns, args.think_s)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
@@ -339,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
             "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
-            "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching}
+            "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching,
+            "prefix_retention_s": args.prefix_retention_s}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""

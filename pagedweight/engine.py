@@ -96,6 +96,10 @@ class EngineOptions:
     # earlier turns, a recompute after preemption): PagedKVCache's prefix sharing. Blocks nobody holds are kept while
     # counted free: a KV allocation evicts them and a weight reload reclaims them
     prefix_caching: bool = True
+    # with paging: seconds a kept prefix block is retained after its release, out of weight reloads' reach (a KV
+    # allocation still evicts it), so a chat's next turn finds its history instead of the weights the idle engine
+    # reloaded over it; 0: reloads take kept blocks at once
+    prefix_retention_s: float = 0.0
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width
     paging: bool = True  # False = static uniform `bits` (no planner, no mover traffic)
@@ -256,6 +260,8 @@ class LLM:
             raise ValueError("reload_starts_per_step must be >= 0 (0: no cap)")
         if self.options.compact_every_steps < 0:
             raise ValueError("compact_every_steps must be >= 0 (0: no ration)")
+        if not self.options.prefix_retention_s >= 0.0:  # NaN too
+            raise ValueError(f"prefix_retention_s must be >= 0 seconds, got {self.options.prefix_retention_s!r}")
         if self.options.expert_impl not in ("auto", "reference"):
             raise ValueError(f"expert_impl {self.options.expert_impl!r}: use 'auto' or 'reference'")
         if self.options.expert_impl == "reference":
@@ -315,7 +321,7 @@ class LLM:
         if weights is not None:
             self._setup_weights(model, weights)
         self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size, opts.decode_attention_kernel,
-                               opts.prefix_caching)
+                               opts.prefix_caching, opts.prefix_retention_s if self.planner is not None else 0.0)
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
@@ -731,8 +737,9 @@ class LLM:
             t0 = time.perf_counter()
             committed = self.committed_widths()
             demand = self.scheduler.blocks_demand()
+            self.kv.age()
             kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes(),
-                         self.kv.num_used_blocks)
+                         self.kv.num_used_blocks, self.kv.num_retained_blocks)
             t1 = time.perf_counter()
             plan = self.planner.step(kv, committed)
             self.paging.planner_host_s += time.perf_counter() - t1
@@ -972,6 +979,7 @@ class LLM:
             "prefix_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
             "kv_cached_blocks": self.kv.num_cached_blocks,  # kept prefix blocks, within kv_free_blocks
+            "kv_retained_blocks": self.kv.num_retained_blocks,  # of those, within prefix_retention_s of release
             "kv_evicted_blocks": self.kv.evicted_blocks,  # kept blocks given back for KV or weights
             "kv_reclaimed_blocks": self.kv.reclaimed_blocks,  # of those, taken by weight reloads
             # pool compactions for weight reloads: KV pages and weight runs moved, and their bytes

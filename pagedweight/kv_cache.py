@@ -22,9 +22,12 @@ own tokens go to blocks after them. When its last holder lets go, a published bl
 chat, the next request with the same system prompt, a preempted request's recompute find it) but counted free:
 `num_free_blocks` includes it, an allocation of KV blocks evicts the least recently released first, and a weight
 run that finds too few free pages has the pool reclaim them (`PagePool.set_kv_reclaimer`). So a kept block is
-never a byte the planner or a reload waits for; weights always come first. A request's blocks are released last
-block first, so a block leaves after the blocks that continue it (an evicted block's continuations could no longer
-be found).
+never a byte the planner or a reload waits for; weights come first. With `retention_s` > 0 a kept block is retained
+for that long after its release: KV allocations still evict it, but weight runs do not reclaim it, and the planner
+leaves its bytes out of a reload (`num_retained_blocks`). A chat's next turn, sent seconds after the last answer,
+then finds its history where an idle engine would otherwise have reloaded the weights over it. A request's blocks
+are released last block first, so a block leaves after the blocks that continue it (an evicted block's
+continuations could no longer be found).
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
@@ -37,7 +40,9 @@ masked NaN value still poisons softmax(...) @ V.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,11 +95,15 @@ class DecodeLayout:
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16,
-                 decode_kernel: bool = True, prefix_caching: bool = True) -> None:
+                 decode_kernel: bool = True, prefix_caching: bool = True, retention_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`decode_kernel`: on CUDA, decode rows (static decode steps and the one-token rows of packed steps) attend
         with the paged decode attention kernel (keys read in place, split over the context) where it supports the
         dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask.
-        `prefix_caching`: requests share the computed full blocks of a common prefix (module docstring)."""
+        `prefix_caching`: requests share the computed full blocks of a common prefix; `retention_s`: how long a kept
+        block is out of weight runs' reach after its release, by `clock` (module docstring)."""
+        if not retention_s >= 0.0:
+            raise ValueError(f"retention_s must be >= 0 seconds, got {retention_s!r}")
         self.num_layers = cfg.num_hidden_layers
         self.block_size = block_size
         self.pool = pool
@@ -117,7 +126,12 @@ class PagedKVCache:
         self._next_id = 0  # the next logical block id (never reused)
         self.prefix_caching = prefix_caching
         self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
+        # published blocks nobody holds, oldest release first: the retained ones (released within retention_s, by
+        # release time) and after them the aged ones (reclaimable by weight runs); every retained block was released
+        # after every aged one, so aged + retained is the eviction order
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._retained: OrderedDict[int, float] = OrderedDict()
+        self.retention_s, self._clock = retention_s, clock
         self.evicted_blocks = 0  # kept blocks given back to the pool for KV or weights
         self.reclaimed_blocks = 0  # of those, the ones a weight run reclaimed
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
@@ -140,17 +154,33 @@ class PagedKVCache:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can have now: the pool's free ones and the kept prefix blocks it would evict."""
-        return self.pool.kv_capacity(len(self._cached) * self.num_layers) // self.num_layers
+        return self.pool.kv_capacity(self.num_cached_blocks * self.num_layers) // self.num_layers
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks some request holds."""
-        return len(self.block_pages) - len(self._cached)
+        return len(self.block_pages) - self.num_cached_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Published blocks nobody holds, kept for a later request and counted free."""
-        return len(self._cached)
+        return len(self._cached) + len(self._retained)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Kept blocks released within retention_s (as of the last `age`): weight runs do not reclaim them."""
+        return len(self._retained)
+
+    def age(self) -> None:
+        """Hand the kept blocks whose retention ran out to the weight runs' reach (the engine calls it at each
+        paging boundary, before it reads the counts)."""
+        cutoff = self._clock() - self.retention_s
+        while self._retained:
+            b, released = next(iter(self._retained.items()))
+            if released > cutoff:
+                break
+            del self._retained[b]
+            self._cached[b] = None
 
     @property
     def block_bytes(self) -> int:
@@ -194,25 +224,32 @@ class PagedKVCache:
                 continue
             del self._refs[b]
             if b in self._key:
-                self._cached[b] = None
+                if self.retention_s > 0.0:
+                    self._retained[b] = self._clock()
+                else:
+                    self._cached[b] = None
             else:
                 gone.append(b)
         self._drop(gone)
         seq.block_table = []
 
     def evict(self, n: int) -> None:
-        """Give the `n` least recently released kept blocks back to the pool (fewer if fewer are kept)."""
-        gone = list(itertools.islice(self._cached, max(n, 0)))
+        """Give the `n` least recently released kept blocks back to the pool (fewer if fewer are kept): the aged
+        ones, then the retained ones."""
+        gone = list(itertools.islice(itertools.chain(self._cached, self._retained), max(n, 0)))
         for b in gone:
-            del self._cached[b]
+            if b in self._cached:
+                del self._cached[b]
+            else:
+                del self._retained[b]
             del self._shared[self._key.pop(b)]
         self.evicted_blocks += len(gone)
         self._drop(gone)
 
     def _reclaim(self, pages: int) -> None:
-        """The pool's reclaimer: free at least `pages` pages of kept blocks for a weight run."""
+        """The pool's reclaimer: free at least `pages` pages of aged kept blocks for a weight run."""
         before = self.evicted_blocks
-        self.evict(-(-pages // self.num_layers))
+        self.evict(min(-(-pages // self.num_layers), len(self._cached)))
         self.reclaimed_blocks += self.evicted_blocks - before
 
     def _drop(self, blocks: list[int]) -> None:
@@ -249,6 +286,7 @@ class PagedKVCache:
         for lid in run:
             self._refs[lid] = self._refs.get(lid, 0) + 1
             self._cached.pop(lid, None)
+            self._retained.pop(lid, None)
         seq.block_table += run
         found = len(run) * self.block_size
         seq.num_computed_tokens = found

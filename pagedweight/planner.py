@@ -447,6 +447,8 @@ class KVState:
     the free blocks minus the target stay put while it runs; a reload needs that margin to grow (a request ends).
     `transit_bytes` are pool bytes that moves hold beyond the committed widths' footprint (PageMover.transit_bytes).
     `used_blocks` are the blocks the requests hold now: with the target, what the KV cache needs whatever the widths.
+    `retained_blocks` are kept prefix blocks within their retention (PagedKVCache.retention_s): counted free, since a
+    KV allocation may evict them, but no reload takes their bytes.
     """
 
     free_blocks: int
@@ -454,6 +456,7 @@ class KVState:
     block_bytes: int
     transit_bytes: int = 0
     used_blocks: int = 0
+    retained_blocks: int = 0
 
     @property
     def need_blocks(self) -> int:
@@ -620,8 +623,8 @@ class Planner:
             if np.array_equal(plan.widths, self.desired):
                 return cancel
             return self._write(plan)
-        # free bytes were the window's peak need back (it is never below the need now)
-        budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks) * kv.block_bytes
+        # free bytes were the window's peak need back (it is never below the need now), retained kept blocks aside
+        budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks + kv.retained_blocks) * kv.block_bytes
         turned_down = self._no_reload is not None and self._no_reload[0] == self.version \
             and budget <= self._no_reload[1]
         if budget >= kv.block_bytes and (self.desired < self.home).any() and not turned_down:

@@ -1005,6 +1005,39 @@ def test_widths_return_after_pressure(run, request):
         assert llm.stats()["weight_relocations"] > 0, "the run no longer needs weight relocation"
 
 
+def test_retained_prefix_blocks_outlast_the_idle_reload_until_their_retention_ends(ap_dir):
+    """prefix_retention_s: after the pressure run's requests end, the idle engine's reloads leave the kept blocks
+    released within the retention (a later turn would find them) and widths stay down by their bytes; once the
+    retention has passed, the reloads take them and the widths come home."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
+              reload_starts_per_step=0, planner_knobs={"reload_dwell_steps": 1}, prefix_retention_s=30.0)
+    now = [0.0]
+    llm.kv._clock = lambda: now[0]
+    assert all(o.finish_reason == "length" for o in llm.generate(PROMPTS, greedy(96), use_tqdm=False))
+    kept = llm.kv.num_cached_blocks
+    assert kept > 0 and llm.kv.num_retained_blocks == kept and _mean_width(llm) < 8.0
+    now[0] = 29.0
+    for _ in range(200):
+        if not llm.step_idle():
+            break
+    st = llm.stats()
+    assert st["kv_cached_blocks"] == st["kv_retained_blocks"] == kept and st["kv_reclaimed_blocks"] == 0
+    assert _mean_width(llm) < 8.0, "the reloads took the retained blocks' bytes"
+    with pytest.raises(ValueError, match="prefix_retention_s"):
+        LLM(ap_dir, device=DEVICE, page_store_dir=store, prefix_retention_s=-1.0)
+    now[0] = 31.0
+    for _ in range(200):
+        if not llm.step_idle():
+            break
+    st = llm.stats()
+    assert st["kv_retained_blocks"] == 0 and st["kv_reclaimed_blocks"] > 0 and _mean_width(llm) == 8.0
+    llm.table.check()
+
+
 @pytest.mark.parametrize("run", ["pressure_run", "pressure_run_fp16"])
 def test_lazy_refresh_decides_as_refreshing_every_step(run, request):
     """The engine's planner, refreshing its standing plan only when its inputs change, wrote the same plans at the

@@ -18,6 +18,7 @@ roomy engine: batching, chunked prefill, prefix sharing, preemption and the othe
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -65,9 +66,12 @@ def check_kv(llm: LLM) -> None:
     kv, holders = llm.kv, Counter()
     for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
         holders.update(seq.block_table)
+    kept = set(kv._cached) | set(kv._retained)  # aged and retained (prefix_retention_s) kept blocks
     assert dict(holders) == kv._refs, "a block's reference count is not the requests holding it"
-    assert not set(kv._cached) & set(holders), "a kept block is held"
-    assert set(kv.block_pages) == set(holders) | set(kv._cached), "a block is neither held nor kept"
+    assert not kept & set(holders), "a kept block is held"
+    assert set(kv.block_pages) == set(holders) | kept, "a block is neither held nor kept"
+    assert llm.pool.reclaimable_pages == len(kv._cached) * kv.num_layers, "weights may reclaim a retained block"
+    EXAMPLES["static" if llm.planner is None else "paged", "retained"] += kv.num_retained_blocks > 0
     assert kv.num_used_blocks == len(holders)
     assert llm.pool.kv_pages == len(kv.block_pages) * kv.num_layers, "the pool's KV pages are not the blocks' pages"
     owned = np.flatnonzero(kv._owner >= 0)
@@ -125,6 +129,7 @@ def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tu
             break
         step()
     assert not llm.has_unfinished(), "requests still unfinished after 2,000 steps"
+    llm.kv._clock = lambda: math.inf  # every retention has run out
     for _ in range(200):
         if not llm.step_idle():
             break
@@ -169,22 +174,25 @@ def budget_with(probe: LLM, kv_blocks: int) -> int:
 @settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(program=ops, room=st.integers(3, 14), bits=st.sampled_from([8, 4, 3]), tokens=st.sampled_from([16, 32]),
-       seats=st.integers(1, 8), caching=st.booleans())
+       seats=st.integers(1, 8), caching=st.booleans(), retention=st.sampled_from([0.0, 0.0, 6.0]))
 # two pinned workloads, so that CI always covers these cases: reloads that reclaim kept blocks and compact the pool
 # around KV that landed in the holes offloads left (found by a search over random programs), and, at the seed width,
 # preemptions beside a prompt no release could ever fit
 @example(program=[("add", 1, [558, 512, 254, 376, 950, 998, 228], 14, None), ("abort", 14),
                   ("burst", 6, ("add", 3, [276], 2, None)), ("burst", 3, ("add", 3, [448, 289], 31, None)),
                   ("add", 2, [133, 391, 512, 166, 220, 998, 362], 26, None), ("step", 5),
-                  ("add", 1, [14, 67], 30, None), ("abort", 18)], room=5, bits=8, tokens=32, seats=5, caching=True)
+                  ("add", 1, [14, 67], 30, None), ("abort", 18)], room=5, bits=8, tokens=32, seats=5, caching=True,
+         retention=0.0)
 @example(program=[("burst", 4, ("add", 3, [5] * 8, 20, None)), ("step", 3), ("add", 0, [7] * 100, 5, None)], room=5,
-         bits=3, tokens=32, seats=4, caching=True)
-def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits, tokens, seats, caching):
-    """`bits`: the home width; at 3 (the seed width) nothing can be released, so requests are preempted."""
+         bits=3, tokens=32, seats=4, caching=True, retention=0.0)
+def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits, tokens, seats, caching, retention):
+    """`bits`: the home width; at 3 (the seed width) nothing can be released, so requests are preempted.
+    `retention`: prefix_retention_s, on a clock of one second an engine step."""
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store, bits=bits)
     llm = LLM(ap_dir, budget_with(probe, room), DEVICE, block_size=16, max_num_batched_tokens=tokens,
               max_num_seqs=seats, page_store_dir=store, prefix_caching=caching, bits=bits,
-              planner_knobs={"reload_dwell_steps": 1})
+              planner_knobs={"reload_dwell_steps": 1}, prefix_retention_s=retention)
+    llm.kv._clock = lambda: float(llm.num_steps)
     drive(llm, program, home_room=room)
 
 
@@ -221,7 +229,7 @@ def test_the_examples_covered_the_hard_cases():
     want = [("paged", k) for k in ("offload_triggers", "abort", "length")]
     if DEVICE == "cpu":  # the pinned workloads were found for the CPU's float32 KV blocks
         want += [("paged", k) for k in ("preemptions", "kv_evicted_blocks", "kv_reclaimed_blocks", "kv_relocations",
-                                        "error")]
+                                        "error", "retained")]
         want += [("static", k) for k in ("preemptions", "kv_evicted_blocks", "abort", "length", "compared",
                                          "compared sampled")]
     for key in want:

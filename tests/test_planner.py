@@ -310,6 +310,31 @@ def test_forget_need_lets_a_reload_through_at_once():
     assert back is not None and back.kind == "reload"
 
 
+def test_a_reload_leaves_retained_kept_blocks_their_bytes():
+    """Kept prefix blocks within their retention count free (a release does not come for them: a KV allocation
+    evicts them first) but a reload plans around them: its budget is smaller by exactly their bytes."""
+    rng = np.random.default_rng(12)
+    t = make_tables(rng, 2, 4, 8)
+    top = np.full(t.n_blocks, 8)
+    k = PlannerKnobs()
+    low = (1 + k.trigger_blocks) * PAGE
+    budgets = {}
+    for retained in (0, 3, 200):
+        planner = Planner(t, k, top)
+        planner.decide(KVState(free_blocks=0, target_free_blocks=10**6, block_bytes=PAGE), top)
+        planner.forget_need()
+        kv = KVState(free_blocks=200, target_free_blocks=0, block_bytes=PAGE, retained_blocks=retained)
+        back = planner.decide(kv, planner.desired.copy())
+        budgets[retained] = back.delta_bytes if back is not None else 0.0
+        limit = (200 - retained - k.hysteresis_blocks) * PAGE - low
+        assert budgets[retained] <= max(limit, 0.0), (retained, budgets[retained], limit)
+    assert budgets[0] > budgets[3] > budgets[200] == 0.0, budgets
+    # the same retained blocks never hold a release back: free blocks at the trigger still release
+    planner = Planner(t, k, top)
+    tight = KVState(free_blocks=2, target_free_blocks=4, block_bytes=PAGE, retained_blocks=2)
+    assert planner.decide(tight, top).kind == "release"
+
+
 def test_release_takes_back_pending_reloads_before_lowering_committed_blocks():
     """A request arriving while widths climb back: the release cancels reloads that have not committed (least damage
     avoided per byte first) and lowers no committed block while that covers the demand."""

@@ -26,9 +26,10 @@ CFG = ModelConfig(family="olmoe", vocab_size=64, hidden_size=16, moe_intermediat
 FAMILIES = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 20, 21, 22, 23], [9, 10, 11, 12, 30, 31, 32]]
 
 
-def make(budget: int, seats: int) -> tuple[PagedKVCache, Scheduler]:
+def make(budget: int, seats: int, retention_s: float = 0.0, clock=None) -> tuple[PagedKVCache, Scheduler]:
     pool = PagePool(BLOCKS * LAYERS * PAGE_ALIGN, PAGE_ALIGN)
-    kv = PagedKVCache(CFG, pool, torch.float32, block_size=BS, decode_kernel=False)
+    kv = PagedKVCache(CFG, pool, torch.float32, block_size=BS, decode_kernel=False, retention_s=retention_s,
+                      **({"clock": clock} if clock else {}))
     return kv, Scheduler(kv, max_num_seqs=seats, max_num_batched_tokens=budget)
 
 
@@ -73,9 +74,16 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
             assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
     assert all(not seq.block_table for seq in sched.waiting)
     held = Counter(b for seq in sched.running for b in seq.block_table)
-    assert kv._refs == dict(held) and not set(held) & set(kv._cached)
-    assert set(kv.block_pages) == set(held) | set(kv._cached)  # a block lives while held, or kept if published
-    assert {lid: key for key, lid in kv._shared.items()} == kv._key and set(kv._cached) <= set(kv._key)
+    kept = set(kv._cached) | set(kv._retained)
+    assert not set(kv._cached) & set(kv._retained) and kv.num_cached_blocks == len(kept)
+    assert kv._refs == dict(held) and not set(held) & kept
+    assert set(kv.block_pages) == set(held) | kept  # a block lives while held, or kept if published
+    assert {lid: key for key, lid in kv._shared.items()} == kv._key and kept <= set(kv._key)
+    # weight runs reach only the aged kept blocks; retained ones were released in release order, within retention
+    assert kv.pool.reclaimable_pages == len(kv._cached) * LAYERS
+    times = list(kv._retained.values())
+    assert times == sorted(times) and (kv.retention_s > 0 or not times)
+    assert all(t > kv._clock() - kv.retention_s for t in times), "a kept block outlived its retention"
     for lid in kv._key:  # every published block is found from the first token (no continuation outlives its parent)
         ids = history(kv, lid)  # and holds that history's K/V
         for pos in range(len(ids) - BS, len(ids)):
@@ -88,16 +96,32 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
 @given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(3, 60), max_size=6),
                                     st.integers(1, 8)),
                           st.tuples(st.just("step")), st.tuples(st.just("step")),
-                          st.tuples(st.just("abort"), st.integers(0, 20))), max_size=40),
-       st.integers(3, 12), st.integers(1, 4))
-def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats):
-    """Random arrivals of prompts with common prefixes (and repeats), steps and aborts in a cache short enough to
-    preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are evicted when
-    KV needs them, and all come back."""
-    kv, sched = make(budget, seats)
+                          st.tuples(st.just("abort"), st.integers(0, 20)),
+                          st.tuples(st.just("weights"), st.integers(1, 3 * LAYERS))), max_size=40),
+       st.integers(3, 12), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
+def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retention):
+    """Random arrivals of prompts with common prefixes (and repeats), steps, aborts and weight runs in a cache short
+    enough to preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are
+    evicted when KV needs them, weight runs reclaim only those past their retention (one step a second), and all
+    come back."""
+    now = [0.0]
+    kv, sched = make(budget, seats, retention, lambda: now[0])
     added = []
     for op in ops:
-        if op[0] == "add":
+        now[0] += 1.0
+        kv.age()
+        if op[0] == "weights":  # a reload's run: the free pages, then aged kept blocks, never retained ones
+            free, aged, retained = kv.pool.free_pages, len(kv._cached), dict(kv._retained)
+            try:
+                start = kv.pool.alloc_run(op[1])
+            except PoolExhausted as e:
+                assert op[1] > free + aged * LAYERS or "fragmented" in str(e), e
+            else:
+                assert op[1] <= free + aged * LAYERS
+                assert len(kv._cached) == aged - max(0, -(-(op[1] - free) // LAYERS))
+                kv.pool.free_run(start)
+            assert kv._retained == retained
+        elif op[0] == "add":
             prompt = FAMILIES[op[1]] + op[2]
             seq = Sequence(str(len(added)), prompt, SamplingParams(max_tokens=op[3]))
             added.append(seq)
@@ -112,7 +136,8 @@ def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats):
             break
         run_step(kv, sched)
         check(kv, sched)
-    assert not sched.has_unfinished() and kv.num_used_blocks == 0 and set(kv._shared.values()) == set(kv._cached)
+    kept = set(kv._cached) | set(kv._retained)
+    assert not sched.has_unfinished() and kv.num_used_blocks == 0 and set(kv._shared.values()) == kept
     kv.evict(BLOCKS)
     assert kv.pool.kv_capacity() == BLOCKS * LAYERS and not kv._shared and not kv.block_pages
 
