@@ -69,6 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
+    p.add_argument("--prefix-retention-s", type=float, default=0.0, metavar="S",
+                   help="with paging: a finished request's kept prefix blocks stay out of weight reloads' reach for S "
+                        "seconds (a chat's next turn finds them; default 0: reloads take them at once)")
     p.add_argument("--page-store-dir", default=None,
                    help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
@@ -84,6 +87,8 @@ def run(args) -> int:
                             top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    if not args.prefix_retention_s >= 0.0:
+        raise ValueError(f"--prefix-retention-s {args.prefix_retention_s}: must be >= 0 seconds")
     check_device(args.device)  # refused before a conversion that would run on it
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.activation_reserve is None:
@@ -102,7 +107,8 @@ def run(args) -> int:
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
-              prefix_caching=args.prefix_caching, served_model_name=model_name(args.model))
+              prefix_caching=args.prefix_caching, prefix_retention_s=args.prefix_retention_s,
+              served_model_name=model_name(args.model))
 
     def mean_width(hist: list[list[int]]) -> float:
         counts = np.asarray(hist).sum(axis=0)

@@ -125,6 +125,8 @@ def test_missing_model_dir_subprocess(tmp_path):
     (["serve", "{model}", "--engine-options", "{{bad"], "--engine-options is not JSON"),
     (["serve", "{model}", "--gpu-memory-budget", "0"], "--gpu-memory-budget '0': must be positive"),
     (["run", "--model", "{model}", "--num-prompts", "1", "--device", "bogus"], "device 'bogus'"),
+    (["run", "--model", "{model}", "--num-prompts", "1", "--prefix-retention-s", "-1"],
+     "--prefix-retention-s -1.0: must be >= 0"),
 ])
 def test_other_commands_refuse_bad_input_before_working(model_dir, tmp_path, capsys, argv, reason):
     """Refused in one line before anything slow starts (a model load, a conversion, a Ray cluster): convert leaves
