@@ -94,9 +94,15 @@ for s in "${steps[@]}"; do case $s in
              --budgets "${BUDGETS:-118MiB,126MiB,134MiB}" --repeats "${BUDGETS_REPEATS:-2}" --label "${BUDGETS_LABEL:-budgets}" \
              ${BUDGETS_ARGS:-} ;;
   attention) step "${ATTENTION_LIMIT:-150}" python3 -m benchmarks.attention_bench ${ATTENTION_ARGS:-} ;;  # kernel vs SDPA
+  # one sampler call per case and batch: top-p through the sort against the nucleus cut kernel (arms sort / kernel /
+  # the policy), min-p, and top-k as a threshold before the cut in a mixed batch (session 41)
+  sampler) step "${SAMPLER_LIMIT:-150}" python3 -m benchmarks.sampler_bench --nucleus-arms --batches 1,4,8,32,256 \
+             --cases "${SAMPLER_CASES:-t1,t1-minp0.05,t0.8-p0.9,t0.7-k20-p0.8,mixed-k20p0.8-p0.9}" \
+             --label "${SAMPLER_LABEL:-sampler}" ;;
   burst) step 120 python3 -m benchmarks.release_burst --device cuda --label cuda ;;  # host cost of a release burst
   # kept prefix blocks: closed-loop conversations (3 turns, each sent ~1 s after the previous one ended, its answer
   # included) with prefix caching on, then off; PagedWeight and static 4 bits at the same budget
+  # (CONV_ARGS="--prefix-retention-s 5" CONV_LABEL=-ret5: kept blocks retained from reloads, session 41)
   conversations) for arm in on off; do
                    step "${CONV_LIMIT:-150}" python3 -m benchmarks.kv_pressure --turns 3 --think-s 1 --static-bits 4 \
                      --time-budget-s 130 $([ $arm = off ] && echo --no-prefix-caching) \
