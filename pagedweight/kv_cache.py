@@ -126,9 +126,9 @@ class PagedKVCache:
         self._next_id = 0  # the next logical block id (never reused)
         self.prefix_caching = prefix_caching
         self._refs: dict[int, int] = {}  # logical block -> sequences holding it (held blocks only)
-        # published blocks nobody holds, oldest release first: the retained ones (released within retention_s, by
-        # release time) and after them the aged ones (reclaimable by weight runs); every retained block was released
-        # after every aged one, so aged + retained is the eviction order
+        # published blocks nobody holds, oldest release first, in two lists: the aged ones (weight runs may reclaim
+        # them), then the retained ones (released within retention_s, with their release time); every aged block was
+        # released before every retained one, so aged + retained is the eviction order
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._retained: OrderedDict[int, float] = OrderedDict()
         self.retention_s, self._clock = retention_s, clock
