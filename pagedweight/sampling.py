@@ -387,7 +387,7 @@ def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjust
     `nucleus_kernel`: whether the step may take the nucleus cut kernel (no sort: a mask, as min-p's, after any top-k
     threshold's torch.topk columns)."""
     sampled = [p for p in params if not p.greedy]
-    top_k, top_p = [p.top_k for p in sampled if p.top_k > 0], any(p.top_p < 1.0 for p in sampled)
+    top_k, top_p = [p.top_k for p in sampled if 0 < p.top_k < vocab], any(p.top_p < 1.0 for p in sampled)
     cut = nucleus_kernel and _cuts_nucleus(sampled, vocab)
     per_entry = (FILTERED_BYTES_PER_ENTRY if (top_k or top_p) and not cut else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
