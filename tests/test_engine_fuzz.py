@@ -174,8 +174,8 @@ def budget_with(probe: LLM, kv_blocks: int) -> int:
 @settings(max_examples=int(os.environ.get("PAGEDWEIGHT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(program=ops, room=st.integers(3, 14), bits=st.sampled_from([8, 4, 3]), tokens=st.sampled_from([16, 32]),
-       seats=st.integers(1, 8), caching=st.booleans(), retention=st.sampled_from([0.0, 0.0, 6.0]))
-# two pinned workloads, so that CI always covers these cases: reloads that reclaim kept blocks and compact the pool
+       seats=st.integers(1, 8), caching=st.booleans(), retention=st.sampled_from([0.0, 6.0]))
+# pinned workloads, so that CI always covers these cases: reloads that reclaim kept blocks and compact the pool
 # around KV that landed in the holes offloads left (found by a search over random programs), and, at the seed width,
 # preemptions beside a prompt no release could ever fit
 @example(program=[("add", 1, [558, 512, 254, 376, 950, 998, 228], 14, None), ("abort", 14),
@@ -185,6 +185,9 @@ def budget_with(probe: LLM, kv_blocks: int) -> int:
          retention=0.0)
 @example(program=[("burst", 4, ("add", 3, [5] * 8, 20, None)), ("step", 3), ("add", 0, [7] * 100, 5, None)], room=5,
          bits=3, tokens=32, seats=4, caching=True, retention=0.0)
+# and a conversation's turns with its kept blocks retained (a later turn finds them, an idle reload must not take them)
+@example(program=[("add", 3, [5] * 20, 3, None), ("step", 8), ("idle", 0), ("add", 3, [5] * 20 + [6] * 10, 3, None),
+                  ("step", 4)], room=5, bits=8, tokens=32, seats=4, caching=True, retention=6.0)
 def test_paged_engine_under_random_workloads(ap_dir, store, program, room, bits, tokens, seats, caching, retention):
     """`bits`: the home width; at 3 (the seed width) nothing can be released, so requests are preempted.
     `retention`: prefix_retention_s, on a clock of one second an engine step."""
