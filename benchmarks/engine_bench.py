@@ -302,9 +302,9 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
 
 
 def sampling_of(args: argparse.Namespace) -> dict:
-    """The requests' sampling (`--temperature`, `--top-p`), each request seeded by the engine's global RNG, and
-    their prompt log-probabilities (`--prompt-logprobs`)."""
-    out = {} if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p}
+    """The requests' sampling (`--temperature`, `--top-p`, `--top-k`), each request seeded by the engine's global
+    RNG, and their prompt log-probabilities (`--prompt-logprobs`)."""
+    out = {} if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     if args.prompt_logprobs is not None:
         out["prompt_logprobs"] = args.prompt_logprobs
     return out
@@ -315,6 +315,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature (0: "
                    "greedy, as in every earlier run)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top-p")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: every request's top-k (0: off)")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                    help="every request scores its prompt's tokens with N alternatives (SamplingParams.prompt_logprobs)")
 
