@@ -375,8 +375,8 @@ def _takes_nucleus_kernel(logits: torch.Tensor, rows: int) -> bool:
 
 def _cuts_nucleus(params: list[SamplingParams], vocab: int) -> bool:
     """Whether sampled rows that may take the nucleus cut kernel do: some row has top-p, some row has no top-k (when
-    every row has one, the sort is torch.topk's k columns, cheaper than the kernel), and every top-k is at most
-    THRESHOLD_TOP_K_MAX (it becomes a threshold, the k-th largest logit, from torch.topk)."""
+    every row has one there is no full sort to spare: torch.topk of the widest k columns stands for it), and every
+    top-k is at most THRESHOLD_TOP_K_MAX (it becomes a threshold, the k-th largest logit, from torch.topk)."""
     top_k = [p.top_k for p in params if 0 < p.top_k < vocab]
     return (any(p.top_p < 1.0 for p in params) and len(top_k) < len(params)
             and max(top_k, default=0) <= THRESHOLD_TOP_K_MAX)
