@@ -37,7 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
                    help="where converted AP checkpoints are kept")
-    p.add_argument("--engine-options", default="{}", metavar="JSON", help="extra LLM engine options")
+    p.add_argument("--engine-options", default="{}", metavar="JSON",
+                   help="extra LLM engine options (pagedweight.engine.EngineOptions), "
+                        "e.g. '{\"prefix_retention_s\": 5}'")
     return p
 
 
