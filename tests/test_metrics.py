@@ -26,7 +26,8 @@ SNAPSHOTS = [
     {"kv_free_blocks": 60, "kv_total_blocks": 70, "resident_weight_bytes": 100000, "pages_in_flight": 0,
      "planner_step_ms": 0.5, "plan_staleness_steps": 0, "num_running": 0, "num_waiting": 0,
      "bytes_offloaded": 5000, "bytes_reloaded": 700, "offload_triggers": 3, "reload_triggers": 1, "preemptions": 2,
-     "prefix_query_tokens": 300, "prefix_hit_tokens": 128, "kv_cached_blocks": 9, "kv_evicted_blocks": 4,
+     "prefix_query_tokens": 300, "prefix_hit_tokens": 128, "kv_cached_blocks": 9, "kv_retained_blocks": 5,
+     "kv_evicted_blocks": 4,
      "engine_steps": 50, "steps_in_flight": 12, "time_in_flight_s": 0.75,
      "committed_width_hist": [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 4, 0, 0, 0, 12]]},
     # the engine was rebuilt: its totals restart from zero, the exported counters keep growing
@@ -114,6 +115,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("offload_triggers_total") == 3 + 1 and probe_v("reload_triggers_total") == 1
     assert probe_v("prefix_query_tokens_total") == 300 and probe_v("prefix_hit_tokens_total") == 128
     assert probe_v("kv_cached_blocks") == 9 and probe_v("kv_evicted_blocks_total") == 4
+    assert probe_v("kv_retained_blocks") == 5
     assert probe_v("engine_steps_total") == 50 and probe_v("steps_with_pages_in_flight_total") == 12
     assert probe_v("time_with_pages_in_flight_s_total") == 0.75
     # committed-width histogram per layer (last non-empty snapshot)
