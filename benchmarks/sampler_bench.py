@@ -53,22 +53,6 @@ CASES = {  # SamplingParams fields of every row (a list: row i takes entry i % i
 }
 
 
-class _ArmSampler(sampling.Sampler):
-    """The sampler with top-p through the sort (min_rows: a huge number) or the nucleus cut kernel from min_rows
-    rows (1: always)."""
-
-    def __init__(self, min_rows: int):
-        self.min_rows = min_rows
-
-    def __call__(self, *args, **kwargs):
-        saved = sampling.NUCLEUS_KERNEL_MIN_ROWS
-        sampling.NUCLEUS_KERNEL_MIN_ROWS = self.min_rows
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            sampling.NUCLEUS_KERNEL_MIN_ROWS = saved
-
-
 def case_params(case: str, batch: int) -> list[SamplingParams]:
     cycle = CASES[case] if isinstance(CASES[case], list) else [CASES[case]]
     out = []
@@ -144,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", default=None, metavar="FILE", help="an older sampling.py: its Sampler is arm 'old'")
     p.add_argument("--nucleus-arms", action="store_true",
                    help="also arms 'sort' and 'kernel': top-p always through the sort, always through the nucleus cut "
-                        "kernel ('new' follows sampling.NUCLEUS_KERNEL_MIN_ROWS)")
+                        "kernel ('new': from sampling.NUCLEUS_KERNEL_MIN_ROWS rows)")
     p.add_argument("--history", type=int, default=1024, help="generated tokens a penalized row counts")
     p.add_argument("--prompt", default=None, metavar="R,...", help="time prompt log-probabilities of R rows instead")
     p.add_argument("--hidden", type=int, default=2048, help="with --prompt: the LM head's input width")
@@ -161,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         spec.loader.exec_module(old)
         arms = {"old": (old.Sampler(), old.make_generator), **arms}
     if args.nucleus_arms:
-        arms["sort"] = (_ArmSampler(1 << 30), sampling.make_generator)
-        arms["kernel"] = (_ArmSampler(1), sampling.make_generator)
+        arms["sort"] = (sampling.Sampler(nucleus_min_rows=1 << 30), sampling.make_generator)
+        arms["kernel"] = (sampling.Sampler(nucleus_min_rows=1), sampling.make_generator)
     rows = prompt_rows(args, dev) if args.prompt else []
     for batch in [] if args.prompt else [int(b) for b in args.batches.split(",")]:
         logits = torch.randn(batch, args.vocab, device=dev) * 3

@@ -209,7 +209,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
         x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     nucleus = any(p.top_p < 1.0 for p in params)
-    if nucleus_kernel and _cuts_nucleus(params, vocab):
+    if nucleus_kernel and _cuts_nucleus(top_k, nucleus):
         from pagedweight.cuda.sampling_kernels import top_p_cut
         if any(top_k):  # top-k as a threshold: the k-th largest logit (vLLM's order: top-k, then top-p over it)
             width = max(top_k)
@@ -291,7 +291,11 @@ def _subtract_scaled(x: torch.Tensor, counts: torch.Tensor, per_row: list[float]
 
 class Sampler:
     """Picks one next token per row of last-position logits: every row of a step in a few batched ops and one host
-    read (a per-row loop cost a dozen launches and a host read per sampled row)."""
+    read (a per-row loop cost a dozen launches and a host read per sampled row). `nucleus_min_rows`: sampled rows
+    of a step from which top-p may take the nucleus cut kernel on a GPU (sampler_bench's arms set it)."""
+
+    def __init__(self, nucleus_min_rows: int = NUCLEUS_KERNEL_MIN_ROWS) -> None:
+        self.nucleus_min_rows = nucleus_min_rows
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                  history: SequenceOf[np.ndarray | None] | None = None,
@@ -313,7 +317,7 @@ class Sampler:
         if not sampled and not adjusted:
             return logits.argmax(dim=-1).tolist()
         if len(sampled) == len(params):  # no gather
-            kernel = _takes_nucleus_kernel(logits, len(params))
+            kernel = logits.is_cuda and len(params) >= self.nucleus_min_rows
             chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False, nucleus_kernel=kernel)
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk], kernel)
                      for i in range(0, len(params), chunk)]
@@ -324,7 +328,7 @@ class Sampler:
             if not rows:
                 continue
             ps = [params[r] for r in rows]
-            kernel = _takes_nucleus_kernel(logits, len(rows))
+            kernel = logits.is_cuda and len(rows) >= self.nucleus_min_rows
             chunk = _chunk_rows(logits.shape[1], ps, gathered=True, adjusted=adjust, nucleus_kernel=kernel)
             for c in range(0, len(rows), chunk):
                 index = torch.tensor(rows[c:c + chunk]).to(logits.device, non_blocking=True)
@@ -366,20 +370,12 @@ class Sampler:
         return _entries(picked, tokens, counts)
 
 
-def _takes_nucleus_kernel(logits: torch.Tensor, rows: int) -> bool:
-    """Whether a step's `rows` sampled rows may take top-p through the nucleus cut kernel (`_cuts_nucleus` says
-    whether they do): on a GPU, from NUCLEUS_KERNEL_MIN_ROWS rows (decided per step, not per chunk: the chunks are
-    priced by it)."""
-    return logits.is_cuda and rows >= NUCLEUS_KERNEL_MIN_ROWS
-
-
-def _cuts_nucleus(params: list[SamplingParams], vocab: int) -> bool:
-    """Whether sampled rows that may take the nucleus cut kernel do: some row has top-p, some row has no top-k (when
-    every row has one there is no full sort to spare: torch.topk of the widest k columns stands for it), and every
-    top-k is at most THRESHOLD_TOP_K_MAX (it becomes a threshold, the k-th largest logit, from torch.topk)."""
-    top_k = [p.top_k for p in params if 0 < p.top_k < vocab]
-    return (any(p.top_p < 1.0 for p in params) and len(top_k) < len(params)
-            and max(top_k, default=0) <= THRESHOLD_TOP_K_MAX)
+def _cuts_nucleus(top_k: list[int], nucleus: bool) -> bool:
+    """Whether sampled rows that may take the nucleus cut kernel do, from each row's top-k (0: none) and whether some
+    row has top-p: some row has no top-k (when every row has one there is no full sort to spare: torch.topk of the
+    widest k columns stands for it), and every top-k is at most THRESHOLD_TOP_K_MAX (it becomes a threshold, the
+    k-th largest logit, from torch.topk)."""
+    return nucleus and not all(top_k) and max(top_k, default=0) <= THRESHOLD_TOP_K_MAX
 
 
 def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjusted: bool, nucleus_kernel: bool) -> int:
@@ -387,13 +383,13 @@ def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjust
     `nucleus_kernel`: whether the step may take the nucleus cut kernel (no sort: a mask, as min-p's, after any top-k
     threshold's torch.topk columns)."""
     sampled = [p for p in params if not p.greedy]
-    top_k, top_p = [p.top_k for p in sampled if 0 < p.top_k < vocab], any(p.top_p < 1.0 for p in sampled)
-    cut = nucleus_kernel and _cuts_nucleus(sampled, vocab)
-    per_entry = (FILTERED_BYTES_PER_ENTRY if (top_k or top_p) and not cut else
+    top_k, top_p = [p.top_k if 0 < p.top_k < vocab else 0 for p in sampled], any(p.top_p < 1.0 for p in sampled)
+    cut = nucleus_kernel and _cuts_nucleus(top_k, top_p)
+    per_entry = (FILTERED_BYTES_PER_ENTRY if (any(top_k) or top_p) and not cut else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
         (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or cut else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
-    per_row = per_entry * vocab + (THRESHOLD_BYTES_PER_K * max(top_k) if cut and top_k else 0)
+    per_row = per_entry * vocab + (THRESHOLD_BYTES_PER_K * max(top_k) if cut and any(top_k) else 0)
     return max(1, SAMPLE_CHUNK_BYTES // max(per_row, 1))
 
 
