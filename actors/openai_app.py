@@ -13,6 +13,10 @@ request; the cancellation reaches the replica's generator, which aborts the engi
 
 (No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods.)
 
+Routing: with several engine replicas, each ingress routes a conversation's turns (and prompts that share their
+start) to one replica, where its KV blocks are kept, unless that replica is well above its share of the requests in
+flight (actors/routing.py; `prefix_affinity=False` restores Serve's default router).
+
 Resources: the ingress takes no CPU; an engine replica takes one GPU (or `engine_num_cpus` CPUs when
 the cluster has no GPU).
 """
@@ -30,9 +34,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedweight.actors.engine_actor import EngineConfig, make_engine
+from pagedweight.actors.routing import PrefixAffinityRouter
 from pagedweight.chat import ChatTemplateError
 from pagedweight.checkpoint import resolve_model
 
@@ -829,6 +835,7 @@ class AppArgs(BaseModel):
     engine_options: dict = {}
     expert_impl: str = "auto"  # "reference": the torch twin of the fused kernel (no kernel compile)
     store_root: str = "/dev/shm"  # tmpfs where the node's page store writes the planes
+    prefix_affinity: bool = True  # route by affinity key under a load bound (actors/routing.py), else Serve's default
 
 
 def _cluster_has_gpus() -> bool:
@@ -864,7 +871,9 @@ def build_app(args: AppArgs) -> serve.Application:
     cfg = EngineConfig(model_dir, args.gpu_memory_budget, "cuda" if gpus else "cpu", options,
                        store_root=args.store_root, expert_impl=args.expert_impl)
     actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
-    engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options).bind(cfg)
+    routing = {"request_router_config": RequestRouterConfig(request_router_class=PrefixAffinityRouter)} \
+        if args.prefix_affinity else {}
+    engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options, **routing).bind(cfg)
     # one ingress (no CPU reserved) per engine replica: each is one event loop relaying HTTP and replica messages
     return OpenAIIngress.options(num_replicas=args.num_replicas).bind(engine, args.api_key)
 

@@ -33,6 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="per engine, weights + KV cache: bytes with unit (40GiB) or a fraction of device memory")
     p.add_argument("--num-replicas", type=int, default=None,
                    help="engine replicas (default: one per GPU of the cluster, 1 without GPUs)")
+    p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
+                   help="route requests with Serve's default router (power of two choices) instead of by prefix "
+                        "affinity under a load bound (a conversation's turns to the replica holding its KV blocks)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a new local one)")
     p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
@@ -75,7 +78,8 @@ def run(args) -> int:
     replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
-                            api_key=args.api_key, engine_options={"served_model_name": name, **options}))
+                            api_key=args.api_key, engine_options={"served_model_name": name, **options},
+                            prefix_affinity=args.prefix_affinity))
     serve.run(app, name="pagedweight", route_prefix="/")
     print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
           "- Ctrl-C stops", flush=True)
