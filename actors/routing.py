@@ -26,7 +26,7 @@ import math
 import random
 from collections import Counter
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 AFFINITY_CHARS = 512  # a text prompt's key: its first 512 characters (~128 tokens, 8 KV blocks of 16)
 AFFINITY_TOKENS = 128  # a token-id prompt's key
@@ -61,15 +61,21 @@ def bounded_choice(order: list[int], loads: list[int], epsilon: float) -> int:
     return next(i for i in order if loads[i] < cap)
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Routes a generation request to its key's replica under a load bound (module docstring); Serve tries the
-    replicas of the ranks it returns in order, so a replica at max_ongoing_requests passes the request on."""
+    replicas of the ranks it returns in order, so a replica at max_ongoing_requests passes the request on.
+
+    FIFO: the calls one HTTP request makes (its prompts, `n` samples, the model info) share Serve's internal request
+    id, and matching a chosen replica to its request by that id (the base router's default) leaves all but one of
+    them waiting forever; the FIFO mixin gives it to the oldest request instead, which is the one chosen for except
+    when routing tasks finish out of order."""
 
     def initialize_state(self, load_epsilon: float = 0.5) -> None:
         if load_epsilon < 0:
             raise ValueError(f"load_epsilon must be >= 0, got {load_epsilon}")
         self._epsilon = load_epsilon
-        self._routed: dict[str, ReplicaID] = {}  # internal request id -> the replica it went to, until it completes
+        # internal request id (shared by one HTTP request's calls) -> how many of its calls each replica holds
+        self._routed: dict[str, Counter[ReplicaID]] = {}
         self._loads: Counter[ReplicaID] = Counter()  # requests in flight per replica (this router's)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -83,15 +89,17 @@ class PrefixAffinityRouter(RequestRouter):
         return [[candidate_replicas[first]], [candidate_replicas[i] for i in order if i != first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        if request_id not in self._routed:
-            self._routed[request_id] = replica_id
-            self._loads[replica_id] += 1
+        self._routed.setdefault(pending_request.metadata.internal_request_id, Counter())[replica_id] += 1
+        self._loads[replica_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # also called for a request a replica rejected (never routed): only routed ones count
-        rid = self._routed.pop(internal_request_id, None)
-        if rid is not None:
-            self._loads[rid] -= 1
-            if not self._loads[rid]:
-                del self._loads[rid]
+        # also called for a call a replica rejected (never routed): only routed ones count
+        held = self._routed.get(internal_request_id)
+        if held is None or not held[replica_id]:
+            return
+        held[replica_id] -= 1
+        if not +held:
+            del self._routed[internal_request_id]
+        self._loads[replica_id] -= 1
+        if not self._loads[replica_id]:
+            del self._loads[replica_id]

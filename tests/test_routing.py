@@ -93,6 +93,46 @@ def test_a_hot_key_spills_over_and_loads_stay_bounded():
     assert [loads[i] for i in order] == [75, 75, 50, 0]  # 1.5 x the mean of 50, twice, then the rest
 
 
+def test_router_ranks_by_key_counts_calls_and_spills_under_load():
+    """The router's own state, without Serve: a generation call goes to its key's replica alone, the rest behind it;
+    the calls of one HTTP request share an internal id and are counted apiece; a rejected call (completed, never
+    routed) changes nothing; once the key's replica holds its bound the next call goes to the next replica."""
+    import asyncio
+    from collections import namedtuple
+    from types import SimpleNamespace as NS
+
+    from pagedweight.actors.routing import PrefixAffinityRouter
+
+    Rid = namedtuple("Rid", "unique_id")  # hashable, as Serve's ReplicaID
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # Serve's constructor wants a live deployment
+    router.initialize_state(load_epsilon=0.0)
+    ids = ["aaaa", "bbbb", "cccc"]
+    replicas = [NS(replica_id=Rid(u)) for u in ids]
+    key_job = job("x" * 600)
+    order = rendezvous_order(affinity_key((key_job,)), ids)
+
+    def choose(request_id: str) -> list[list]:
+        pending = NS(args=(key_job,), metadata=NS(internal_request_id=request_id))
+        return asyncio.run(router.choose_replicas(replicas, pending))
+
+    ranks = choose("r")
+    assert ranks[0] == [replicas[order[0]]] and ranks[1] == [replicas[i] for i in order[1:]]
+    first = replicas[order[0]].replica_id
+    for _ in range(2):  # two prompts of one HTTP request
+        router.on_request_routed(NS(metadata=NS(internal_request_id="r")), first, None)
+    assert router._loads[first] == 2
+    assert choose("s")[0] == [replicas[order[1]]]  # bound ceil(3 / 3) = 1: the key's replica is full
+    router.on_request_completed(replicas[order[2]].replica_id, "r")  # a rejection elsewhere: not counted
+    router.on_request_completed(first, "r")
+    router.on_request_completed(first, "r")
+    router.on_request_completed(first, "r")  # more completions than calls: nothing below zero
+    assert not router._loads and not router._routed
+    assert choose("t")[0] == [replicas[order[0]]]
+    no_key = asyncio.run(router.choose_replicas(replicas, NS(args=(), metadata=NS(internal_request_id="u"))))
+    assert len(no_key) == 1 and len(no_key[0]) == 2
+
+
 @pytest.fixture(scope="module")
 def affinity_app(serve_app, ap_model_dir):
     """The OpenAI app with two engine replicas (and two ingresses) beside the session's one-replica app."""
