@@ -55,7 +55,9 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]  # one list shared by every output of the request (copy it before changing it)
     token_ids: list[int]  # every generated token so far; with output_kind "delta" those new since the last output
-    text: str  # every generated character so far (cut at a stop string)
+    # every generated character so far, cut at a stop string; until the request ends, less a tail that begins a stop
+    # string (a later token may complete it, and the text is then cut there: as vLLM holds text back)
+    text: str
     delta_text: str  # new since this request's previous output
     finished: bool
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
@@ -199,6 +201,12 @@ def serving_reserve(gpu_memory_budget: int | float | None, device: str) -> int |
     to take it from; nothing to measure off CUDA). `LLM` itself defaults to 0: its budget then covers the weights
     and the pool, which is what the benchmarks' equal-memory comparisons size."""
     return "auto" if gpu_memory_budget is not None and torch.device(device).type == "cuda" else 0
+
+
+def _stop_start_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that a stop string begins with (shorter than that stop string)."""
+    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-n:])),
+               default=0)
 
 
 def round_up(n: int, m: int) -> int:
@@ -738,8 +746,9 @@ class LLM:
             committed = self.committed_widths()
             demand = self.scheduler.blocks_demand()
             self.kv.age()
-            kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, self.mover.transit_bytes(),
-                         self.kv.num_used_blocks, self.kv.num_retained_blocks)
+            transit = max(0, self.mover.transit_bytes() - self.kv.reserve_borrowed_bytes)  # exact KV room (kv_cache)
+            kv = KVState(self.kv.num_free_blocks, demand, self.kv.block_bytes, transit, self.kv.num_used_blocks,
+                         self.kv.num_retained_blocks)
             t1 = time.perf_counter()
             plan = self.planner.step(kv, committed)
             self.paging.planner_host_s += time.perf_counter() - t1
@@ -852,6 +861,8 @@ class LLM:
         if reason is not None:
             if self.options.detokenize and not cut and seq.read_offset < seq.num_completion_tokens:
                 self._extend_text(seq, final=True)  # flush text held back for an unfinished character
+                if p.stop and stops:  # whose whole characters no stop string was looked for in yet
+                    reason = self._cut_at_stop(seq, checked) or reason
             self.scheduler.finish(seq, reason)
 
     def _extend_text(self, seq: Sequence, final: bool = False) -> bool:
@@ -875,8 +886,11 @@ class LLM:
         return "stop"
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        delta = seq.text[seq.sent_text_len:]
-        seq.sent_text_len = len(seq.text)
+        text = seq.text
+        if seq.params.stop and not seq.is_finished:  # a later token may complete a stop string there and cut it
+            text = text[:len(text) - _stop_start_len(text, seq.params.stop)]
+        delta = text[seq.sent_text_len:]
+        seq.sent_text_len = len(text)
         by_delta = seq.params.output_kind == "delta"
         start = seq.num_prompt_tokens + (seq.sent_tokens if by_delta else 0)
         prompt_logprobs = None
@@ -886,7 +900,7 @@ class LLM:
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
         logprobs = seq.logprobs[start - seq.num_prompt_tokens:] if seq.params.logprobs is not None else None
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], seq.text, delta,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], text, delta,
                              seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs,
                              prompt_logprobs, seq.num_cached_tokens)
 
@@ -923,7 +937,15 @@ class LLM:
             p.validate()
         # only finished outputs are kept: the others are not built (each would copy the tokens generated so far)
         params = [replace(p, output_kind="final_only") for p in params]
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except BaseException:  # a bad prompt: the ones added before it would run on with nobody to read them
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]  # nor surface in a later step
+            raise
         wanted, done = set(ids), {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids) and self.has_unfinished():

@@ -6,6 +6,7 @@ Oracles: transformers' generate on the same checkpoint (dense path), our own mod
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import types
@@ -438,6 +439,16 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
     chunks = list(llm.stream(PROMPTS[0], greedy(16)))
     assert "".join(c.delta_text for c in chunks) == full.text and chunks[-1].finished
     assert [c.finished for c in chunks].count(True) == 1
+    # a stream holds back a tail that begins a stop string: a stop string that starts one character before the
+    # fourth step's text ends and ends with the sixth's is never streamed in part; one that never completes is
+    # streamed whole once the request ends; cumulative texts only grow
+    ends = [len(c.text) for c in chunks]
+    spanning = full.text[ends[3] - 1:ends[5]]
+    for stop, want in ((spanning, full.text[:full.text.find(spanning)]), (spanning + "\x00", full.text)):
+        for kind in ("delta", "cumulative"):
+            outs = list(llm.stream(PROMPTS[0], greedy(16, stop=[stop], output_kind=kind)))
+            assert "".join(o.delta_text for o in outs) == outs[-1].text == want, (stop, kind)
+            assert all(b.text.startswith(a.text) for a, b in itertools.pairwise(outs))
     # every output of a request carries one prompt list (no copy per step); changing it changes no later output
     assert all(c.prompt_token_ids is chunks[0].prompt_token_ids for c in chunks)
     assert chunks[0].prompt_token_ids == full.prompt_token_ids
@@ -445,6 +456,14 @@ def test_stop_strings_eos_stream_and_errors(hf_dir):
     first = next(mutated)
     first.prompt_token_ids.append(-1)
     assert [c.token_ids for c in [first, *mutated]][-1] == full.token_ids
+    # the last token ends inside a UTF-8 character (token 3520 is a space and a lead byte), so its text is held
+    # back until the request ends; the stop string in it still cuts it then
+    held = llm.generate([PROMPTS[0]], greedy(1, stop=[" "], logit_bias={3520: 100.0}), use_tqdm=False)[0]
+    assert held.token_ids == [3520] and held.text == "" and held.finish_reason == "stop"
+    # a bad prompt among several: the ones added before it do not run on unread
+    with pytest.raises(ValueError):
+        llm.generate([PROMPTS[0], ""], greedy(4), use_tqdm=False)
+    assert not llm.has_unfinished()
     too_long = llm.generate([[1] * 1100], greedy(4), use_tqdm=False)[0]
     assert too_long.finish_reason == "error" and "max_model_len" in too_long.error
     with pytest.raises(ValueError):
