@@ -44,7 +44,7 @@ from pagedweight.checkpoint import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 4 << 20
-MAX_STOP = 4
+MAX_STOP = 64  # OpenAI takes 4; vLLM any number, and lm-evaluation-harness sends a task's whole list (9 for humaneval)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -187,7 +187,8 @@ def _prompt(value) -> str | list[int]:
 
 
 def chat_messages(messages) -> list[dict]:
-    """The request's chat messages, checked, as {"role", "content"} dicts with text content (content parts joined):
+    """The request's chat messages, checked, as {"role", "content"} dicts with text content (text parts joined by
+    newlines, as vLLM joins them):
     the engine replica renders them with the checkpoint's chat template (pagedweight.chat)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
@@ -206,7 +207,7 @@ def chat_messages(messages) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise _bad(f"'{where}.content[{j}]' must be a text part", f"{where}.content")
                 parts.append(_text(part.get("text"), f"{where}.content[{j}].text"))
-            content = "".join(parts)
+            content = "\n".join(parts)
         out.append({"role": role, "content": _text(content, f"{where}.content")})
     return out
 
@@ -272,7 +273,10 @@ def _model(body: dict, served_model: str, required: bool = True) -> str:
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
+    """A boolean parameter; null is its default (as every other parameter's)."""
+    value = body.get(name)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise _bad(f"'{name}' must be a boolean", name)
     return value
@@ -327,7 +331,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         prompt=prompts[0], max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_integer(body, "top_k", 0, 0, 1 << 20),
+        top_k=max(0, _integer(body, "top_k", 0, -1, 1 << 20)),  # vLLM's -1: off, as 0
         seed=_integer(body, "seed", None, 0, (1 << 63) - 1 - MAX_PROMPTS),
         stop=stop, ignore_eos=ignore_eos,
         request_id=request_id, logprobs=logprobs, echo=echo,
@@ -576,7 +580,9 @@ def _logprobs_body(req: ParsedRequest, entries: list[dict] | None, offset: int =
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top"] is None else {t: lp for t, lp, _ in e["top"]} for e in entries],
+            # the API "will always return the logprob of the sampled token, so there may be up to logprobs+1 elements"
+            "top_logprobs": [None if e["top"] is None else {**{t: lp for t, lp, _ in e["top"]}, e["token"]: e["logprob"]}
+                             for e in entries],
             "text_offset": offsets}
 
 

@@ -195,6 +195,10 @@ def test_logprobs_match_offline_engine_stream_and_not(client, serve_app, offline
     assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
     assert [x for s in streamed for x in s.text_offset] == lp.text_offset
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+    # sampled, so often not the most likely: the API "will always return the logprob of the sampled token"
+    hot = client.completions.create(**{**kw, "temperature": 2.0, "seed": 3, "logprobs": 1}).choices[0].logprobs
+    assert all(top[t] == x and len(top) <= 2 for t, x, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs))
+    assert any(len(top) == 2 for top in hot.top_logprobs)
 
     ref = offline(offline.chat_ids(MESSAGES), logprobs=3)
     resp = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
@@ -229,7 +233,9 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(serve_app, offline):
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         assert len(lp["token_logprobs"]) == len(want) == len(ids) + 1
         assert all(abs(a - b) < 1e-4 for a, b in zip(lp["token_logprobs"][1:], want[1:]))
-        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        # the most likely token and the prompt's own (the API always returns the sampled token's)
+        assert all(1 <= len(top) <= 2 and top[t] == x
+                   for t, x, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
         assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
         ctxlen = 2  # lm-eval: the continuation's log-likelihood and whether greedy decoding would produce it
         cont = lp["token_logprobs"][ctxlen:-1]
@@ -403,6 +409,20 @@ def test_sixteen_concurrent_clients_lose_nothing(serve_app):
     wait_idle()
 
 
+def test_vllm_clients_parameters_are_taken():
+    """What clients written for vLLM send: top_k -1 (off), null for a boolean (its default), a harness task's whole
+    stop list (lm-evaluation-harness's humaneval: 8 strings and the EOS), and text parts (joined by newlines)."""
+    from pagedweight.actors.openai_app import validate_request
+
+    body = {"model": "m", "prompt": "x", "top_k": -1, "stream": None, "echo": None,
+            "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```", "<file_sep>", "\nassert", "<|endoftext|>"]}
+    req = validate_request(body, "completion", "m", 64)
+    assert req.jobs[0].top_k == 0 and not req.stream and not req.jobs[0].echo and len(req.jobs[0].stop) == 9
+    parts = [{"type": "text", "text": "Read this:"}, {"type": "text", "text": "x = 1"}]
+    chat = validate_request({"model": "m", "messages": [{"role": "user", "content": parts}]}, "chat", "m", 64)
+    assert chat.jobs[0].messages == [{"role": "user", "content": "Read this:\nx = 1"}]
+
+
 def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes, int]]:
     def body(**kw) -> bytes:
         return json.dumps({"model": model, "prompt": "x = 1", **kw}).encode()
@@ -436,7 +456,7 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("nan temperature", "/v1/completions", body()[:-1] + b', "temperature": NaN}', 400),
         ("top_p zero", "/v1/completions", body(top_p=0), 400),
         ("top_p above one", "/v1/completions", body(top_p=1.5), 400),
-        ("negative top_k", "/v1/completions", body(top_k=-1), 400),
+        ("top_k below -1", "/v1/completions", body(top_k=-2), 400),
         ("min_p above one", "/v1/completions", body(min_p=1.5), 400),
         ("stop_token_ids not a list", "/v1/completions", body(stop_token_ids=7), 400),
         ("a negative stop token id", "/v1/completions", body(stop_token_ids=[3, -1]), 400),
@@ -444,7 +464,7 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("repetition_penalty zero", "/v1/completions", body(repetition_penalty=0), 400),
         ("min_tokens above max_tokens", "/v1/completions", body(min_tokens=5, max_tokens=2), 400),
         ("negative seed", "/v1/completions", body(seed=-1), 400),
-        ("too many stops", "/v1/completions", body(stop=["a", "b", "c", "d", "e"]), 400),
+        ("too many stops", "/v1/completions", body(stop=[f"s{i}" for i in range(65)]), 400),
         ("n=0", "/v1/completions", body(n=0), 400),
         ("prompts x n above 256", "/v1/completions", body(prompt=["x", "y"], n=200), 400),
         ("stream not bool", "/v1/completions", body(stream="yes"), 400),
