@@ -128,7 +128,15 @@ class AsyncEngine:
         self.check_health()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        rid = await asyncio.to_thread(self._add, prompt, params, request_id or uuid.uuid4().hex, loop, queue)
+        # the add waits for the lock (up to a step) in a thread that a cancelled caller cannot stop: shielded, so a
+        # request added after its caller left is aborted once the add returns instead of running to its end
+        add = asyncio.ensure_future(asyncio.to_thread(self._add, prompt, params, request_id or uuid.uuid4().hex,
+                                                      loop, queue))
+        try:
+            rid = await asyncio.shield(add)
+        except asyncio.CancelledError:
+            add.add_done_callback(self._abort_added)
+            raise
         start, first, finished, out = time.perf_counter(), None, False, None
         try:
             while not finished:
@@ -155,6 +163,11 @@ class AsyncEngine:
             if self._metrics is not None:
                 reason = out.finish_reason if finished else "abort"
                 self._metrics.observe_request(time.perf_counter() - start, first, reason)
+
+    def _abort_added(self, add: asyncio.Future) -> None:
+        if not add.cancelled() and add.exception() is None:
+            self._aborts.append(add.result())
+            self._wake.set()
 
     def _add(self, prompt, params, request_id, loop, queue) -> str:
         with self._lock:

@@ -233,6 +233,34 @@ def test_coalesced_stream_joins_deltas_of_a_slow_consumer(ap_model_dir, kind):
         assert joined[-1].prompt_logprobs == plain[-1].prompt_logprobs == plain[0].prompt_logprobs
 
 
+def test_a_caller_cancelled_while_its_request_is_added_aborts_it(ap_model_dir):
+    """The add waits for the engine lock (a step holds it); a caller cancelled then (a client that hung up) must
+    still have its request aborted once the add lands, not run to max_tokens with nobody reading."""
+    import asyncio
+    import time
+
+    from pagedweight.actors.engine_actor import AsyncEngine, build_llm
+
+    engine = AsyncEngine(build_llm(EngineConfig(str(ap_model_dir), device="cpu", use_page_store=False)), "cancel")
+    params = SamplingParams(max_tokens=500, ignore_eos=True).validate()
+
+    async def cancelled_while_adding() -> None:
+        with engine._lock:  # what a long step does
+            task = asyncio.ensure_future(engine.generate("def main():", params).__anext__())
+            await asyncio.sleep(0.2)  # the add's thread now waits for the lock
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        deadline = time.monotonic() + 20  # the loop lives on (as the replica's does) while the add lands
+        while (engine.num_aborted == 0 or engine.llm.has_unfinished()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(cancelled_while_adding())
+        assert engine.num_aborted == 1 and not engine.llm.has_unfinished() and not engine._queues
+    finally:
+        engine.shutdown()
+
+
 def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_dir):
     """A final_only request yields its finished output alone; its metrics record the latency but no time to first
     token (its first output is its last), where a cumulative request records both."""
