@@ -669,7 +669,11 @@ class Planner:
         dhat, _ = self.signals()
         up, now = self.desired[pending], committed[pending]
         gain = self.tables.mem_rows[up, pending] - self.tables.mem_rows[now, pending]  # bytes a cancel gives back
-        avoided = dhat[now, pending] - dhat[up, pending]
+        # the reload now -> up avoids the drop steps it undoes, rows now..up-1 (d_hat row b: the step prev[b] -> b)
+        steps = np.where(self.tables.has_step[:, pending], dhat[:, pending], 0.0)
+        below = np.vstack([np.zeros(pending.size), np.cumsum(steps, axis=0)])  # below[b]: steps of rows < b
+        cols = np.arange(pending.size)
+        avoided = below[up, cols] - below[now, cols]
         order = np.argsort(avoided / np.maximum(gain, 1.0), kind="stable")
         cum = np.cumsum(gain[order])
         n = min(int(np.searchsorted(cum, demand, "left")) + 1, len(order))

@@ -367,6 +367,26 @@ def test_release_takes_back_pending_reloads_before_lowering_committed_blocks():
     assert plan.delta_bytes >= plan.amount_bytes
 
 
+def test_cancelled_reloads_are_those_that_avoid_the_least_damage_per_byte():
+    """A pending reload now -> up avoids every drop step it undoes (d_hat rows now..up-1), not one row's difference:
+    block 0 climbs 3 -> 6 past its costly 6 -> 5 step (avoids 102 over 3 planes), block 1 climbs 5 -> 6 (avoids 1
+    over 1 plane); a demand that either covers takes back block 1's."""
+    sup = np.zeros((2, 7), bool)
+    sup[:, 3:] = True
+    mem = np.zeros((2, 7))
+    mem[:, 3:] = [b * 1000.0 for b in range(3, 7)]
+    sens = np.zeros((2, 7))
+    sens[0, 3:] = [102.0, 101.0, 100.0, 0.0]  # steps 6->5: 100, 5->4: 1, 4->3: 1
+    sens[1, 3:] = [3.0, 2.0, 1.0, 0.0]  # step 6->5: 1
+    planner = Planner(BlockTables(sup, mem, sens, 1, 1), PlannerKnobs(), widths=np.array([6, 6]))
+    dhat, _ = planner.signals()
+    plan = planner._cancel_reloads(np.array([3, 5]), demand=500.0)
+    assert plan.widths.tolist() == [6, 5] and plan.met
+    assert plan.damage == pytest.approx(dhat[5, 1])
+    both = planner._cancel_reloads(np.array([3, 5]), demand=1500.0)
+    assert both.widths.tolist() == [3, 5] and both.damage == pytest.approx(dhat[3:6, 0].sum() + dhat[5, 1])
+
+
 def test_reload_vs_brute_force():
     """Packing greedy: OPT - gap_bound <= greedy <= OPT, within budget and caps."""
     rng = np.random.default_rng(8)
