@@ -157,6 +157,15 @@ class PagedKVCache:
         return self.pool.kv_capacity(self.num_cached_blocks * self.num_layers) // self.num_layers
 
     @property
+    def reserve_borrowed_bytes(self) -> int:
+        """Pool bytes an offload's new LUT borrowed from the reserve beyond what the kept blocks cover (KV had filled
+        the pool): `num_free_blocks` floors at 0 there, and pages freed later refill the reserve before any reaches
+        the KV cache, so the planner takes these bytes off what moves hand back."""
+        pool = self.pool
+        short = pool.reserve_pages - pool.free_pages - self.num_cached_blocks * self.num_layers
+        return max(0, short) * pool.page_bytes
+
+    @property
     def num_used_blocks(self) -> int:
         """Blocks some request holds."""
         return len(self.block_pages) - self.num_cached_blocks

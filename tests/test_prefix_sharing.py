@@ -232,3 +232,9 @@ def test_free_blocks_are_what_an_allocation_gets_when_an_offload_borrowed_the_re
     kv.free(seq)
     pool.free_run(run)
     pool.check()
+    # borrowed past what kept blocks cover: no free block, and the shortfall is what freed pages first refill
+    assert kv.reserve_borrowed_bytes == 0
+    deep = pool.alloc_run(pool.free_pages - 1, use_reserve=True)
+    assert kv.num_free_blocks == 0 and kv.reserve_borrowed_bytes == (2 * LAYERS - 1) * pool.page_bytes
+    pool.free_run(deep)
+    assert kv.reserve_borrowed_bytes == 0 and pool.free_pages - pool.reserve_pages == kv.num_free_blocks * LAYERS
