@@ -75,7 +75,8 @@ class PageStore:
     # ---- creation (once per node) ----
     @classmethod
     def create(cls, path: str | os.PathLike, source: str | os.PathLike, records: list[Record]) -> PageStore:
-        """Copy `records` from `source` into a new store at `path`, or open it if a complete store is there.
+        """Copy `records` from `source` into a new store at `path`, or open it if a complete store of them is there
+        (a store of anything else is refused).
 
         Creation is serialized by a file lock, so several engines of a node racing here write it once; the index
         is renamed into place last, so a store with an index is complete.
@@ -86,7 +87,29 @@ class PageStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (path / "index.msgpack").exists():
                 cls._write(path, Path(source), records)
-        return cls(path)
+                return cls(path)
+        store = cls(path)
+        try:
+            store._check_holds(Path(source), records)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _check_holds(self, source: Path, records: list[Record], samples: int = 8, nbytes: int = 4096) -> None:
+        """An existing store serves these records only if it has their layout and their bytes (the first `nbytes`
+        of `samples` records spread over them, read from `source`): a directory reused for another checkpoint of the
+        same shapes would otherwise serve the old planes to every reload."""
+        if {(r.block, r.what, r.idx): r.nbytes for r in records} != {k: n for k, (_, n) in self._entries.items()}:
+            raise ValueError(f"the page store at {self.path} holds other blocks than {source} asks for: remove it "
+                             "or give another directory")
+        with open(source, "rb") as src:
+            for r in records[::max(1, len(records) // samples)]:
+                src.seek(r.offset)
+                off, n = self._entries[(r.block, r.what, r.idx)]
+                if src.read(min(n, nbytes)) != self.array[off:off + min(n, nbytes)].tobytes():
+                    raise ValueError(f"the page store at {self.path} holds other planes than {source}: remove it "
+                                     "or give another directory")
 
     @staticmethod
     def _write(path: Path, source: Path, records: list[Record]) -> None:

@@ -75,10 +75,20 @@ def test_written_once(store_dir):
     path, src, records = store_dir
     PageStore.create(path, src, records).close()
     ino = os.stat(path / "pages.bin").st_ino
-    # a second create (another engine of the node) opens the existing store, even with a different source
-    other = PageStore.create(path, src, records[:3])
+    # a second create (another engine of the node) opens the existing store
+    other = PageStore.create(path, src, records)
     assert os.stat(path / "pages.bin").st_ino == ino and len(other.keys()) == len(records)
     other.close()
+    # a directory reused for other blocks, or for another checkpoint of the same shapes, is refused (its planes would
+    # be served to every reload)
+    with pytest.raises(ValueError, match="other blocks"):
+        PageStore.create(path, src, records[:3])
+    other_src = src.parent / "other-planes.bin"
+    sizes = [(3000 + 512 * i, {2: 64 * (i + 1), 3: 128 * (i + 1)}) for i in range(6)]
+    assert write_planes_file(other_src, sizes, parent_bits=3, seed=2) == records
+    with pytest.raises(ValueError, match="other planes"):
+        PageStore.create(path, other_src, records)
+    assert os.stat(path / "pages.bin").st_ino == ino
 
 
 def test_rejects_bad_records(tmp_path):
