@@ -160,6 +160,11 @@ def hf_names(family: Family, name: str) -> list[str]:
 
 
 def _check_shape(files: TensorFiles, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor if it has the shape config.json implies and a float dtype (fp8 or integer weights are a quantized
+    checkpoint's, whose scales a plain cast would drop)."""
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CheckpointError(f"{files.file_of(name)}: tensor '{name}' is {str(tensor.dtype).removeprefix('torch.')}"
+                              ": a quantized checkpoint; convert its bf16/fp16 original")
     if tuple(tensor.shape) != tuple(shape):
         raise CheckpointError(f"{files.file_of(name)}: tensor '{name}' has shape {list(tensor.shape)}, "
                               f"config.json implies {list(shape)}")

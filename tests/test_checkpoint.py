@@ -87,6 +87,18 @@ def test_config_missing_key_and_unsupported(sharded):
     (sharded / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn"}}))
     with pytest.raises(CheckpointError, match="rope_type 'yarn'"):
         read_config(sharded)
+    # transformers 5 runs rope_scaling over its own rope_parameters: a YaRN one beside default parameters is refused
+    (sharded / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default",
+                                                                                 "rope_theta": 5e5},
+                                                     "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(CheckpointError, match="rope_scaling rope_type 'yarn'"):
+        read_config(sharded)
+    (sharded / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default",
+                                                                                 "rope_theta": 5e5}}))
+    assert read_config(sharded).rope_theta == 5e5
+    (sharded / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quant_method 'fp8'.*bf16/fp16 original"):
+        read_config(sharded)
     (sharded / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_config(sharded)
@@ -127,6 +139,14 @@ def test_shape_mismatch_names_file_and_tensor(sharded):
     name = "model.layers.1.self_attn.k_proj.weight"
     shard = _rewrite_shard_of(sharded, name, lambda t: t.__setitem__(name, torch.zeros(8, 32)))
     with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' has shape \[8, 32\], config\.json implies \[16, 32\]"):
+        load_model(sharded)
+
+
+def test_fp8_weights_are_refused_not_cast(sharded):
+    """fp8 weights (a quantized checkpoint's, with scales beside them) would lose their scales in a cast."""
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    shard = _rewrite_shard_of(sharded, name, lambda t: t.__setitem__(name, t[name].to(torch.float8_e4m3fn)))
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' is float8_e4m3fn: a quantized checkpoint"):
         load_model(sharded)
 
 

@@ -96,15 +96,23 @@ def reject(raw: dict[str, Any], why: str, condition: bool) -> None:
 
 
 def _rope_theta(raw: dict[str, Any], default: float) -> float:
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    reject(raw, f"rope_type {kind!r} (only default RoPE is implemented)", kind != "default")
-    return float(rope.get("rope_theta", raw.get("rope_theta", default)))
+    # transformers 5 takes rope_scaling over rope_parameters (which it writes with the default type): a YaRN
+    # rope_scaling added beside them, as model cards instruct, must not pass as plain RoPE
+    for key in ("rope_scaling", "rope_parameters"):
+        kind = (raw.get(key) or {}).get("rope_type", (raw.get(key) or {}).get("type", "default"))
+        reject(raw, f"{key} rope_type {kind!r} (only default RoPE is implemented)", kind != "default")
+    for source in (raw.get("rope_scaling") or {}, raw.get("rope_parameters") or {}, raw):
+        if source.get("rope_theta") is not None:
+            return float(source["rope_theta"])
+    return default
 
 
 def common_from_hf(raw: dict[str, Any], rope_theta_default: float = 10000.0) -> dict[str, Any]:
     """ModelConfig fields that every family spells the same way in config.json."""
     reject(raw, f"hidden_act {raw.get('hidden_act')!r} (only silu)", raw.get("hidden_act", "silu") != "silu")
+    quant = raw.get("quantization_config")
+    reject(raw, f"quantization_config (quant_method {(quant or {}).get('quant_method')!r}): a quantized checkpoint; "
+                "convert its bf16/fp16 original", bool(quant))
     d, heads = int(require(raw, "hidden_size")), int(require(raw, "num_attention_heads"))
     eos = raw.get("eos_token_id")
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
