@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,9 @@ class APWriter:
                  num_experts: int, seed_bits: int, parent_bits: int) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # an earlier checkpoint in this directory stops being one now: a conversion cut short must not leave its
+        # manifest vouching for new planes beside old dense weights (the engine does not verify checksums by default)
+        (self.dir / MANIFEST).unlink(missing_ok=True)
         self.hf_config, self.family = hf_config, family
         self.num_layers, self.num_experts = num_layers, num_experts
         self.seed_bits, self.parent_bits = seed_bits, parent_bits
@@ -163,6 +167,8 @@ class APWriter:
             elif name == "generation_config.json":
                 gen = {k: self.hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in self.hf_config}
                 (self.dir / name).write_text(json.dumps(gen, indent=1) + "\n")
+            else:  # an earlier conversion's copy (another model's chat template) is not this model's
+                (self.dir / name).unlink(missing_ok=True)
         for name in (DENSE, *COPIED):
             if (self.dir / name).exists():
                 path = self.dir / name
@@ -188,8 +194,9 @@ class APWriter:
         packed = msgpack.packb(body, use_bin_type=True)
         head = {"format": FORMAT, "version": VERSION, "body": packed,
                 "blake2b": hashlib.blake2b(packed, digest_size=32).hexdigest()}
-        path = self.dir / MANIFEST
-        path.write_bytes(msgpack.packb(head, use_bin_type=True))
+        path, tmp = self.dir / MANIFEST, self.dir / (MANIFEST + ".tmp")
+        tmp.write_bytes(msgpack.packb(head, use_bin_type=True))
+        os.replace(tmp, path)  # last: a directory with a manifest is a whole checkpoint
         return path
 
 

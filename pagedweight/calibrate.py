@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -183,12 +184,18 @@ def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path:
     key = cache_key(model_files, text, kind=kind, num_seqs=num_seqs, seq_len=seq_len)
     path = Path(cache_dir) / f"calib-{kind}-{key}.safetensors"
     if path.exists():
-        logger.info("reusing calibration statistics {}", path)
-        return CalibStats.load(path)
+        try:
+            stats = CalibStats.load(path)
+            logger.info("reusing calibration statistics {}", path)
+            return stats
+        except Exception as exc:  # cut short by a crash before writes were atomic, or damaged: compute it again
+            logger.warning("calibration statistics {} unreadable ({}): recomputing them", path, exc)
     batches = calibration_batches(encode(text.decode("utf-8")), num_seqs, seq_len)
     stats = calibrate(model, batches, kind)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    stats.save(path)
+    tmp = path.with_name(path.name + ".tmp")
+    stats.save(tmp)
+    os.replace(tmp, path)  # a kill mid-write leaves no file under the cache's name
     logger.info("calibration statistics cached in {}", path)
     return stats
 

@@ -7,6 +7,7 @@ width drop as it goes), fit the planner's prompt residual heads, write dense wei
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import time
 from pathlib import Path
@@ -125,12 +126,17 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     return path
 
 
-def source_fingerprint(model_dir: Path) -> str:
-    """Short digest of a HF directory's files (name, size, modification time) and of the converter's versions: a
-    retrained or replaced model, or a conversion that changed, gets a cache entry of its own, never a stale one.
-    Sizes and times, not contents: hashing a large checkpoint on every start would cost minutes."""
+def source_fingerprint(model_dir: Path, calib: Path | None = None) -> str:
+    """Short digest of a HF directory's files (name, size, modification time), of the calibration text and of the
+    converter's versions and planner defaults (written into the manifest): a retrained or replaced model, or a
+    conversion that changed, gets a cache entry of its own, never a stale one. Sizes and times, not contents:
+    hashing a large checkpoint on every start would cost minutes."""
+    from pagedweight.knobs import PlannerKnobs
+
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file())
-    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION)).encode(), digest_size=6).hexdigest()
+    text = hashlib.blake2b(calib.read_bytes(), digest_size=8).hexdigest() if calib is not None else None
+    knobs = sorted(PlannerKnobs().to_dict().items())
+    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION, text, knobs)).encode(), digest_size=6).hexdigest()
 
 
 def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
@@ -139,10 +145,17 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
         return model_dir
     from pagedweight.corpus import DATA_DIR
 
-    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir)}"
-    if not (out / MANIFEST).is_file():
+    calib = DATA_DIR / "calib.txt"
+    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir, calib)}"
+    if (out / MANIFEST).is_file():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"{out.name}.lock", "w") as lock:  # two processes starting on one model convert it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / MANIFEST).is_file():
+            return out
         logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
-        convert(model_dir, out, DATA_DIR / "calib.txt", device=device)
+        convert(model_dir, out, calib, device=device)
         if torch.device(device).type == "cuda":
             # the conversion's cuBLAS workspaces (64 MiB on the H200) and cached segments would otherwise shape where
             # the engine built next in this process puts its weights: the bundled model's first `pagedweight run`

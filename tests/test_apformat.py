@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedweight.apformat import ALIGN, APFormatError, load_ap, load_ap_model
+from pagedweight.apformat import ALIGN, APFormatError, APWriter, load_ap, load_ap_model
 from pagedweight.bitplanes import dequantize, unpack_planes
 from pagedweight.calibrate import CalibStats
 from pagedweight.checkpoint import save_hf
@@ -218,3 +218,28 @@ def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
     assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
     with pytest.raises(AssertionError, match="calibration ran"):  # other settings: a different key
         convert(src, out, calib, sensitivity="activation", num_seqs=5, seq_len=64, device="cpu")
+
+
+def test_reconverting_into_a_used_directory_leaves_nothing_of_the_old_one(converted, tmp_path):
+    """A conversion into a directory that holds another checkpoint: once it starts, the old manifest no longer
+    vouches for the directory (a conversion cut short is no checkpoint, not old dense weights beside new planes), a
+    file the new source lacks (its chat template) is not carried over, and a damaged calibration cache is computed
+    again rather than failing every later conversion."""
+    src, ap_dir, calib = converted
+    reused = tmp_path / "reused"
+    shutil.copytree(ap_dir, reused)
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    (plain / "tokenizer_config.json").unlink()
+    m = load_ap(reused).manifest
+    APWriter(reused, m["config"], m["family"], m["num_layers"], m["num_experts"], m["seed_bits"],
+             m["parent_bits"])._file.close()  # started, then killed before finish()
+    with pytest.raises(APFormatError, match="manifest"):
+        load_ap(reused)
+    cache = next(reused.glob("calib-activation-*.safetensors"))
+    cache.write_bytes(cache.read_bytes()[:100])  # cut short
+    convert(plain, reused, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
+    assert not (reused / "tokenizer_config.json").exists()
+    assert "tokenizer_config.json" not in {f["name"] for f in load_ap(reused, verify=True).manifest["files"]}
+    again, first = CalibStats.load(cache), CalibStats.load(next(ap_dir.glob("calib-activation-*.safetensors")))
+    assert again.tokens == first.tokens and torch.equal(again.gate_up, first.gate_up)

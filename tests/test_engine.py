@@ -1422,9 +1422,10 @@ def test_routing_mass_accessors(pressure_run, hf_dir):
         LLM(hf_dir[0]).routing_mass()
 
 
-def test_converted_cache_follows_the_source(tmp_path):
+def test_converted_cache_follows_the_source(tmp_path, monkeypatch):
     """`pagedweight run` on a HF dir converts into a cache entry named by the source's fingerprint: a retrained
-    model (a file with another size or time) gets a new entry instead of the stale planes of the old one."""
+    model (a file with another size or time), another calibration text or other planner defaults get a new entry
+    instead of the stale planes of the old one."""
     import shutil
 
     from pagedweight.convert import source_fingerprint
@@ -1437,3 +1438,17 @@ def test_converted_cache_follows_the_source(tmp_path):
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert source_fingerprint(src) != first
+    # and another calibration text, or other planner defaults (the manifest records them), another entry too
+    calib = tmp_path / "calib.txt"
+    calib.write_text("one text")
+    with_text = source_fingerprint(src, calib)
+    assert with_text != source_fingerprint(src)
+    calib.write_text("another text")
+    assert source_fingerprint(src, calib) != with_text
+    from dataclasses import replace
+
+    from pagedweight import knobs
+
+    defaults = knobs.PlannerKnobs
+    monkeypatch.setattr(knobs, "PlannerKnobs", lambda: replace(defaults(), trigger_blocks=defaults().trigger_blocks + 1))
+    assert source_fingerprint(src, calib) != with_text
