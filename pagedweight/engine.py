@@ -538,7 +538,8 @@ class LLM:
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = (params or SamplingParams()).validate()
+        params = replace(params or SamplingParams()).validate()  # its own copy: later edits of the caller's (a
+        # logit_bias set on it for the next request) neither reach this request nor meet its cached bias arrays
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

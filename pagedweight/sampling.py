@@ -1,7 +1,10 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded per request.
 
-A seeded request owns its own `torch.Generator`, so it draws the same tokens whether it runs alone or batched with
-others (batch composition never shifts its random stream); unseeded requests share the device's global RNG.
+A seeded request owns its own `torch.Generator`, so batch composition never shifts its random stream; unseeded
+requests share the device's global RNG. Its draws are the same alone or batched except where logits tie at a top-k or
+top-p cut: which tied tokens a cut keeps depends on the path its step takes (top-k keeps k columns; the nucleus cut
+kernel, taken from 4 rows, keeps every tie), so with bf16 logits, whose ties are common, a seeded request can draw
+differently beside other requests than alone.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import torch
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# vLLM's temperature rules: below 1e-5 greedy, else at least 0.01 (smaller ones overflow the tempered logits to inf,
+# and the pick becomes the first token with a positive logit)
+GREEDY_BELOW, MIN_TEMPERATURE = 1e-5, 1e-2
 MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs bound
 MAX_PENALTY = 2.0  # the OpenAI API's presence_penalty / frequency_penalty bound
 MAX_REPETITION_PENALTY = 10.0  # far beyond use (1.0-1.5 is usual); bounds what a request can ask
@@ -70,7 +76,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalized(self) -> bool:
@@ -103,8 +109,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if self.top_k == -1:  # vLLM's spelling of off
+            self.top_k = 0
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
@@ -204,7 +212,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    x = logits.float() / _per_row([p.temperature for p in params], dev)
+    x = logits.float() / _per_row([max(p.temperature, MIN_TEMPERATURE) for p in params], dev)
     if any(p.min_p > 0.0 for p in params):
         floor = _per_row([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], dev)
         x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))

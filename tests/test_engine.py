@@ -65,7 +65,7 @@ def step_all(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[list
 # ---------------------------------------------------------------- sampling
 def test_sampling_params_validate():
     SamplingParams().validate()
-    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
                 dict(seed=-3), dict(stop=[""]), dict(max_tokens=2.5), dict(output_kind="partial"), dict(logprobs=-1),
                 dict(logprobs=21), dict(logprobs=True), dict(logprobs=1.0), dict(prompt_logprobs=-1),
                 dict(prompt_logprobs=21), dict(prompt_logprobs=False), dict(presence_penalty=2.5),
@@ -78,6 +78,24 @@ def test_sampling_params_validate():
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(temperature=1.0, top_k=-1).validate().top_k == 0  # vLLM's spelling of off
+    # vLLM's temperature rules: below 1e-5 greedy; a small one is taken as 0.01, where dividing by it would overflow
+    # the logits to inf and pick the first token with a positive logit
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-3).greedy
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]] * 64)
+    tiny = [SamplingParams(temperature=t, seed=i).validate() for i, t in enumerate([1e-39, 1e-3] * 32)]
+    gens = [make_generator(p.seed, torch.device("cpu")) for p in tiny]
+    assert (sample_rows(logits, tiny, gens) == 1).all()
+
+
+def test_a_reused_params_object_samples_with_its_current_bias(hf_dir):
+    """A request takes its own copy of the params: the caller's object, given a new logit_bias for the next request,
+    does not sample with the bias arrays cached for the last one."""
+    llm = LLM(hf_dir[0])
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=0, logit_bias={5: 100.0})
+    assert list(llm.stream(PROMPTS[0], params))[-1].token_ids == [5, 5, 5]
+    params.logit_bias = {7: 100.0}
+    assert list(llm.stream(PROMPTS[0], params))[-1].token_ids == [7, 7, 7]
 
 
 def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
