@@ -63,6 +63,12 @@ def test_regular_wheel_maps_folders(tmp_path):
                                                       sysconfig.get_paths()["platlib"]]))
     pkg = site / "pagedweight"
     _assert_layout(_run([sys.executable, "-S", "-c", CHECK], env=env), pkg / "cuda", pkg / "actors", pkg / "models")
+    # the calibration and evaluation text travel with it (conversion and the evaluation job read them)
+    data = _run([sys.executable, "-S", "-c", "from pagedweight.corpus import DATA_DIR; "
+                 "from pagedweight.actors.jobs.evaluate import DEFAULT_DATA; print(DATA_DIR); print(DEFAULT_DATA)"],
+                env=env).split()
+    assert data == [str(pkg / "data"), str(pkg / "data" / "eval.txt")]
+    assert (pkg / "data" / "calib.txt").read_bytes() == (ROOT / "data" / "calib.txt").read_bytes()
 
 
 @pytest.mark.parametrize("folder", ["cuda", "actors"])

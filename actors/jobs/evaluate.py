@@ -23,8 +23,9 @@ import ray
 from tqdm import tqdm
 
 from pagedweight.actors.engine_actor import EngineConfig, start_engines
+from pagedweight.corpus import DATA_DIR
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "data" / "eval.txt"
+DEFAULT_DATA = DATA_DIR / "eval.txt"  # installed with the package: `ray submit` copies this script alone
 
 
 def token_windows(model_dir: Path, text: str, ctx: int, num_windows: int) -> list[list[int]]:
