@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,10 +23,25 @@ from pagedweight.sampling import SamplingParams
 
 
 def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
-    """Prompts from a file (one per line; JSONL lines with a "prompt" field) or N slices of data/eval.txt."""
+    """Prompts from a file or N slices of data/eval.txt. A file holds one prompt a line; a line that is a JSON object
+    with a string "prompt" is that prompt, any other line the prompt as written (code that begins with `{` too). In a
+    .jsonl file every line must be such an object, and one that is not is refused by its file and line."""
     if path:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
-        return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+        prompts = []
+        for i, ln in enumerate(Path(path).read_text().splitlines(), 1):
+            if not ln.strip():
+                continue
+            try:
+                obj = json.loads(ln) if ln.lstrip().startswith("{") else None
+            except json.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                prompts.append(obj["prompt"])
+            elif path.endswith(".jsonl"):
+                raise ValueError(f"{path}:{i}: not a JSON object with a non-empty string \"prompt\"")
+            else:
+                prompts.append(ln)
+        return prompts
     from pagedweight.corpus import load_slice
 
     text = load_slice("eval")
@@ -52,7 +68,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "summary's measured peak minus the budget on an earlier run); default: auto on CUDA under "
                         "a budget, else 0")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSONL with a prompt field)")
+    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line; a line {\"prompt\": ...} is a JSON "
+                                                     "prompt (in a .jsonl file every line must be)")
     src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -89,6 +106,13 @@ def run(args) -> int:
         raise ValueError("--num-prompts must be >= 1")
     if not args.prefix_retention_s >= 0.0:
         raise ValueError(f"--prefix-retention-s {args.prefix_retention_s}: must be >= 0 seconds")
+    if args.bits is not None and args.bits < 1:
+        raise ValueError(f"--bits {args.bits}: a width of at least 1 bit")
+    if args.dense and (args.bits is not None or args.static):
+        raise ValueError("--dense serves the dense weights: --bits and --static are for any-precision planes")
+    if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():
+        raise ValueError(f"--summary-json {args.summary_json}: no such directory")  # not after the whole run
+    prompts = load_prompts(args.prompts, args.num_prompts)  # a bad file before a conversion (minutes for a model)
     check_device(args.device)  # refused before a conversion that would run on it
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.activation_reserve is None:
@@ -101,9 +125,10 @@ def run(args) -> int:
         raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
                          "fraction")
     model_dir = resolve_model(args.model)
+    if args.dense and (model_dir / "manifest.msgpack").is_file():
+        raise ValueError(f"--dense: {model_dir} is an any-precision checkpoint (its experts are planes)")
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
-    prompts = load_prompts(args.prompts, args.num_prompts)
     llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
@@ -141,6 +166,9 @@ def run(args) -> int:
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
     for rid in map(str, range(min(args.show, len(prompts)))):
         print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
+    errors = {rid: o.error for rid, o in done.items() if o.finish_reason == "error"}
+    for rid, why in errors.items():
+        print(f"request {rid} failed: {why}", file=sys.stderr)
     gen = sum(o.completion_tokens for o in done.values())
     # measured: time, blocks, widths, the device's peak reserved bytes; computed: the bytes the budget covers
     summary = {
@@ -152,7 +180,7 @@ def run(args) -> int:
         "elapsed_s": elapsed, "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
         "kv_total_blocks": st["kv_total_blocks"], "kv_free_blocks_at_start": start_stats["kv_free_blocks"],
         "kv_free_blocks_min": min_free, "preemptions": st["preemptions"],
-        "device_peak_reserved_bytes": st["device_peak_reserved_bytes"],
+        "device_peak_reserved_bytes": st["device_peak_reserved_bytes"], "errors": errors,
     }
     if llm.table is not None:
         summary.update(
@@ -161,8 +189,6 @@ def run(args) -> int:
             mean_width_idle=mean_width(st["committed_width_hist"]), offload_triggers=st["offload_triggers"],
             reload_triggers=st["reload_triggers"], bytes_offloaded=st["bytes_offloaded"],
             bytes_reloaded=st["bytes_reloaded"])
-    if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
 
     MiB = 2**20
     print("--- summary ---")
@@ -187,4 +213,6 @@ def run(args) -> int:
               f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
               f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
               f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
+    if args.summary_json:  # after the printed summary: a failed write loses nothing
+        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

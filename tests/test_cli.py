@@ -127,6 +127,11 @@ def test_missing_model_dir_subprocess(tmp_path):
     (["run", "--model", "{model}", "--num-prompts", "1", "--device", "bogus"], "device 'bogus'"),
     (["run", "--model", "{model}", "--num-prompts", "1", "--prefix-retention-s", "-1"],
      "--prefix-retention-s -1.0: must be >= 0"),
+    (["run", "--model", "{model}", "--num-prompts", "1", "--bits", "0"], "--bits 0: a width of at least 1 bit"),
+    (["run", "--model", "{model}", "--num-prompts", "1", "--dense", "--static"], "--dense serves the dense weights"),
+    (["run", "--model", "{model}", "--num-prompts", "1", "--summary-json", "{tmp}/none/s.json"],
+     "--summary-json {tmp}/none/s.json: no such directory"),
+    (["run", "--model", "{model}", "--prompts", "{tmp}/none.txt"], "none.txt"),
 ])
 def test_other_commands_refuse_bad_input_before_working(model_dir, tmp_path, capsys, argv, reason):
     """Refused in one line before anything slow starts (a model load, a conversion, a Ray cluster): convert leaves
@@ -180,3 +185,17 @@ def test_hub_repository_ids_are_models_too(model_dir, hub_cache, tmp_path, capsy
     assert main(["generate", "--model", "pwtest/missing", *args]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("pagedweight generate: error: pwtest/missing: not a model directory, and no cached copy")
+
+
+def test_prompt_files_json_lines_and_plain_lines(tmp_path):
+    """A line that is a JSON object with a "prompt" is that prompt; code beginning with `{` stays a plain prompt; in
+    a .jsonl file a line that is not such an object is refused by file and line."""
+    from pagedweight.run import load_prompts
+
+    plain = tmp_path / "p.txt"
+    plain.write_text('def f():\n{"prompt": "class A:"}\n\n{ return x; }\n{"text": "hi"}\n')
+    assert load_prompts(str(plain), None) == ["def f():", "class A:", "{ return x; }", '{"text": "hi"}']
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('{"prompt": "a"}\n{"prompt": 5}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON object with a non-empty string"):
+        load_prompts(str(lines), None)

@@ -1322,6 +1322,16 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert fig["kv_free_blocks_min"] <= fig["kv_free_blocks_at_start"] <= fig["kv_total_blocks"]
     assert fig["mean_width_start"] == fig["mean_width_idle"] > 0 and fig["device_peak_reserved_bytes"] is None
     assert f"generated 8 in {fig['elapsed_s']:.2f} s" in out
+    # a request that fails says why (on stderr and in the summary), and the run's exit code says it failed
+    long = tmp_path / "long.txt"
+    long.write_text("def add(a, b):\n" + "x = 1; " * 2000 + "\n")
+    failing = parser.parse_args(["run", "--model", str(ap_dir), "--prompts", str(long), "--max-tokens", "2",
+                                 "--device", "cpu", "--page-store-dir", str(ap_dir / "store"), "--show", "0",
+                                 "--summary-json", str(summary)])
+    assert run(failing) == 1
+    err = capsys.readouterr().err
+    assert "request 1 failed: " in err and "max_model_len" in err
+    assert list(json.loads(summary.read_text())["errors"]) == ["1"]
     with pytest.raises(ValueError, match="--activation-reserve"):
         run(parser.parse_args(["run", "--model", str(ap_dir), "--num-prompts", "1", "--activation-reserve", "0.5"]))
     # bad budgets and devices are refused before the HF model is converted (seconds to minutes), not after
