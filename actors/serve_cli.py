@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the name requests give as \"model\" (default: the repository id, or the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDWEIGHT_API_KEY"),
+    p.add_argument("--api-key", default=None,  # not the environment's key as a default: --help would print it
                    help="require 'Authorization: Bearer KEY' (default: $PAGEDWEIGHT_API_KEY; none = open)")
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
                    help="per engine, weights + KV cache: bytes with unit (40GiB) or a fraction of device memory")
@@ -67,26 +67,36 @@ def run(args) -> int:
         raise ValueError(f"--engine-options is not JSON: {e}") from None
     if not isinstance(options, dict):
         raise ValueError("--engine-options must be a JSON object")
+    from dataclasses import fields
+
+    from pagedweight.engine import EngineOptions
+
+    unknown = sorted(set(options) - {f.name for f in fields(EngineOptions)})
+    if unknown:  # here, not as a replica that fails to start over and over
+        raise ValueError(f"--engine-options: unknown engine option(s) {unknown} (pagedweight.engine.EngineOptions)")
+    api_key = args.api_key or os.environ.get("PAGEDWEIGHT_API_KEY")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
-    if args.host not in LOOPBACK and not args.api_key:
+    if args.host not in LOOPBACK and not api_key:
         logger.warning("serving on {} without an API key: anyone who can reach the port can use it", args.host)
     model_dir, name = resolve_model(args.model_dir), args.served_model_name or model_name(args.model_dir)
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), "cuda" if torch.cuda.is_available() else "cpu")
     own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
     ray.init(address=args.address, namespace="pagedweight")
-    replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
-                            api_key=args.api_key, engine_options={"served_model_name": name, **options},
-                            prefix_affinity=args.prefix_affinity))
-    serve.run(app, name="pagedweight", route_prefix="/")
-    print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
-          "- Ctrl-C stops", flush=True)
     try:
+        replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
+                                api_key=api_key, engine_options={"served_model_name": name, **options},
+                                prefix_affinity=args.prefix_affinity))
+        serve.run(app, name="pagedweight", route_prefix="/")
+        print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
+              "- Ctrl-C stops", flush=True)
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
+        pass
+    finally:  # Ctrl-C, or an app that failed to deploy
         serve.shutdown()
         if own_cluster:  # nobody else maps this cluster's page stores: give /dev/shm back
             from pagedweight.actors.page_store_actor import page_store_for_node

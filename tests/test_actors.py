@@ -337,3 +337,18 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
         assert llm.stats()["reload_triggers"] > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("extra,reason", [
+    (["--shard", "-1"], "--shard -1: must be >= 1"), (["--windows", "0"], "--windows 0: must be >= 1"),
+    (["--ctx", "1023"], "--ctx 1023: a window and its sampled token exceed the model's 1024 positions"),
+    (["--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
+    (["--engine-options", "{bad"], "--engine-options is not JSON"),
+])
+def test_evaluation_job_refuses_bad_arguments_before_starting(model_dir, extra, reason, capsys):
+    """Refused by the parser before Ray or an engine starts (a --shard -1 ran nothing and reported success)."""
+    from pagedweight.actors.jobs.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(model_dir), *extra])
+    assert exit_info.value.code == 2 and reason in capsys.readouterr().err

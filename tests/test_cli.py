@@ -123,6 +123,8 @@ def test_missing_model_dir_subprocess(tmp_path):
 @pytest.mark.parametrize("argv,reason", [
     (["convert", "{model}", "{tmp}/out", "--calib", "{tmp}/none.txt"], "--calib {tmp}/none.txt: no such file"),
     (["serve", "{model}", "--engine-options", "{{bad"], "--engine-options is not JSON"),
+    (["serve", "{model}", "--engine-options", '{{"prefix_retention": 5}}'],
+     "--engine-options: unknown engine option(s) ['prefix_retention']"),
     (["serve", "{model}", "--gpu-memory-budget", "0"], "--gpu-memory-budget '0': must be positive"),
     (["run", "--model", "{model}", "--num-prompts", "1", "--device", "bogus"], "device 'bogus'"),
     (["run", "--model", "{model}", "--num-prompts", "1", "--prefix-retention-s", "-1"],
@@ -199,3 +201,12 @@ def test_prompt_files_json_lines_and_plain_lines(tmp_path):
     lines.write_text('{"prompt": "a"}\n{"prompt": 5}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON object with a non-empty string"):
         load_prompts(str(lines), None)
+
+
+def test_serve_help_does_not_print_the_api_key(monkeypatch, capsys):
+    """The key may come from $PAGEDWEIGHT_API_KEY; --help shows where it comes from, never the key."""
+    monkeypatch.setenv("PAGEDWEIGHT_API_KEY", "sk-secret-123")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "PAGEDWEIGHT_API_KEY" in out and "sk-secret" not in out

@@ -153,8 +153,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what would fail or quietly count wrong after the cluster and its engines are up."""
+    for name in ("ctx", "windows", "num_prompts", "prompt_chars", "max_tokens", "shard"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.num_engines is not None and args.num_engines < 1:
+        parser.error(f"--num-engines {args.num_engines}: must be >= 1")
+    if args.gpus_per_engine < 0 or args.engine_cpus < 0:
+        parser.error("--gpus-per-engine and --engine-cpus must be >= 0")
+    if not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    try:
+        json.loads(args.engine_options)
+    except json.JSONDecodeError as e:
+        parser.error(f"--engine-options is not JSON: {e}")
+    config = Path(args.model_dir) / "config.json"  # where the driver sees the model (it is on every node)
+    if config.is_file() and args.mode != "generate":
+        limit = json.loads(config.read_text()).get("max_position_embeddings")
+        if limit is not None and args.ctx + 2 > limit:  # a window is ctx + 1 tokens, then one token is sampled
+            parser.error(f"--ctx {args.ctx}: a window and its sampled token exceed the model's {limit} positions")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     ray.init(address=args.address or "auto", namespace="pagedweight", log_to_driver=False)
     result = evaluate(args)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
