@@ -228,11 +228,12 @@ class LLM:
         self.model_name = self.options.served_model_name or self.model_dir.name
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
         weights = None
+        self.page_store_dir: Path | None = None  # the node page store this engine maps (AP checkpoints)
         if (self.model_dir / MANIFEST).is_file():
             ap = load_ap(self.model_dir, verify=self.options.verify_checkpoint)
             model = build_ap_model(ap, self.dtype, self.device)
-            store_dir = self.options.page_store_dir or f"/dev/shm/pagedweight-{planes_id(ap)}"
-            weights = ap_weights(ap, store_dir)
+            self.page_store_dir = Path(self.options.page_store_dir or f"/dev/shm/pagedweight-{planes_id(ap)}")
+            weights = ap_weights(ap, self.page_store_dir)
         else:
             model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
         self._setup(model, gpu_memory_budget, weights)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from pagedweight.checkpoint import model_name, resolve_model
 from pagedweight.convert import ap_checkpoint_for
 from pagedweight.engine import LLM, RequestOutput, check_device, serving_reserve
+from pagedweight.page_store import PageStore
 from pagedweight.pool import parse_budget
 from pagedweight.sampling import SamplingParams
 
@@ -90,7 +91,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with paging: a finished request's kept prefix blocks stay out of weight reloads' reach for S "
                         "seconds (a chat's next turn finds them; default 0: reloads take them at once)")
     p.add_argument("--page-store-dir", default=None,
-                   help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>)")
+                   help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>, removed at "
+                        "the end unless --keep-page-store: it holds the planes in RAM; a given directory is kept)")
+    p.add_argument("--keep-page-store", action="store_true",
+                   help="leave the default page store in /dev/shm for the next run (no rewrite of the planes)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
                    help="where converted AP checkpoints are kept")
     p.add_argument("--show", type=int, default=2, metavar="N", help="print the first N completions")
@@ -213,6 +217,8 @@ def run(args) -> int:
               f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
               f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
               f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
+    if llm.page_store_dir is not None and args.page_store_dir is None and not args.keep_page_store:
+        PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB); this process's map stays
     if args.summary_json:  # after the printed summary: a failed write loses nothing
         Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

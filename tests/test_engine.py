@@ -1322,6 +1322,16 @@ def test_run_command(ap_dir, tmp_path, capsys):
     assert fig["kv_free_blocks_min"] <= fig["kv_free_blocks_at_start"] <= fig["kv_total_blocks"]
     assert fig["mean_width_start"] == fig["mean_width_idle"] > 0 and fig["device_peak_reserved_bytes"] is None
     assert f"generated 8 in {fig['elapsed_s']:.2f} s" in out
+    # the default page store (RAM, in /dev/shm) goes with the run unless kept; a given directory stays
+    from pagedweight.apformat import load_ap
+    from pagedweight.runner import planes_id
+
+    default_store = Path(f"/dev/shm/pagedweight-{planes_id(load_ap(ap_dir))}")
+    brief = ["run", "--model", str(ap_dir), "--num-prompts", "1", "--max-tokens", "1", "--device", "cpu", "--show", "0"]
+    assert run(parser.parse_args(brief + ["--keep-page-store"])) == 0 and default_store.is_dir()
+    assert run(parser.parse_args(brief)) == 0 and not default_store.exists()
+    assert (ap_dir / "store").is_dir()
+    capsys.readouterr()
     # a request that fails says why (on stderr and in the summary), and the run's exit code says it failed
     long = tmp_path / "long.txt"
     long.write_text("def add(a, b):\n" + "x = 1; " * 2000 + "\n")
