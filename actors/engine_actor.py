@@ -372,13 +372,23 @@ def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_en
                   gpus_per_engine: float = 1.0) -> list:
     """EngineActors over the cluster's GPUs, `gpus_per_engine` each (1 = one engine per GPU; 0.5 = two engines
     share a GPU); `num_engines` defaults to as many as fit. CPU engines (`num_engines`, default 1) when the
-    cluster has no GPU, gpus_per_engine is 0 or cfg.device is "cpu". Asking for more GPU engines than fit is
-    an error (Ray would leave the extra ones pending forever)."""
+    cluster has no GPU, gpus_per_engine is 0 or cfg.device is "cpu" ("auto" included, when there is no GPU). Asking for
+    more GPU engines than the cluster's GPUs fit is an error (Ray would leave the extra ones pending forever); but
+    `num_engines` GPU engines with cfg.device "cuda" on a cluster with no GPU yet are started, for an autoscaler
+    to bring GPU nodes up for them."""
     if not 0 <= gpus_per_engine <= 1:
         raise ValueError(f"gpus_per_engine {gpus_per_engine}: an engine drives one device, use a value in [0, 1]")
     if num_engines is not None and num_engines < 1:
         raise ValueError(f"num_engines {num_engines}: want at least one engine")
     gpus = ray.cluster_resources().get("GPU", 0)
+    if not gpus and num_engines is not None and gpus_per_engine > 0 and cfg.device not in ("cpu", "auto"):
+        # GPU engines asked of a cluster with none yet (an autoscaling one whose GPU workers scale from 0): the
+        # pending actors are the demand that brings the nodes up
+        from loguru import logger
+
+        logger.warning("the cluster has no GPU yet: {} engine(s) wait for GPU nodes to join", num_engines)
+        return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"gpu{i}")
+                for i in range(num_engines)]
     if gpus and gpus_per_engine > 0 and cfg.device != "cpu":
         fit = math.floor(gpus / gpus_per_engine + 1e-9)
         n = fit if num_engines is None else num_engines

@@ -352,3 +352,27 @@ def test_evaluation_job_refuses_bad_arguments_before_starting(model_dir, extra, 
     with pytest.raises(SystemExit) as exit_info:
         main([str(model_dir), *extra])
     assert exit_info.value.code == 2 and reason in capsys.readouterr().err
+
+
+def test_gpu_engines_asked_of_a_cluster_without_gpus_wait_for_them(ray_cluster, ap_model_dir):
+    """On an autoscaling cluster whose GPU workers are at 0, `num_engines` GPU engines with device "cuda" are
+    started pending (the demand that scales GPU nodes up), not quietly replaced by CPU engines; device "auto" there
+    still means CPU engines."""
+    import unittest.mock as mock
+
+    import ray
+
+    from pagedweight.actors.engine_actor import start_engines
+
+    assert ray.cluster_resources().get("GPU", 0) == 0
+    cfg = EngineConfig(str(ap_model_dir), device="cuda", use_page_store=False)
+    (pending,) = start_engines(cfg, num_engines=1, cpus_per_engine=0, gpus_per_engine=1)
+    try:
+        ready, _ = ray.wait([pending.info.remote()], timeout=2)
+        assert not ready  # waits for a GPU
+    finally:
+        ray.kill(pending, no_restart=True)
+    # a cluster with GPUs still refuses more engines than it holds
+    with mock.patch.object(ray, "cluster_resources", return_value={"GPU": 1.0}):
+        with pytest.raises(ValueError, match="need 2 GPUs"):
+            start_engines(cfg, num_engines=2, gpus_per_engine=1)

@@ -78,8 +78,8 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
         budget = parse_budget(args.gpu_memory_budget)
     own = engines is None
     if own:
-        cfg = EngineConfig(str(model_dir), budget, engine_options=json.loads(args.engine_options),
-                           expert_impl=args.expert_impl)
+        cfg = EngineConfig(str(model_dir), budget, device=args.device,
+                           engine_options=json.loads(args.engine_options), expert_impl=args.expert_impl)
         engines = start_engines(cfg, args.num_engines, cpus_per_engine=args.engine_cpus,
                                 gpus_per_engine=args.gpus_per_engine)
     infos = ray.get([e.info.remote() for e in engines])
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-engine", type=float, default=1.0,
                    help="GPU share of each engine: 1 = one engine per GPU, 0.5 = two per GPU, 0 = CPU engines")
     p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs reserved per engine")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: GPU engines where the cluster has GPUs, else CPU; cuda with --num-engines: GPU engines "
+                        "even while an autoscaling cluster has no GPU node yet (they bring them up)")
     p.add_argument("--expert-impl", choices=("auto", "reference"), default="auto",
                    help="auto: fused kernel on CUDA; reference: the torch twin (no kernel compile)")
     p.add_argument("--gpu-memory-budget", default=None,
