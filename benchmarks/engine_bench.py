@@ -240,7 +240,7 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
 
 
 TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe_ms", "running", "waiting",
-                 "pages_in_flight", "move_requests", "move_refusals", "compactions", "overlapped",
+                 "pages_in_flight", "move_requests", "move_refusals", "offload_refusals", "compactions", "overlapped",
                  "pre_ms", "forward_ms", "between_ms", "sample_ms", "post_ms", "tokens"]
 
 
@@ -297,7 +297,8 @@ def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: 
             ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
             ms(now.observe_host_s, before.observe_host_s), len(llm.scheduler.running), len(llm.scheduler.waiting),
             now.steps_in_flight > before.steps_in_flight, now.move_requests - before.move_requests,
-            now.move_refusals - before.move_refusals, llm.pool.relocations - compactions_before,
+            now.move_refusals - before.move_refusals, now.offload_refusals - before.offload_refusals,
+            llm.pool.relocations - compactions_before,
             now.overlapped_boundaries > before.overlapped_boundaries, *split]
 
 

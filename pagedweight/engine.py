@@ -150,6 +150,7 @@ class PagingStats:
     requests_host_s: float = 0.0  # measured, part of boundary_host_s: move requests (_request_moves)
     move_requests: int = 0  # mover.request calls (offloads and reloads)
     move_refusals: int = 0  # of which refused (busy, out of pages, or would take KV the admitted requests need)
+    offload_refusals: int = 0  # of the refusals, offloads' (the rest: reloads')
     observe_host_s: float = 0.0  # measured: host time reading routing statistics into the planner
     overlapped_boundaries: int = 0  # boundaries that ran beside their step's forward instead of before it
 
@@ -808,6 +809,7 @@ class LLM:
                 self._requested[i] = int(want[i])
             else:
                 self.paging.move_refusals += 1
+                self.paging.offload_refusals += 1
         running = bool(self.scheduler.running)
         cap = self.options.reload_starts_per_step if running else 0
         keep, started = self.pool.pages_for(keep_free_bytes), 0
@@ -988,6 +990,7 @@ class LLM:
             "requests_host_s": self.paging.requests_host_s,
             "move_requests": self.paging.move_requests,
             "move_refusals": self.paging.move_refusals,
+            "offload_refusals": self.paging.offload_refusals,
             "observe_host_s": self.paging.observe_host_s,
             "plan_staleness_steps": 0,
             "offload_triggers": self.paging.offload_triggers,

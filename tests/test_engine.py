@@ -1197,6 +1197,7 @@ def test_move_requests_follow_the_planner(ap_dir):
     keep = llm.pool.free_pages - llm.pool.reserve_pages - 1  # room for no reload's pages
     llm._request_moves(committed, llm.pool.bytes_of(keep))
     assert not any(llm.mover.pending(i) for i in range(n)) and llm.paging.move_refusals == 1
+    assert llm.paging.offload_refusals == 0  # a reload's refusal
     llm._request_moves(committed, 0)
     assert {i for i in range(n) if llm.mover.pending(i)} == {0, 2, 3, 4, 5}  # block 1 never moved
     llm.mover.boundary()
