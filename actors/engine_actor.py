@@ -14,6 +14,7 @@ with RayActorError (max_task_retries=0: a generation is not idempotent to replay
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import threading
@@ -53,6 +54,25 @@ class EngineConfig:
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop failed; the engine takes no more work."""
+
+
+def engine_options_json(text: str) -> dict:
+    """A command line's --engine-options: a JSON object of pagedweight.engine.EngineOptions fields. ValueError names
+    what is wrong, before Ray starts, not in an engine that then fails to start over and over."""
+    from dataclasses import fields
+
+    from pagedweight.engine import EngineOptions
+
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-options is not JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise ValueError("--engine-options must be a JSON object")
+    unknown = sorted(set(options) - {f.name for f in fields(EngineOptions)})
+    if unknown:
+        raise ValueError(f"--engine-options: unknown engine option(s) {unknown} (pagedweight.engine.EngineOptions)")
+    return options
 
 
 def resolve_device(device: str) -> str:
@@ -381,20 +401,21 @@ def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_en
     if num_engines is not None and num_engines < 1:
         raise ValueError(f"num_engines {num_engines}: want at least one engine")
     gpus = ray.cluster_resources().get("GPU", 0)
-    if not gpus and num_engines is not None and gpus_per_engine > 0 and cfg.device not in ("cpu", "auto"):
-        # GPU engines asked of a cluster with none yet (an autoscaling one whose GPU workers scale from 0): the
-        # pending actors are the demand that brings the nodes up
-        from loguru import logger
+    # GPU engines asked of a cluster with none yet (an autoscaling one whose GPU workers scale from 0): the pending
+    # actors are the demand that brings the nodes up
+    awaited = not gpus and num_engines is not None and gpus_per_engine > 0 and cfg.device not in ("cpu", "auto")
+    if (gpus or awaited) and gpus_per_engine > 0 and cfg.device != "cpu":
+        if awaited:
+            from loguru import logger
 
-        logger.warning("the cluster has no GPU yet: {} engine(s) wait for GPU nodes to join", num_engines)
-        return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"gpu{i}")
-                for i in range(num_engines)]
-    if gpus and gpus_per_engine > 0 and cfg.device != "cpu":
-        fit = math.floor(gpus / gpus_per_engine + 1e-9)
-        n = fit if num_engines is None else num_engines
-        if n > fit:
-            raise ValueError(f"{n} engines at {gpus_per_engine} GPU each need {n * gpus_per_engine:g} GPUs; "
-                             f"the cluster has {gpus:g}")
+            logger.warning("the cluster has no GPU yet: {} engine(s) wait for GPU nodes to join", num_engines)
+            n = num_engines
+        else:
+            fit = math.floor(gpus / gpus_per_engine + 1e-9)
+            n = fit if num_engines is None else num_engines
+            if n > fit:
+                raise ValueError(f"{n} engines at {gpus_per_engine} GPU each need {n * gpus_per_engine:g} GPUs; "
+                                 f"the cluster has {gpus:g}")
         return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"gpu{i}")
                 for i in range(n)]
     n = 1 if num_engines is None else num_engines

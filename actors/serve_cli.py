@@ -6,7 +6,6 @@ first (cached, as `pagedweight run` does) unless --dense. One engine replica per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ def run(args) -> int:
     from loguru import logger
     from ray import serve
 
+    from pagedweight.actors.engine_actor import engine_options_json
     from pagedweight.actors.openai_app import AppArgs, build_app
     from pagedweight.checkpoint import model_name, resolve_model
     from pagedweight.convert import ap_checkpoint_for
@@ -61,19 +61,7 @@ def run(args) -> int:
         raise ValueError(f"--port {args.port}: not a TCP port")
     if args.num_replicas is not None and args.num_replicas < 1:
         raise ValueError("--num-replicas must be >= 1")
-    try:
-        options = json.loads(args.engine_options)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--engine-options is not JSON: {e}") from None
-    if not isinstance(options, dict):
-        raise ValueError("--engine-options must be a JSON object")
-    from dataclasses import fields
-
-    from pagedweight.engine import EngineOptions
-
-    unknown = sorted(set(options) - {f.name for f in fields(EngineOptions)})
-    if unknown:  # here, not as a replica that fails to start over and over
-        raise ValueError(f"--engine-options: unknown engine option(s) {unknown} (pagedweight.engine.EngineOptions)")
+    options = engine_options_json(args.engine_options)
     api_key = args.api_key or os.environ.get("PAGEDWEIGHT_API_KEY")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     if args.host not in LOOPBACK and not api_key:

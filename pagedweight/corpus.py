@@ -28,8 +28,8 @@ _BUCKETS = {"calib": range(0, 40), "eval": range(40, 80)}
 MAX_FILE_BYTES = 400_000          # skip generated tables / giant test data files
 SLICE_SEPARATOR = "\n\n\n"        # between files inside a committed slice
 # the repository's data/ (source tree, editable install), else the copy a wheel installs as pagedweight/data
-DATA_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "data", Path(__file__).resolve().parent / "data")
-                 if (d / "calib.txt").is_file()), Path(__file__).resolve().parent.parent / "data")
+_HERE = Path(__file__).resolve().parent
+DATA_DIR = _HERE.parent / "data" if (_HERE.parent / "data" / "calib.txt").is_file() else _HERE / "data"
 
 _PERMISSIVE = re.compile(r"\b(MIT|BSD|0BSD|Apache|PSF|Python Software Foundation|ISC|Zlib|CNRI-Python|Unlicense|"
                          r"CC0|BSL-1\.0|Boost)\b", re.I)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagedweight.apformat import MANIFEST
 from pagedweight.checkpoint import model_name, resolve_model
 from pagedweight.convert import ap_checkpoint_for
 from pagedweight.engine import LLM, RequestOutput, check_device, serving_reserve
@@ -129,7 +130,7 @@ def run(args) -> int:
         raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
                          "fraction")
     model_dir = resolve_model(args.model)
-    if args.dense and (model_dir / "manifest.msgpack").is_file():
+    if args.dense and (model_dir / MANIFEST).is_file():
         raise ValueError(f"--dense: {model_dir} is an any-precision checkpoint (its experts are planes)")
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)

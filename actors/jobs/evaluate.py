@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from pagedweight.actors.engine_actor import EngineConfig, start_engines
+from pagedweight.actors.engine_actor import EngineConfig, engine_options_json, start_engines
 from pagedweight.corpus import DATA_DIR
 
 DEFAULT_DATA = DATA_DIR / "eval.txt"  # installed with the package: `ray submit` copies this script alone
@@ -79,7 +79,7 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
     own = engines is None
     if own:
         cfg = EngineConfig(str(model_dir), budget, device=args.device,
-                           engine_options=json.loads(args.engine_options), expert_impl=args.expert_impl)
+                           engine_options=engine_options_json(args.engine_options), expert_impl=args.expert_impl)
         engines = start_engines(cfg, args.num_engines, cpus_per_engine=args.engine_cpus,
                                 gpus_per_engine=args.gpus_per_engine)
     infos = ray.get([e.info.remote() for e in engines])
@@ -168,9 +168,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
     try:
-        json.loads(args.engine_options)
-    except json.JSONDecodeError as e:
-        parser.error(f"--engine-options is not JSON: {e}")
+        engine_options_json(args.engine_options)
+    except ValueError as e:
+        parser.error(str(e))
     config = Path(args.model_dir) / "config.json"  # where the driver sees the model (it is on every node)
     if config.is_file() and args.mode != "generate":
         limit = json.loads(config.read_text()).get("max_position_embeddings")
