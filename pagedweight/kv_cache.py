@@ -27,7 +27,13 @@ for that long after its release: KV allocations still evict it, but weight runs 
 leaves its bytes out of a reload (`num_retained_blocks`). A chat's next turn, sent seconds after the last answer,
 then finds its history where an idle engine would otherwise have reloaded the weights over it. A request's blocks
 are released last block first, so a block leaves after the blocks that continue it (an evicted block's
-continuations could no longer be found).
+continuations could no longer be found). A block computed again under a key another block already has (a prompt of
+whole blocks recomputes its last one, whose logits are needed; two requests of one prompt at once) is not published:
+the request's next blocks continue the key's block instead, and the request holds that block (a pin) until the next
+step starts (`fold_copies`, when the step that wrote the copy is done): then the key's block replaces the copy in
+its block table (equal keys, equal K/V) and the copy goes back to the pool. So no continuation outlives the block it
+continues, and a copy costs a block for one step. Before, the chain stopped at the copy: a repeated prompt's answer
+was never published.
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
@@ -136,7 +142,9 @@ class PagedKVCache:
         self.reclaimed_blocks = 0  # of those, the ones a weight run reclaimed
         self._shared: dict[tuple[int, tuple[int, ...]], int] = {}  # (block before, its tokens) -> published block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block -> its key
-        self._published: dict[str, int] = {}  # request id -> how many of its leading blocks are published
+        # request id -> (its leading blocks published or found under their keys, the block the next one's key continues)
+        self._published: dict[str, tuple[int, int]] = {}
+        self._pins: dict[str, dict[int, int]] = {}  # request id -> {position of a copy: the published block it copies}
         self.layout: StepLayout | DecodeLayout | None = None
         self._kernels = None  # cuda/attention_kernels.py when decode rows use it
         # grouped query heads too: against the gather + SDPA the engine runs (cuDNN's SDPA off, heads folded:
@@ -226,19 +234,23 @@ class PagedKVCache:
         holds is kept if published (module docstring), else goes back to the pool."""
         self._tables.pop(seq.request_id, None)
         self._published.pop(seq.request_id, None)
+        pins = self._pins.pop(seq.request_id, {})
         gone = []
-        for b in reversed(seq.block_table):
-            self._refs[b] -= 1
-            if self._refs[b]:
-                continue
-            del self._refs[b]
-            if b in self._key:
-                if self.retention_s > 0.0:
-                    self._retained[b] = self._clock()
+        for j in reversed(range(len(seq.block_table))):
+            for b in (seq.block_table[j], pins.get(j)):
+                if b is None:
+                    continue
+                self._refs[b] -= 1
+                if self._refs[b]:
+                    continue
+                del self._refs[b]
+                if b in self._key:
+                    if self.retention_s > 0.0:
+                        self._retained[b] = self._clock()
+                    else:
+                        self._cached[b] = None
                 else:
-                    self._cached[b] = None
-            else:
-                gone.append(b)
+                    gone.append(b)
         self._drop(gone)
         seq.block_table = []
 
@@ -293,35 +305,59 @@ class PagedKVCache:
         if run is None:
             return None
         for lid in run:
-            self._refs[lid] = self._refs.get(lid, 0) + 1
-            self._cached.pop(lid, None)
-            self._retained.pop(lid, None)
+            self._hold(lid)
         seq.block_table += run
         found = len(run) * self.block_size
         seq.num_computed_tokens = found
         if not seq.num_preemptions:
             seq.num_cached_tokens = min(found, seq.num_prompt_tokens)
-        self._published[seq.request_id] = len(run)
+        self._published[seq.request_id] = (len(run), run[-1] if run else -1)
         return found
 
+    def _hold(self, lid: int) -> None:
+        """Take a reference to a published block (a kept one is held again)."""
+        self._refs[lid] = self._refs.get(lid, 0) + 1
+        self._cached.pop(lid, None)
+        self._retained.pop(lid, None)
+
     def publish(self, seqs: list[Sequence]) -> None:
-        """After a step computed them: publish the blocks of `seqs` that are now full. Not a block whose key another
-        block already has, nor any block after it: a lookup could never reach them, and a kept one would hold
-        pages for nothing."""
+        """After a step computed them: publish the blocks of `seqs` that are now full. A block whose key another
+        block already has is a copy: not published, the request pins the key's block and its next blocks' keys
+        continue that one (module docstring)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
         for seq in seqs:
-            done, full = self._published.get(seq.request_id, 0), min(seq.num_computed_tokens // bs,
-                                                                       len(seq.block_table))
-            for j in range(done, full):
-                lid, parent = seq.block_table[j], seq.block_table[j - 1] if j else -1
-                if parent != -1 and parent not in self._key:
-                    break
-                key = (parent, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
-                if lid not in self._key and key not in self._shared:
-                    self._shared[key], self._key[lid] = lid, key
-            self._published[seq.request_id] = max(done, full)
+            rid = seq.request_id
+            done, parent = self._published.get(rid, (0, -1))
+            full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+            for j in range(done, full):  # every block a key continues is held, so none was evicted
+                lid = seq.block_table[j]
+                if lid not in self._key:
+                    key = (parent, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
+                    other = self._shared.get(key)
+                    if other is not None:  # a copy: pinned, the next blocks continue it
+                        self._hold(other)
+                        self._pins.setdefault(rid, {})[j] = lid = other
+                    else:
+                        self._shared[key], self._key[lid] = lid, key
+                parent = lid
+            if full > done:
+                self._published[rid] = (full, parent)
+
+    def fold_copies(self, running: list[Sequence]) -> None:
+        """Between steps (the step that wrote them is done): each copy `publish` found leaves its request's block
+        table for the block it copies, which the request already holds (its pin), and goes back to the pool."""
+        if not self._pins:
+            return
+        gone = []
+        for seq in running:
+            for j, original in self._pins.pop(seq.request_id, {}).items():
+                gone.append(seq.block_table[j])  # never published, so held by this request alone
+                del self._refs[seq.block_table[j]]
+                seq.block_table[j] = original
+            self._tables.pop(seq.request_id, None)
+        self._drop(gone)
 
     def _relocated(self, moves: dict[int, int]) -> None:
         """The pool moved pool blocks old -> new (bytes already copied on the compute stream): follow them.

@@ -66,6 +66,7 @@ def check_kv(llm: LLM) -> None:
     kv, holders = llm.kv, Counter()
     for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
         holders.update(seq.block_table)
+    holders.update(b for pins in kv._pins.values() for b in pins.values())  # originals of the last step's copies
     kept = set(kv._cached) | set(kv._retained)  # aged and retained (prefix_retention_s) kept blocks
     assert dict(holders) == kv._refs, "a block's reference count is not the requests holding it"
     assert not kept & set(holders), "a kept block is held"

@@ -74,6 +74,8 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
             assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
     assert all(not seq.block_table for seq in sched.waiting)
     held = Counter(b for seq in sched.running for b in seq.block_table)
+    held.update(b for pins in kv._pins.values() for b in pins.values())  # the blocks copies of the last step copy
+    assert set(kv._pins) <= {seq.request_id for seq in sched.running}
     kept = set(kv._cached) | set(kv._retained)
     assert not set(kv._cached) & set(kv._retained) and kv.num_cached_blocks == len(kept)
     assert kv._refs == dict(held) and not set(held) & kept
@@ -96,12 +98,13 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
 @given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(3, 60), max_size=6),
                                     st.integers(1, 8)),
                           st.tuples(st.just("step")), st.tuples(st.just("step")),
+                          st.tuples(st.just("repeat"), st.integers(0, 20), st.integers(1, 8)),
                           st.tuples(st.just("abort"), st.integers(0, 20)),
                           st.tuples(st.just("weights"), st.integers(1, 3 * LAYERS))), max_size=40),
        st.integers(3, 12), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
 def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retention):
-    """Random arrivals of prompts with common prefixes (and repeats), steps, aborts and weight runs in a cache short
-    enough to preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are
+    """Random arrivals of prompts with common prefixes (and earlier prompts again: copies of published blocks, pins),
+    steps, aborts and weight runs in a cache short enough to preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are
     evicted when KV needs them, weight runs reclaim only those past their retention (one step a second), and all
     come back."""
     now = [0.0]
@@ -124,6 +127,12 @@ def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retent
         elif op[0] == "add":
             prompt = FAMILIES[op[1]] + op[2]
             seq = Sequence(str(len(added)), prompt, SamplingParams(max_tokens=op[3]))
+            added.append(seq)
+            sched.add(seq)
+        elif op[0] == "repeat" and added:  # an earlier prompt again, answered further (copies, pins)
+            earlier = added[op[1] % len(added)]
+            seq = Sequence(str(len(added)), earlier.prompt_token_ids,
+                           SamplingParams(max_tokens=earlier.params.max_tokens + BS + op[2]))
             added.append(seq)
             sched.add(seq)
         elif op[0] == "abort" and op[1] < len(added):
@@ -169,6 +178,44 @@ def test_a_later_request_starts_after_the_shared_blocks():
     sched.add(logprobs)
     run_step(kv, sched)
     assert logprobs.num_cached_tokens == 0  # every prompt position's logits are needed
+
+
+def test_a_repeated_prompt_of_whole_blocks_publishes_its_answer():
+    """A prompt of whole blocks sent again recomputes its last block (its logits are needed), a copy of a published
+    one: the request pins the original for the step, the next step's table has the original in the copy's place (the
+    copy back in the pool), its answer's blocks continue the original, and a next turn finds the whole history
+    (before, the chain stopped at the copy and a next turn found the prompt only)."""
+    kv, sched = make(budget=16, seats=4)
+    prompt = FAMILIES[0] + [40, 41]  # 12 tokens: 3 full blocks
+    first = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    original = list(kv._cached)[0]  # released last block first: its third block
+    again = Sequence("b", prompt, SamplingParams(max_tokens=6))
+    sched.add(again)
+    run_step(kv, sched)
+    copy = again.block_table[2]
+    assert again.num_cached_tokens == 8 and copy != original and copy not in kv._key
+    assert kv._pins == {"b": {2: original}} and kv._refs[original] == 1 and original not in kv._cached
+    check(kv, sched)
+    run_step(kv, sched)  # its start folds the copy
+    assert again.block_table[2] == original and copy not in kv.block_pages and not kv._pins
+    while again.num_computed_tokens < 16:
+        run_step(kv, sched)
+        check(kv, sched)
+    fourth = again.block_table[3]
+    assert kv._key[fourth][0] == original
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    check(kv, sched)
+    kept = list(kv._cached)
+    assert kept.index(fourth) < kept.index(original)  # it leaves before the block it continues
+    turn = Sequence("c", again.token_ids + [44, 45], SamplingParams(max_tokens=2))
+    sched.add(turn)
+    run_step(kv, sched)
+    assert turn.num_cached_tokens == 16 and turn.block_table[2:4] == [original, fourth]
+    check(kv, sched)
 
 
 def test_kept_blocks_serve_a_later_turn_and_give_way_to_kv_and_weights():
