@@ -867,16 +867,22 @@ def resolve_model_dir(path: str) -> tuple[str, str]:
                                 f"nor on the Hub: {e}") from None
 
 
-def build_app(args: AppArgs) -> serve.Application:
-    """The Serve application: engine replicas behind the OpenAI ingress."""
+def engine_actor_options(args: AppArgs) -> dict:
+    """Ray resources of one engine replica: a GPU (or `num_gpus_per_replica`) and a CPU where the cluster has GPUs,
+    else `engine_num_cpus` CPUs."""
     gpus = args.num_gpus_per_replica
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() else 0.0
+    return {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
+
+
+def build_app(args: AppArgs) -> serve.Application:
+    """The Serve application: engine replicas behind the OpenAI ingress."""
+    actor_options = engine_actor_options(args)
     model_dir, name = resolve_model_dir(args.model_dir)
     options = {"served_model_name": name, **args.engine_options}  # unless engine_options name it
-    cfg = EngineConfig(model_dir, args.gpu_memory_budget, "cuda" if gpus else "cpu", options,
+    cfg = EngineConfig(model_dir, args.gpu_memory_budget, "cuda" if actor_options["num_gpus"] else "cpu", options,
                        store_root=args.store_root, expert_impl=args.expert_impl)
-    actor_options = {"num_gpus": gpus, "num_cpus": 1.0 if gpus else args.engine_num_cpus}
     routing = {"request_router_config": RequestRouterConfig(request_router_class=PrefixAffinityRouter)} \
         if args.prefix_affinity else {}
     engine = EngineReplica.options(num_replicas=args.num_replicas, ray_actor_options=actor_options, **routing).bind(cfg)

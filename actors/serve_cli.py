@@ -45,6 +45,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def replicas_short(replicas: int, actor_options: dict, total: dict) -> list[str]:
+    """The resources that `replicas` engine replicas of `actor_options` ask beyond the cluster's `total` now."""
+    return [f"{replicas} x {need:g} {name} > {total.get(name, 0.0):g}"
+            for name, need in (("GPU", actor_options["num_gpus"]), ("CPU", actor_options["num_cpus"]))
+            if need and replicas * need > total.get(name, 0.0) + 1e-9]
+
+
 def run(args) -> int:
     import ray
     import torch
@@ -52,7 +59,7 @@ def run(args) -> int:
     from ray import serve
 
     from pagedweight.actors.engine_actor import engine_options_json
-    from pagedweight.actors.openai_app import AppArgs, build_app
+    from pagedweight.actors.openai_app import AppArgs, build_app, engine_actor_options
     from pagedweight.checkpoint import model_name, resolve_model
     from pagedweight.convert import ap_checkpoint_for
     from pagedweight.pool import parse_budget
@@ -71,13 +78,20 @@ def run(args) -> int:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), "cuda" if torch.cuda.is_available() else "cpu")
     own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
     ray.init(address=args.address, namespace="pagedweight")
+    replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
+    app_args = AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
+                       api_key=api_key, engine_options={"served_model_name": name, **options},
+                       prefix_affinity=args.prefix_affinity)
+    short = replicas_short(replicas, engine_actor_options(app_args), ray.cluster_resources())
+    if short and own_cluster:  # Serve would wait forever for replicas this machine cannot place
+        raise ValueError(f"--num-replicas {replicas}: the engine replicas need {', '.join(short)} (this machine's "
+                         "Ray cluster); ask fewer, or join a larger cluster with --address")
+    if short:
+        logger.warning("{} engine replicas need {}: the deploy waits until the cluster has them (an autoscaling "
+                       "cluster adds nodes for pending replicas)", replicas, ", ".join(short))
     try:
-        replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app(AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
-                                api_key=api_key, engine_options={"served_model_name": name, **options},
-                                prefix_affinity=args.prefix_affinity))
-        serve.run(app, name="pagedweight", route_prefix="/")
+        serve.run(build_app(app_args), name="pagedweight", route_prefix="/")
         print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
               "- Ctrl-C stops", flush=True)
         while True:

@@ -210,3 +210,38 @@ def test_serve_help_does_not_print_the_api_key(monkeypatch, capsys):
         main(["serve", "--help"])
     out = capsys.readouterr().out
     assert "PAGEDWEIGHT_API_KEY" in out and "sk-secret" not in out
+
+
+def test_serve_refuses_replicas_its_own_cluster_cannot_place(model_dir, monkeypatch, capsys):
+    """On the Ray cluster `serve` starts itself, replicas beyond its resources are refused before Serve starts
+    (Serve would wait for them forever); a joined cluster may autoscale: a warning, and the deploy goes on."""
+    import ray
+    from ray import serve
+
+    from pagedweight.actors.serve_cli import replicas_short
+
+    assert replicas_short(4, {"num_gpus": 1.0, "num_cpus": 1.0}, {"GPU": 2.0, "CPU": 16.0}) == ["4 x 1 GPU > 2"]
+    assert replicas_short(4, {"num_gpus": 0.5, "num_cpus": 1.0}, {"GPU": 2.0, "CPU": 4.0}) == []
+    assert replicas_short(3, {"num_gpus": 0.0, "num_cpus": 1.0}, {"CPU": 2.0}) == ["3 x 1 CPU > 2"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+
+    class Started(Exception):
+        pass
+
+    def start(**kw):
+        raise Started
+
+    monkeypatch.setattr(serve, "start", start)
+    assert main(["serve", str(model_dir), "--dense", "--num-replicas", "3"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pagedweight serve: error: --num-replicas 3: the engine replicas need 3 x 1 CPU > 2")
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    import pagedweight.actors.page_store_actor as store
+
+    monkeypatch.setattr(store, "page_store_for_node", lambda: pytest.fail("no page store of a joined cluster"))
+    with pytest.raises(Started):  # a joined cluster: past the check, into Serve
+        main(["serve", str(model_dir), "--dense", "--num-replicas", "3", "--address", "ray://elsewhere:10001"])
+    assert "3 engine replicas need 3 x 1 CPU > 2: the deploy waits" in capsys.readouterr().err
