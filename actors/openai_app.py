@@ -646,11 +646,13 @@ async def _merged(streams: list):
 
 async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
     """Server-Sent Events: the echoed prompts (completions with `echo`), one chunk per engine step of each prompt
-    (choice `index`), a usage chunk when asked, then [DONE]. An error ends the stream and `cancel`s the other
-    prompts' calls."""
+    (choice `index`), a usage chunk when asked (`"usage": null` in the others then), then [DONE]. An error ends the
+    stream and `cancel`s the other prompts' calls."""
     chat = req.kind == "chat"
     base = {"id": req.request_id, "created": int(time.time()), "model": req.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
+    if req.include_usage:  # OpenAI's: every chunk has "usage", null but in the last one
+        base["usage"] = None
     if chat:
         for i in range(len(heads)):
             yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

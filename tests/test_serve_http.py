@@ -279,6 +279,8 @@ def test_batched_prompts_answer_each_in_its_choice(serve_app, offline, n_tokens)
             (choice,) = e["choices"]
             texts[choice["index"]] += choice["text"]
         assert texts == [r.text for r in refs] and events[-1]["usage"] == resp["usage"]
+        assert all("usage" in e and e["usage"] is None for e in events[:-1])  # OpenAI's: null but in the last
+        assert all("usage" not in e for e in stream_events(http, {**body, "stream": True}))
 
         scored = http.post("/v1/completions", json={**body, "max_tokens": 1, "logprobs": 1, "echo": True}).json()
         for choice, ref in zip(scored["choices"], refs):
