@@ -352,14 +352,27 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
-    params = SamplingParams(max_tokens=args.gen, ignore_eos=True, **sampling_of(args))
-    for llm in engines.values():  # the same prompts; prefill until every request has its first token
+    # Requests that finish their prompt first decode while the others still prefill: each gets `head` tokens more
+    # than the `gen` steps measured (its prompt that much shorter: the same KV at the end), so every request of the
+    # batch decodes through every measured step. Before, they ran to `gen` tokens from their own first: at batch 32
+    # (seq 512) half had finished when the last began, and the run measured a draining batch whose freed KV the
+    # planner kept reloading weights into (engine_bench-nvidia-h100-80gb-hbm3-20261205-s43-paired-refusals.json).
+    room = engines["paged"].options.max_num_batched_tokens - batch
+    head = -(-batch * (args.seq_len - args.gen) // max(room, 1)) + 4
+    if args.seq_len - args.gen - head < 1:
+        raise ValueError(f"--seq-len {args.seq_len}: no prompt left for batch {batch} after --gen {args.gen} and "
+                         f"{head} tokens decoded while the batch prefills")
+    params = SamplingParams(max_tokens=args.gen + head, ignore_eos=True, **sampling_of(args))
+    ids = {}
+    for kind, llm in engines.items():  # the same prompts; prefill until every request has its first token
         rng = np.random.default_rng(2)
-        for _ in range(batch):
-            llm.add_request(rng.integers(0, cfg.vocab_size, args.seq_len - args.gen).tolist(), params)
+        ids[kind] = [llm.add_request(rng.integers(0, cfg.vocab_size, args.seq_len - args.gen - head).tolist(), params)
+                     for _ in range(batch)]
         first: set[str] = set()
         while len(first) < batch:
             first.update(out.request_id for out in llm.step() if out.token_ids)
+        if len(llm.scheduler.running) != batch:
+            raise RuntimeError(f"{kind}: {len(llm.scheduler.running)} of {batch} requests running after the prefill")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     steps: dict[str, list[float]] = {kind: [] for kind in engines}
     phases = {kind: StepPhases(llm) for kind, llm in engines.items()} if args.trace else None
@@ -367,14 +380,12 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     traces: dict[str, list[tuple[int, list]]] = {kind: [] for kind in engines}  # (num_steps % every, trace row)
     pair_ratios: list[float] = []
     order = list(engines)
-    while any(llm.has_unfinished() for llm in engines.values()):
+    while any(len(v) < args.gen for v in steps.values()):
         chunk = {}
         for kind in order:
             llm, ms = engines[kind], []
             sync()
-            for _ in range(args.paired_chunk):
-                if not llm.has_unfinished():
-                    break
+            for _ in range(min(args.paired_chunk, args.gen - len(steps[kind]))):
                 if phases is not None:  # the trace's "before" marks, taken only when tracing
                     cycle, compactions, paging = llm.num_steps % every, llm.pool.relocations, dataclasses.replace(
                         llm.paging)
@@ -388,8 +399,11 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
         if all(chunk.values()):
             pair_ratios.append(float(np.median(chunk["uniform"]) / np.median(chunk["paged"])))
         order.reverse()
+    for kind, llm in engines.items():  # the rest of the requests' tokens are not measured
+        for rid in ids[kind]:
+            llm.abort(rid)
     med = {kind: float(np.median(v)) for kind, v in steps.items()}
-    out = {"bits": b, "home": home, "batch": batch, "chunk_steps": args.paired_chunk,
+    out = {"bits": b, "home": home, "batch": batch, "chunk_steps": args.paired_chunk, "prefill_head_tokens": head,
            "uniform_step_ms_median": med["uniform"], "paged_step_ms_median": med["paged"],
            "ratio_paged_over_uniform": med["uniform"] / med["paged"],
            "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),

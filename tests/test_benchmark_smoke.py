@@ -27,8 +27,8 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
 
 
 def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
-    """--rounds 0 --paired-chunk N: no table, one paired measurement per width, batch and home; each engine decodes
-    every step of its batch (gen - 1 after the first token) and each chunk pair gives a ratio."""
+    """--rounds 0 --paired-chunk N: no table, one paired measurement per width, batch and home; each engine runs gen
+    decode steps with every request of its batch decoding in each, and each chunk pair gives a ratio."""
     from benchmarks import engine_bench
 
     assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1,2", "--paged-home", "match",
@@ -37,7 +37,7 @@ def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
     res = json.loads(path.read_text())
     assert res["rows"] == [] and res["complete"] and set(res["paired_decode"]) == {"ap3/b1/home3", "ap3/b2/home3"}
     for pair in res["paired_decode"].values():
-        assert pair["steps_per_engine"] == 8 and len(pair["pair_ratios"]) == 3  # chunks of 3, 3, 2 steps
+        assert pair["steps_per_engine"] == 9 and len(pair["pair_ratios"]) == 3  # chunks of 3 steps
         assert pair["pair_ratio_min"] == min(pair["pair_ratios"]) and pair["pair_ratio_max"] == max(pair["pair_ratios"])
         assert pair["ratio_paged_over_uniform"] == pair["uniform_step_ms_median"] / pair["paged_step_ms_median"]
         assert "trace_medians" not in pair
@@ -88,7 +88,9 @@ def test_engine_bench_paired_trace_splits_each_engines_steps(tmp_path):
     assert all(len(v) == 4 and all(x > 0 for x in v) for v in pair["phase_step_ms"].values())
     for kind, trace in pair["step_traces"].items():  # every step's row behind those medians, its cycle place first
         assert trace["columns"] == ["cycle", *engine_bench.TRACE_COLUMNS]
-        assert len(trace["rows"]) == pair["steps_per_engine"]
+        assert len(trace["rows"]) == pair["steps_per_engine"] == 13
+        tokens, running = trace["columns"].index("tokens"), trace["columns"].index("running")
+        assert all(row[tokens] == row[running] == 1 for row in trace["rows"])  # the whole batch in every step
         assert sorted({row[0] for row in trace["rows"]}) == [0, 1, 2, 3], kind
 
 
