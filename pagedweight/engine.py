@@ -652,6 +652,7 @@ class LLM:
             self._append(seq, tok, now)
             if seq.is_finished or seq.params.output_kind != "final_only":
                 outputs.append(self._output(seq))
+        self.kv.fold_copies(self.scheduler.running)  # the step is done: the next boundary sees the copies freed
         self._end_step(t0)
         return outputs
 

@@ -347,16 +347,19 @@ class PagedKVCache:
 
     def fold_copies(self, running: list[Sequence]) -> None:
         """Between steps (the step that wrote them is done): each copy `publish` found leaves its request's block
-        table for the block it copies, which the request already holds (its pin), and goes back to the pool."""
+        table for the block it copies, which the request already holds (its pin), and goes back to the pool. Not a
+        request scoring its prompt (prompt_logprobs): its scores must not depend on other requests' K/V."""
         if not self._pins:
             return
         gone = []
         for seq in running:
-            for j, original in self._pins.pop(seq.request_id, {}).items():
+            if seq.request_id not in self._pins or seq.params.prompt_logprobs is not None:
+                continue  # scoring reads its own K/V, not another request's: its pins wait for its end
+            for j, original in self._pins.pop(seq.request_id).items():
                 gone.append(seq.block_table[j])  # never published, so held by this request alone
                 del self._refs[seq.block_table[j]]
                 seq.block_table[j] = original
-            self._tables.pop(seq.request_id, None)
+            self._tables.pop(seq.request_id, None)  # a new array: decode graphs see a change by identity
         self._drop(gone)
 
     def _relocated(self, moves: dict[int, int]) -> None:
@@ -381,8 +384,8 @@ class PagedKVCache:
     def block_tables(self, seq: Sequence) -> np.ndarray:
         """[L, blocks] pool KV block of each of seq's logical blocks, per layer (read-only). Kept per request and
         extended with its new blocks: every step reads the tables of every running request, and rebuilding them
-        costs ~0.1 ms of host time per 128 blocks. Blocks are only appended or all freed (`free` drops the entry);
-        a relocation changes pool blocks, so it drops every entry."""
+        costs ~0.1 ms of host time per 128 blocks. Blocks are only appended, folded (`fold_copies`) or all freed
+        (`free`), and those two drop the entry; a relocation changes pool blocks, so it drops every entry."""
         have = self._tables.get(seq.request_id)
         done = 0 if have is None else have.shape[1]
         if done < len(seq.block_table):

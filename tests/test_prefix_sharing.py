@@ -50,6 +50,7 @@ def run_step(kv: PagedKVCache, sched: Scheduler) -> None:
     equal prompts continue alike) and end requests at max_tokens."""
     batch = sched.schedule()
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        kv.block_tables(seq)  # as the runner reads them (cached per request)
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             assert seq.block_table[pos // BS] not in kv._key  # a published block is never written again
             kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0] = stand_in(seq.token_ids, pos)
@@ -73,6 +74,10 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
         for pos in range(seq.num_computed_tokens):
             assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
     assert all(not seq.block_table for seq in sched.waiting)
+    for seq in sched.running:  # a cached block table is the one its blocks give now (folds and relocations drop it)
+        if seq.request_id in kv._tables:
+            assert kv._tables[seq.request_id].tolist() == [list(col) for col in zip(*(kv.block_pages[b]
+                                                                                     for b in seq.block_table))]
     held = Counter(b for seq in sched.running for b in seq.block_table)
     held.update(b for pins in kv._pins.values() for b in pins.values())  # the blocks copies of the last step copy
     assert set(kv._pins) <= {seq.request_id for seq in sched.running}
@@ -174,10 +179,15 @@ def test_a_later_request_starts_after_the_shared_blocks():
     sched.abort("a")
     assert kv._refs[again.block_table[0]] == 3 - 1 and len(kv._shared) >= 2
     check(kv, sched)
-    logprobs = Sequence("d", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = Sequence("d", prompt, SamplingParams(max_tokens=3, prompt_logprobs=0))
     sched.add(logprobs)
     run_step(kv, sched)
     assert logprobs.num_cached_tokens == 0  # every prompt position's logits are needed
+    own = list(logprobs.block_table)
+    assert set(kv._pins["d"].values()) <= set(again.block_table)  # its blocks are copies: pinned, not folded
+    run_step(kv, sched)
+    assert logprobs.block_table[:len(own)] == own and "d" in kv._pins  # it reads its own K/V to its end
+    check(kv, sched)
 
 
 def test_a_repeated_prompt_of_whole_blocks_publishes_its_answer():
