@@ -107,7 +107,7 @@ def make_engine(cfg: EngineConfig, engine_id: str) -> "AsyncEngine":
     llm = build_llm(cfg)
     planner = None
     if cfg.routing_sync_s is not None and llm.planner is not None:  # buckets cut as this engine's planner cuts them
-        planner = get_or_create_planner(llm.planner.knobs.n_buckets)
+        planner = get_or_create_planner(llm.planner.knobs.n_buckets, llm.planes_id)
     return AsyncEngine(llm, engine_id, EngineMetrics(engine_id), planner, cfg.routing_sync_s)
 
 
@@ -122,7 +122,7 @@ class AsyncEngine:
         self._planner = planner if routing_sync_s is not None and llm.planner is not None else None
         self._sync_s = routing_sync_s
         self._last_sync = time.monotonic()
-        self._tokens_since_sync = 0
+        self._synced_tokens = 0  # llm.num_tokens_computed at the last push
         self._lock = threading.Lock()  # every LLM call happens under it
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -146,6 +146,7 @@ class AsyncEngine:
         """
         kind = params.output_kind if params is not None else "cumulative"
         self.check_health()
+        start = time.perf_counter()  # the wait for the engine lock (up to a step) is part of the request's latency
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         # the add waits for the lock (up to a step) in a thread that a cancelled caller cannot stop: shielded, so a
@@ -157,7 +158,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             add.add_done_callback(self._abort_added)
             raise
-        start, first, finished, out = time.perf_counter(), None, False, None
+        first, finished, out = None, False, None
         try:
             while not finished:
                 out = await queue.get()
@@ -242,6 +243,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._planner is not None:  # a retired engine's table leaves the cluster's merge
+            self._planner.forget.remote(self.engine_id)
 
     # ---- step loop (background thread) ----
     def _run(self) -> None:
@@ -258,7 +261,6 @@ class AsyncEngine:
                     paging = not busy and self.llm.step_idle()
                 for out in outputs:
                     self._deliver(out)
-                self._tokens_since_sync += len(outputs)
                 self._export_stats()
                 self._sync_routing()
                 if not busy:  # idle reloads still under way: back soon (a short pause bounds a spin)
@@ -267,9 +269,10 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
             from loguru import logger
 
+            with self._lock:  # an add holding the lock registered before this (failed below), any later one sees it
+                self._dead = exc
+                self._fail_all(f"engine {self.engine_id} failed: {exc!r}")
             logger.exception("engine {} step loop failed", self.engine_id)
-            self._dead = exc
-            self._fail_all(f"engine {self.engine_id} failed: {exc!r}")
 
     def _deliver(self, out) -> None:
         entry = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
@@ -289,7 +292,8 @@ class AsyncEngine:
     def _sync_routing(self) -> None:
         """Periodic `sync_routing`; a planner that does not answer is skipped (serving goes on)."""
         now = time.monotonic()
-        if self._planner is None or now - self._last_sync < self._sync_s or not self._tokens_since_sync:
+        if (self._planner is None or now - self._last_sync < self._sync_s
+                or self.llm.num_tokens_computed == self._synced_tokens):
             return
         try:
             self.sync_routing()
@@ -310,9 +314,9 @@ class AsyncEngine:
             raise RuntimeError(f"engine {self.engine_id} has no cluster planner (routing_sync_s=None or no planner)")
         self._last_sync = time.monotonic()
         if push:
-            tokens, self._tokens_since_sync = self._tokens_since_sync, 0
-            with self._lock:
-                mass = self.llm.routing_mass()
+            with self._lock:  # the tokens every step computed since the last push: the weight of this table
+                mass, done = self.llm.routing_mass(), self.llm.num_tokens_computed
+            tokens, self._synced_tokens = done - self._synced_tokens, done
             ref = self._planner.push.remote(encode_table(self.engine_id, mass, tokens))
         else:
             mass, tokens, ref = None, 0, self._planner.merged.remote()
@@ -373,8 +377,14 @@ class EngineActor:
         """Routing sync with the cluster planner now (see AsyncEngine.sync_routing)."""
         return await asyncio.to_thread(self.engine.sync_routing, push)
 
-    def stats(self) -> dict:
-        return self.engine.stats()
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.engine.stats)  # it waits for the engine lock: not on the event loop
+
+    def shutdown(self) -> None:
+        """Stop the step loop and leave the cluster planner's merge (Ray calls it when the actor ends gracefully)."""
+        self.engine.shutdown()
+
+    __ray_shutdown__ = shutdown
 
     def info(self) -> dict:
         llm = self.engine.llm

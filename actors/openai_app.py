@@ -443,6 +443,10 @@ class EngineReplica:
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = make_engine(cfg, replica_id)
 
+    def __del__(self) -> None:  # Serve's graceful replica shutdown: leave the cluster planner's merge
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+
     def info(self) -> dict:
         llm = self.engine.llm
         return {"model_name": llm.model_name, "max_model_len": llm.max_model_len}

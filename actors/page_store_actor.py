@@ -3,8 +3,8 @@
 
 The store outlives engine restarts: a restarted engine rebuilds its GPU state from it instead of
 re-reading the checkpoint. Stores are keyed by the checkpoint's planes.bin checksum, so two
-checkpoints never share one and a re-quantized checkpoint gets a fresh store. The store is named as the engine names it by default, so an engine
-started without Ray on the same node maps the same pages.
+checkpoints never share one and a re-quantized checkpoint gets a fresh store. The store is named as the engine
+names it by default, so an engine started without Ray on the same node maps the same pages.
 """
 from __future__ import annotations
 
@@ -24,23 +24,26 @@ class PageStoreActor:
 
     def __init__(self, root: str = DEFAULT_ROOT):
         self._root = Path(root)
-        self._stores: dict[str, str] = {}  # model dir -> store path
+        self._stores: dict[str, str] = {}  # model dir -> path of the store of its current planes
+        self._written: set[str] = set()  # every store this actor wrote (`destroy` removes them)
 
     def ensure(self, model_dir: str) -> str | None:
         """Path of the store holding `model_dir`'s planes, written on first request; None for a dense
-        (non any-precision) checkpoint, which has no planes to share."""
+        (non any-precision) checkpoint, which has no planes to share. The manifest is read on every call (the
+        store's name comes from its planes): a checkpoint re-quantized in the same directory gets a fresh store."""
         from pagedweight.apformat import MANIFEST, load_ap
         from pagedweight.runner import ap_weights, planes_id
 
         model_dir = str(Path(model_dir).resolve())
         if not (Path(model_dir) / MANIFEST).is_file():
             return None
-        if model_dir not in self._stores:
-            ap = load_ap(model_dir, verify=False)
-            path = self._root / f"pagedweight-{planes_id(ap)}"  # the engine's own default name
-            ap_weights(ap, path).store.close()  # creates the store once (file-locked) and checks it opens
-            self._stores[model_dir] = str(path)
-        return self._stores[model_dir]
+        ap = load_ap(model_dir, verify=False)
+        path = str(self._root / f"pagedweight-{planes_id(ap)}")  # the engine's own default name
+        if path not in self._written:
+            ap_weights(ap, Path(path)).store.close()  # creates the store once (file-locked) and checks it opens
+            self._written.add(path)
+        self._stores[model_dir] = path
+        return path
 
     def stores(self) -> dict[str, str]:
         return dict(self._stores)
@@ -52,10 +55,10 @@ class PageStoreActor:
         """Remove every store this actor wrote (engines still mapping one keep their pages)."""
         from pagedweight.page_store import PageStore
 
-        for path in self._stores.values():
+        for path in self._written:
             if os.path.exists(path):
                 PageStore.destroy(path)
-        removed, self._stores = len(self._stores), {}
+        removed, self._stores, self._written = len(self._written), {}, set()
         return removed
 
 

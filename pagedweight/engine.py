@@ -230,10 +230,12 @@ class LLM:
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
         weights = None
         self.page_store_dir: Path | None = None  # the node page store this engine maps (AP checkpoints)
+        self.planes_id: str | None = None  # which planes (runner.planes_id): engines of one model share a planner
         if (self.model_dir / MANIFEST).is_file():
             ap = load_ap(self.model_dir, verify=self.options.verify_checkpoint)
             model = build_ap_model(ap, self.dtype, self.device)
-            self.page_store_dir = Path(self.options.page_store_dir or f"/dev/shm/pagedweight-{planes_id(ap)}")
+            self.planes_id = planes_id(ap)
+            self.page_store_dir = Path(self.options.page_store_dir or f"/dev/shm/pagedweight-{self.planes_id}")
             weights = ap_weights(ap, self.page_store_dir)
         else:
             model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
@@ -343,6 +345,7 @@ class LLM:
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (abort, rejected)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_tokens_computed = 0  # tokens every step computed (prefill and decode): what routing statistics saw
         self.paging = PagingStats()
         self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
         self._committed, self._committed_at = None, -1  # committed_widths() and the table.commits it was built at
@@ -621,6 +624,7 @@ class LLM:
             if self.mover is not None:
                 self.mover.end_step()  # fences this step's reads of the pages it used
         if failure is None:
+            self.num_tokens_computed += batch.num_tokens
             self.kv.publish(batch.seqs)  # blocks this step filled: later requests with the same prefix read them
         if observe:  # the copy of its statistics, queued right behind the forward: the next step reads it
             self.router_stats.prefetch()

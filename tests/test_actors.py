@@ -104,7 +104,10 @@ def test_engine_actor_restart_fails_in_flight_and_rebuilds(ray_cluster, ap_model
     assert stats["in_flight"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]
 
     # the engine pushed its routing mass to the cluster planner (after serving, at most 0.2 s apart)
-    planner = get_or_create_planner()
+    from pagedweight.apformat import load_ap
+    from pagedweight.runner import planes_id
+
+    planner = get_or_create_planner(model=planes_id(load_ap(ap_model_dir, verify=False)))  # this model's
 
     def cluster_table():
         try:
@@ -376,3 +379,165 @@ def test_gpu_engines_asked_of_a_cluster_without_gpus_wait_for_them(ray_cluster, 
     with mock.patch.object(ray, "cluster_resources", return_value={"GPU": 1.0}):
         with pytest.raises(ValueError, match="need 2 GPUs"):
             start_engines(cfg, num_engines=2, gpus_per_engine=1)
+
+
+# ---------------------------------------------------------------- AsyncEngine with a stand-in LLM (no Ray)
+class _StandInLLM:
+    """What AsyncEngine calls of an LLM: requests finish after one step of `step_s`; `fail` makes the step raise."""
+
+    planner = None
+
+    def __init__(self, step_s: float = 0.0, fail: bool = False, slow_add: str | None = None) -> None:
+        self.step_s, self.fail, self.slow_add, self.requests = step_s, fail, slow_add, []
+        self.num_tokens_computed = 0
+
+    def add_request(self, prompt, params, request_id):
+        if prompt == self.slow_add:
+            time.sleep(0.2)  # an add still in progress while the step loop fails
+        self.requests.append(request_id)
+        return request_id
+
+    def abort(self, request_id) -> bool:
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        from pagedweight.engine import RequestOutput
+
+        time.sleep(self.step_s)
+        if self.fail:
+            raise RuntimeError("boom")
+        done, self.requests = self.requests, []
+        return [RequestOutput(request_id=r, prompt_token_ids=[], token_ids=[1], text="x", delta_text="x",
+                              finished=True, finish_reason="length") for r in done]
+
+    def step_idle(self) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {}
+
+
+def test_a_request_added_while_the_step_loop_fails_is_answered():
+    """A step fails while a second request is being added (the add holds the engine lock): every caller gets an
+    error, as an output or as EngineDeadError; none waits forever (the failure path used to fail the requests it
+    saw without the lock, and a request registered just after waited on a loop that had ended)."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(_StandInLLM(step_s=0.05, fail=True, slow_add="slow"), "failing")
+
+    async def one(prompt: str) -> str:
+        try:
+            outs = [o async for o in engine.generate(prompt, None, request_id=prompt)]
+        except EngineDeadError:
+            return "dead"
+        return outs[-1].finish_reason
+
+    async def both():
+        first = asyncio.ensure_future(one("fast"))
+        await asyncio.sleep(0.02)  # the step holding the lock is under way; the slow add waits for it
+        return await asyncio.wait_for(asyncio.gather(first, one("slow")), timeout=5)
+
+    try:
+        reasons = asyncio.run(both())
+        assert reasons[0] == "error" and reasons[1] in ("error", "dead"), reasons
+        assert not engine._queues
+    finally:
+        engine.shutdown()
+
+
+def test_request_latency_counts_the_wait_for_the_engine_lock():
+    """A request that arrives during a step waits for the engine lock before its add: its latency and time to
+    first token count that wait (they started after the add, and a 0.3 s step's wait was left out)."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine
+
+    class Metrics:
+        def __init__(self) -> None:
+            self.seen = []
+
+        def observe_request(self, latency, ttft, reason) -> None:
+            self.seen.append((latency, ttft, reason))
+
+        def update(self, stats) -> None:
+            pass
+
+    metrics = Metrics()
+    engine = AsyncEngine(_StandInLLM(step_s=0.3), "slow-steps", metrics=metrics)
+
+    async def run(prompt: str) -> float:
+        t = time.perf_counter()
+        [o async for o in engine.generate(prompt, None)]
+        return time.perf_counter() - t
+
+    async def two():
+        first = asyncio.ensure_future(run("a"))
+        await asyncio.sleep(0.05)  # a's step holds the lock
+        return await run("b"), await first
+
+    try:
+        wall_b, _ = asyncio.run(two())
+        latency, ttft, _ = metrics.seen[-1]
+        assert wall_b > 0.5 and latency > wall_b - 0.05 and ttft > wall_b - 0.05, (wall_b, metrics.seen)
+    finally:
+        engine.shutdown()
+
+
+def test_routing_sync_weighs_a_table_by_the_tokens_computed_since_the_last():
+    """The table an engine pushes to the cluster planner weighs the tokens its steps computed since its last push
+    (prefill included), not its outputs (a final-only request counted 1 however long)."""
+    from types import SimpleNamespace
+
+    from pagedweight.actors import engine_actor
+    from pagedweight.actors.engine_actor import AsyncEngine
+
+    planner = PlannerActor.__ray_metadata__.modified_class.__new__(PlannerActor.__ray_metadata__.modified_class)
+    planner.__init__(2)
+    llm = _StandInLLM()
+    llm.planner = SimpleNamespace(knobs=SimpleNamespace(n_buckets=2))
+    llm.routing_mass = lambda: np.full((2, 4), 0.25)
+    llm.set_routing_mass = lambda mass: None
+    handle = SimpleNamespace(**{m: SimpleNamespace(remote=getattr(planner, m)) for m in ("push", "merged", "forget")})
+    engine = AsyncEngine(llm, "weighed", planner=handle, routing_sync_s=3600.0)
+    get = engine_actor.ray.get
+    engine_actor.ray.get = lambda ref, timeout=None: ref  # the stand-in planner answers in place
+    try:
+        llm.num_tokens_computed = 37
+        assert engine.sync_routing()["pushed_tokens"] == 37
+        llm.num_tokens_computed = 50
+        assert engine.sync_routing()["pushed_tokens"] == 13
+    finally:
+        engine_actor.ray.get = get
+        engine.shutdown()
+    assert planner.forget("weighed") is False  # shutdown already took it out of the merge
+
+
+def test_page_store_follows_a_checkpoint_requantized_in_place(tmp_path, monkeypatch):
+    """The node's page store names a store by the checkpoint's planes: a checkpoint re-quantized in the same
+    directory gets a fresh store (it was cached by directory, and every new engine then found a store of other
+    planes and failed to start); `destroy` removes every store written."""
+    from types import SimpleNamespace
+
+    import pagedweight.apformat as apformat
+    import pagedweight.runner as runner
+    from pagedweight.actors.page_store_actor import PageStoreActor
+
+    (tmp_path / apformat.MANIFEST).write_text("{}")
+    planes, written = {"id": "aaaa"}, []
+    monkeypatch.setattr(apformat, "load_ap", lambda path, verify=False: SimpleNamespace(id=planes["id"]))
+    monkeypatch.setattr(runner, "planes_id", lambda ap: ap.id)
+    monkeypatch.setattr(runner, "ap_weights", lambda ap, path: written.append(path.name) or SimpleNamespace(
+        store=SimpleNamespace(close=lambda: None)))
+    cls = PageStoreActor.__ray_metadata__.modified_class
+    store = cls.__new__(cls)
+    store.__init__(str(tmp_path / "shm"))
+    assert store.ensure(str(tmp_path)) == str(tmp_path / "shm" / "pagedweight-aaaa")
+    assert store.ensure(str(tmp_path)).endswith("pagedweight-aaaa") and written == ["pagedweight-aaaa"]  # once
+    planes["id"] = "bbbb"
+    assert store.ensure(str(tmp_path)).endswith("pagedweight-bbbb") and written[-1] == "pagedweight-bbbb"
+    assert store.destroy() == 2

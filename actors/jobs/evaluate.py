@@ -82,47 +82,53 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
                            engine_options=engine_options_json(args.engine_options), expert_impl=args.expert_impl)
         engines = start_engines(cfg, args.num_engines, cpus_per_engine=args.engine_cpus,
                                 gpus_per_engine=args.gpus_per_engine)
-    infos = ray.get([e.info.remote() for e in engines])
-    result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
-                    "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
-    # One call of each kind on every engine before the clock starts (the first window; a shard of 2-token
-    # generations): first forwards pay CUDA context, allocator, kernel-load and graph-capture costs once per
-    # process and shape, which would otherwise count against throughput.
-    from pagedweight.sampling import SamplingParams
+    try:
+        infos = ray.get([e.info.remote() for e in engines])
+        result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
+                        "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
+        # One call of each kind on every engine before the clock starts (the first window; a shard of 2-token
+        # generations): first forwards pay CUDA context, allocator, kernel-load and graph-capture costs once per
+        # process and shape, which would otherwise count against throughput.
+        from pagedweight.sampling import SamplingParams
 
-    tw = time.perf_counter()
-    windows = token_windows(model_dir, text, args.ctx, args.windows) if args.mode in ("ppl", "all") else None
-    warm = SamplingParams(max_tokens=2).validate()
-    ray.get([c for e in engines for c in (e.score.remote(windows[:1] if windows else [[1, 2, 3, 4]]),
-                                          e.generate_batch.remote([(text[:args.prompt_chars], warm)] * args.shard))])
-    result["warmup_s"] = time.perf_counter() - tw
-    t0 = time.perf_counter()
-    if args.mode in ("ppl", "all"):
-        parts, handled = run_sharded(engines, "score", windows, args.shard, "perplexity")
-        nll, tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
-        result["perplexity"] = {"ctx": args.ctx, "windows": len(windows), "tokens": tokens, "nll": nll,
-                                "ppl": math.exp(nll / tokens), "windows_per_engine": handled,
-                                "elapsed_s": time.perf_counter() - t0}
-    if args.mode in ("generate", "all"):
-        t1 = time.perf_counter()
-        params = SamplingParams(max_tokens=args.max_tokens).validate()
-        prompts = prompts_from(text, args.num_prompts, args.prompt_chars)
-        parts, handled = run_sharded(engines, "generate_batch", [(p, params) for p in prompts], args.shard,
-                                     "generate")
-        outs = [o for part in parts for o in part]
-        elapsed = time.perf_counter() - t1
-        generated = sum(o.completion_tokens for o in outs)
-        result["generation"] = {
-            "prompts": len(prompts), "prompts_per_engine": handled, "max_tokens": args.max_tokens,
-            "generated_tokens": generated,
-            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0, "elapsed_s": elapsed,
-            "finish_reasons": {r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}},
-            "samples": [{"prompt": p, "text": o.text} for p, o in zip(prompts, outs)],
-        }
-    result["engine_stats"] = ray.get([e.stats.remote() for e in engines])
-    if own:
-        for e in engines:
-            ray.kill(e, no_restart=True)
+        tw = time.perf_counter()
+        windows = token_windows(model_dir, text, args.ctx, args.windows) if args.mode in ("ppl", "all") else None
+        warm = SamplingParams(max_tokens=2).validate()
+        first = [(text[:args.prompt_chars], warm)] * args.shard
+        ray.get([c for e in engines for c in (e.score.remote(windows[:1] if windows else [[1, 2, 3, 4]]),
+                                              e.generate_batch.remote(first))])
+        result["warmup_s"] = time.perf_counter() - tw
+        t0 = time.perf_counter()
+        if args.mode in ("ppl", "all"):
+            parts, handled = run_sharded(engines, "score", windows, args.shard, "perplexity")
+            nll, tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
+            result["perplexity"] = {"ctx": args.ctx, "windows": len(windows), "tokens": tokens, "nll": nll,
+                                    "ppl": math.exp(nll / tokens), "windows_per_engine": handled,
+                                    "elapsed_s": time.perf_counter() - t0}
+        if args.mode in ("generate", "all"):
+            t1 = time.perf_counter()
+            params = SamplingParams(max_tokens=args.max_tokens).validate()
+            prompts = prompts_from(text, args.num_prompts, args.prompt_chars)
+            parts, handled = run_sharded(engines, "generate_batch", [(p, params) for p in prompts], args.shard,
+                                         "generate")
+            outs = [o for part in parts for o in part]
+            elapsed = time.perf_counter() - t1
+            generated = sum(o.completion_tokens for o in outs)
+            result["generation"] = {
+                "prompts": len(prompts), "prompts_per_engine": handled, "max_tokens": args.max_tokens,
+                "generated_tokens": generated,
+                "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0, "elapsed_s": elapsed,
+                "finish_reasons": {r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}},
+                "samples": [{"prompt": p, "text": o.text} for p, o in zip(prompts, outs)],
+            }
+        result["engine_stats"] = ray.get([e.stats.remote() for e in engines])
+    finally:  # engines this job started end with it, also when it fails
+        if own:
+            try:
+                ray.get([e.shutdown.remote() for e in engines], timeout=30)  # out of the planner's merge
+            finally:
+                for e in engines:
+                    ray.kill(e, no_restart=True)
     return result
 
 
