@@ -144,6 +144,9 @@ def quantize_rows(w: torch.Tensor, h: torch.Tensor | None = None, seed_bits: int
         fallback = cent_b if b == seed_bits else cent_b.repeat_interleave(2, dim=1)
         cent_b = _centroids(s0, s1, levels[b], fallback)
         lut = (cent_b + center).to(torch.float16)
+        if not torch.isfinite(lut).all():  # else inf entries, and inf / NaN outputs from the served model
+            raise ValueError(f"a {b}-bit centroid is beyond float16's range (weights up to {w.abs().max().item():.4g} "
+                             "in magnitude): LUTs are float16")
         luts[b] = lut.t().contiguous()
         w_b = torch.gather(lut.to(torch.float64), 1, parent_idx >> (parent_bits - b))
         err[:, b] = (h64 * (w64 - w_b) ** 2).sum(1)

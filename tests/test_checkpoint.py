@@ -210,3 +210,22 @@ def test_tokenizer_and_generation_config(model, tmp_path):
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: file not found"):
         TextTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_absent_kv_heads_take_the_family_s_transformers_default(family):
+    """A config.json without num_key_value_heads means what transformers' config class says (Mixtral 8, Qwen2-MoE
+    16, Qwen3-MoE 4, OLMoE the attention heads), not always the attention heads (the k/v weights then refused to
+    load)."""
+    import transformers
+
+    from pagedweight.models import FAMILIES, ModelConfig
+
+    cfg = ModelConfig(family=family, vocab_size=64, hidden_size=64, moe_intermediate_size=8, num_hidden_layers=1,
+                      num_experts=4, top_k=2, norm_topk_prob=family == "mixtral", num_attention_heads=32,
+                      num_key_value_heads=2,
+                      head_dim=8, rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=64)
+    raw = {k: v for k, v in FAMILIES[family].to_hf(cfg).items() if k != "num_key_value_heads"}
+    want = transformers.AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"})
+    assert FAMILIES[family].from_hf(raw).num_key_value_heads == want.num_key_value_heads
+    assert FAMILIES[family].from_hf({**raw, "num_key_value_heads": None}).num_key_value_heads == 32

@@ -95,3 +95,12 @@ def test_quantize_blocks_packs_each_block():
             hh = torch.ones_like(w) if h is None else h.expand_as(w)
             ref = float((hh.double() * (w.double() - dequantize(blk.planes, blk.luts[b], b, 70).double()) ** 2).sum())
             assert float(blk.sensitivity[b]) == pytest.approx(ref, rel=1e-9)
+
+
+def test_weights_beyond_float16_are_refused():
+    """A centroid beyond float16's range would be an inf LUT entry (inf / NaN outputs at serve time): refused with
+    the magnitude named."""
+    w = torch.randn(2, 64, dtype=torch.float64)
+    w[0, :8] = 9e4
+    with pytest.raises(ValueError, match=r"beyond float16's range \(weights up to 9e\+04"):
+        quantize_rows(w, seed_bits=2, parent_bits=3)

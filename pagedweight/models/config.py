@@ -107,8 +107,10 @@ def _rope_theta(raw: dict[str, Any], default: float) -> float:
     return default
 
 
-def common_from_hf(raw: dict[str, Any], rope_theta_default: float = 10000.0) -> dict[str, Any]:
-    """ModelConfig fields that every family spells the same way in config.json."""
+def common_from_hf(raw: dict[str, Any], rope_theta_default: float = 10000.0,
+                   kv_heads_default: int | None = None) -> dict[str, Any]:
+    """ModelConfig fields that every family spells the same way in config.json. `kv_heads_default`: the family's
+    transformers default for an absent num_key_value_heads (None: the attention heads, as a null one is too)."""
     reject(raw, f"hidden_act {raw.get('hidden_act')!r} (only silu)", raw.get("hidden_act", "silu") != "silu")
     quant = raw.get("quantization_config")
     reject(raw, f"quantization_config (quant_method {(quant or {}).get('quant_method')!r}): a quantized checkpoint; "
@@ -121,7 +123,8 @@ def common_from_hf(raw: dict[str, Any], rope_theta_default: float = 10000.0) -> 
         num_hidden_layers=int(require(raw, "num_hidden_layers")),
         top_k=int(require(raw, "num_experts_per_tok")),
         num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        num_key_value_heads=int(raw.get("num_key_value_heads") or
+                                (kv_heads_default if "num_key_value_heads" not in raw else None) or heads),
         head_dim=int(raw.get("head_dim") or d // heads),
         rope_theta=_rope_theta(raw, rope_theta_default),
         rms_norm_eps=float(require(raw, "rms_norm_eps")),

@@ -12,7 +12,7 @@ NAME, ARCH = "mixtral", "MixtralForCausalLM"
 def from_hf(raw: dict[str, Any]) -> ModelConfig:
     reject(raw, "sliding_window attention", raw.get("sliding_window") is not None)
     return ModelConfig(
-        family=NAME, **common_from_hf(raw, rope_theta_default=1e6),
+        family=NAME, **common_from_hf(raw, rope_theta_default=1e6, kv_heads_default=8),
         moe_intermediate_size=int(require(raw, "intermediate_size")),
         num_experts=int(require(raw, "num_local_experts")),
         norm_topk_prob=True,

@@ -14,7 +14,7 @@ def from_hf(raw: dict[str, Any]) -> ModelConfig:
     reject(raw, "mlp_only_layers (every layer must be MoE)", bool(raw.get("mlp_only_layers")))
     reject(raw, "decoder_sparse_step != 1 (every layer must be MoE)", raw.get("decoder_sparse_step", 1) != 1)
     return ModelConfig(
-        family=NAME, **common_from_hf(raw),
+        family=NAME, **common_from_hf(raw, kv_heads_default=16),
         moe_intermediate_size=int(require(raw, "moe_intermediate_size")),
         num_experts=int(require(raw, "num_experts")),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),

@@ -17,7 +17,7 @@ def from_hf(raw: dict[str, Any]) -> ModelConfig:
     experts = raw.get("num_experts", raw.get("num_local_experts"))
     bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
-        family=NAME, **common_from_hf(raw),
+        family=NAME, **common_from_hf(raw, kv_heads_default=4),
         moe_intermediate_size=int(require(raw, "moe_intermediate_size")),
         num_experts=int(require({"num_experts": experts}, "num_experts")),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
