@@ -345,13 +345,37 @@ def load_ap(ap_dir: str | Path, verify: bool = True) -> APCheckpoint:
             raise APFormatError(path, f"size {size} bytes, manifest says {f['size']} (truncated or replaced)")
         if verify and _blake2b_file(path) != f["blake2b"]:
             raise APFormatError(path, "checksum mismatch (blake2b differs from the manifest)")
-    blocks = [BlockEntry(b["layer"], b["expert"], b["kind"], b["n"], b["k"], b["plane_offsets"], b["lut_offsets"])
-              for b in man["blocks"]]
-    tables = man["tables"]
     planes_path = ap_dir / PLANES
+    try:
+        blocks = [BlockEntry(b["layer"], b["expert"], b["kind"], b["n"], b["k"], b["plane_offsets"],
+                             b["lut_offsets"]) for b in man["blocks"]]
+        tables = {k: _unpack_array(man["tables"][k]) for k in ("sensitivity", "raw_bytes", "routing_mass")}
+        _check_layout(man, blocks, tables, planes_path.stat().st_size)
+    except (KeyError, TypeError, ValueError) as exc:  # a self-consistent manifest of another layout or writer
+        raise APFormatError(ap_dir / MANIFEST, f"bad manifest body ({type(exc).__name__}: {exc})") from exc
     mm = np.memmap(planes_path, dtype=np.uint8, mode="r") if planes_path.stat().st_size else np.zeros(0, np.uint8)
-    return APCheckpoint(ap_dir, man, blocks, _unpack_array(tables["sensitivity"]), _unpack_array(tables["raw_bytes"]),
-                        _unpack_array(tables["routing_mass"]), mm)
+    return APCheckpoint(ap_dir, man, blocks, tables["sensitivity"], tables["raw_bytes"], tables["routing_mass"], mm)
+
+
+def _check_layout(man: dict[str, Any], blocks: list[BlockEntry], tables: dict[str, np.ndarray], size: int) -> None:
+    """The manifest's blocks are every (layer, expert, kind) once, in the writer's order, their planes and LUTs lie
+    inside planes.bin, and its tables have a row per block (a ValueError naming the first that does not)."""
+    L, E, seed, P = (int(man[k]) for k in ("num_layers", "num_experts", "seed_bits", "parent_bits"))
+    if len(blocks) != L * E * 2:
+        raise ValueError(f"{len(blocks)} blocks for {L} layers of {E} experts (want {L * E * 2})")
+    for i, e in enumerate(blocks):
+        if (e.layer * E + e.expert) * 2 + KINDS.index(e.kind) != i:
+            raise ValueError(f"block {i} is layer {e.layer} expert {e.expert} {e.kind}, out of order")
+        if len(e.plane_offsets) != P or len(e.lut_offsets) != P + 1:
+            raise ValueError(f"block {i}: {len(e.plane_offsets)} planes and {len(e.lut_offsets)} LUT offsets at P={P}")
+        ends = [o + e.plane_bytes for o in e.plane_offsets] + \
+            [e.lut_offsets[b] + lut_bytes(e.n, b) for b in range(seed, P + 1)]
+        if min(e.plane_offsets + e.lut_offsets[seed:], default=0) < 0 or max(ends, default=0) > size:
+            raise ValueError(f"block {i}: planes or LUTs beyond planes.bin's {size} bytes")
+    for name, shape in (("sensitivity", (L * E * 2, P + 1)), ("raw_bytes", (L * E * 2, P + 1)),
+                        ("routing_mass", (L, E))):
+        if tables[name].shape != shape:
+            raise ValueError(f"table {name} of shape {tables[name].shape}, want {shape}")
 
 
 def load_ap_model(ap_dir: str | Path, widths: int | np.ndarray | list[int], verify: bool = True):

@@ -1,6 +1,7 @@
 """AP checkpoint: convert a tiny random model, read it back, check tables, damage detection and the model path."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -173,6 +174,27 @@ def test_manifest_body_corruption_names_file(damaged):
     path.write_bytes(msgpack.packb(head))
     with pytest.raises(APFormatError, match=r"manifest\.msgpack.*checksum"):
         load_ap(damaged)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda m: m["blocks"].pop(), r"\d+ blocks for \d+ layers of \d+ experts"),
+    (lambda m: m["blocks"].reverse(), r"block 0 is layer \d+ expert \d+ down, out of order"),
+    (lambda m: m["blocks"][3]["plane_offsets"].__setitem__(0, 1 << 40), r"block 3: planes or LUTs beyond planes\.bin"),
+    (lambda m: m["blocks"][1].pop("lut_offsets"), r"KeyError: 'lut_offsets'"),
+    (lambda m: m["tables"].__setitem__("routing_mass", m["tables"]["sensitivity"]), r"table routing_mass of shape"),
+])
+def test_a_manifest_of_another_layout_is_refused_by_name(damaged, edit, reason):
+    """A manifest body with a valid checksum but blocks, offsets or tables that do not fit the checkpoint (another
+    writer, a hand edit) is an APFormatError naming the manifest at load, not an IndexError in a later read."""
+    path = damaged / "manifest.msgpack"
+    head = msgpack.unpackb(path.read_bytes())
+    body = msgpack.unpackb(head["body"], raw=False, strict_map_key=False)
+    edit(body)
+    head["body"] = msgpack.packb(body)
+    head["blake2b"] = hashlib.blake2b(head["body"], digest_size=32).hexdigest()
+    path.write_bytes(msgpack.packb(head))
+    with pytest.raises(APFormatError, match=r"manifest\.msgpack.*bad manifest body.*" + reason):
+        load_ap(damaged, verify=False)
 
 
 def test_wrong_version_names_file(damaged):
