@@ -23,12 +23,14 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+import numpy as np
 import ray
 
 from pagedweight.actors.metrics import EngineMetrics
 
 STATS_INTERVAL_S = 1.0
 IDLE_PAGING_PAUSE_S = 0.005  # between batches of idle paging boundaries (LLM.step_idle)
+SYNC_TIMEOUT_S = 10.0  # a routing sync's wait for the cluster planner's reply
 
 
 @dataclass
@@ -123,6 +125,8 @@ class AsyncEngine:
         self._sync_s = routing_sync_s
         self._last_sync = time.monotonic()
         self._synced_tokens = 0  # llm.num_tokens_computed at the last push
+        self._sync_ref = None  # (the periodic push's reply ref, when it went out) while it is awaited
+        self._adopted_version = -1  # the planner's merge version last adopted (an older reply is not taken)
         self._lock = threading.Lock()  # every LLM call happens under it
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -290,40 +294,71 @@ class AsyncEngine:
         self._queues.clear()
 
     def _sync_routing(self) -> None:
-        """Periodic `sync_routing`; a planner that does not answer is skipped (serving goes on)."""
+        """The periodic routing sync, without waiting in the step loop: a push goes out when due and its reply is
+        adopted on a later pass, once it came; a planner that has not answered in SYNC_TIMEOUT_S is given up on
+        (serving goes on: the cluster view is an optimisation)."""
+        if self._planner is None:
+            return
+        from loguru import logger
+
         now = time.monotonic()
-        if (self._planner is None or now - self._last_sync < self._sync_s
-                or self.llm.num_tokens_computed == self._synced_tokens):
+        if self._sync_ref is not None:
+            ref, sent = self._sync_ref
+            if ray.wait([ref], timeout=0)[0]:
+                self._sync_ref = None
+                try:
+                    from pagedweight.actors.planner_actor import decode_reply
+
+                    self._adopt(decode_reply(ray.get(ref)))
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("engine {}: routing sync with the planner failed: {!r}", self.engine_id, exc)
+            elif now - sent > SYNC_TIMEOUT_S:
+                self._sync_ref = None
+                logger.warning("engine {}: the planner did not answer a routing sync in {} s", self.engine_id,
+                               SYNC_TIMEOUT_S)
+            return
+        if now - self._last_sync < self._sync_s or self.llm.num_tokens_computed == self._synced_tokens:
             return
         try:
-            self.sync_routing()
-        except Exception as exc:  # noqa: BLE001 - the cluster view is an optimisation, serving goes on
-            from loguru import logger
-
+            self._sync_ref = (self._push()[0], now)
+        except Exception as exc:  # noqa: BLE001
             logger.warning("engine {}: routing sync with the planner failed: {!r}", self.engine_id, exc)
+
+    def _push(self) -> tuple:
+        """Send this engine's routing mass, weighted by the tokens its steps computed since the last push; returns
+        (the reply's ref, the mass, the tokens)."""
+        from pagedweight.actors.planner_actor import encode_table
+
+        self._last_sync = time.monotonic()
+        with self._lock:  # also orders a push of the step loop against one of `sync_routing`
+            mass, done = self.llm.routing_mass(), self.llm.num_tokens_computed
+            tokens, self._synced_tokens = done - self._synced_tokens, done
+        return self._planner.push.remote(encode_table(self.engine_id, mass, tokens)), mass, tokens
+
+    def _adopt(self, reply: dict) -> np.ndarray:
+        """Take the planner's merged mass unless a newer merge was taken already; returns the mass now held."""
+        with self._lock:
+            if reply["version"] >= self._adopted_version:
+                self.llm.set_routing_mass(reply["mass"])
+                self._adopted_version = reply["version"]
+            return self.llm.routing_mass()
 
     def sync_routing(self, push: bool = True) -> dict:
         """Push this engine's routing mass (weighted by the tokens since the last push) to the cluster planner
-        and adopt the merged mass it returns, so bucket assignment follows the whole cluster's traffic;
-        push=False only adopts the planner's current merge. Returns the planner's reply plus what was pushed
-        ("pushed_mass", "pushed_tokens") and the buckets this engine's planner now cuts ("engine_buckets")."""
-        from pagedweight.actors.planner_actor import decode_reply, encode_table
+        and adopt the merged mass it returns, waiting for it, so bucket assignment follows the whole cluster's
+        traffic; push=False only adopts the planner's current merge. Returns the planner's reply plus what was
+        pushed ("pushed_mass", "pushed_tokens") and the buckets this engine's planner now cuts ("engine_buckets")."""
+        from pagedweight.actors.planner_actor import decode_reply
         from pagedweight.signals import bucket_experts
 
         if self._planner is None:
             raise RuntimeError(f"engine {self.engine_id} has no cluster planner (routing_sync_s=None or no planner)")
-        self._last_sync = time.monotonic()
         if push:
-            with self._lock:  # the tokens every step computed since the last push: the weight of this table
-                mass, done = self.llm.routing_mass(), self.llm.num_tokens_computed
-            tokens, self._synced_tokens = done - self._synced_tokens, done
-            ref = self._planner.push.remote(encode_table(self.engine_id, mass, tokens))
+            ref, mass, tokens = self._push()
         else:
             mass, tokens, ref = None, 0, self._planner.merged.remote()
-        reply = decode_reply(ray.get(ref, timeout=10))
-        with self._lock:
-            self.llm.set_routing_mass(reply["mass"])
-            adopted = self.llm.routing_mass()
+        reply = decode_reply(ray.get(ref, timeout=SYNC_TIMEOUT_S))
+        adopted = self._adopt(reply)
         reply.update(pushed_mass=mass, pushed_tokens=tokens,
                      engine_buckets=bucket_experts(adopted, self.llm.planner.knobs.n_buckets))
         return reply

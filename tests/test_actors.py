@@ -541,3 +541,41 @@ def test_page_store_follows_a_checkpoint_requantized_in_place(tmp_path, monkeypa
     planes["id"] = "bbbb"
     assert store.ensure(str(tmp_path)).endswith("pagedweight-bbbb") and written[-1] == "pagedweight-bbbb"
     assert store.destroy() == 2
+
+
+def test_the_periodic_routing_sync_does_not_wait_in_the_step_loop():
+    """The step loop's sync sends its push and goes on; the reply is adopted on a later pass once it has come, and
+    an older merge never replaces a newer one (a blocking ray.get there paused generation every sync)."""
+    from types import SimpleNamespace
+
+    from pagedweight.actors import engine_actor
+    from pagedweight.actors.engine_actor import AsyncEngine
+
+    planner = PlannerActor.__ray_metadata__.modified_class.__new__(PlannerActor.__ray_metadata__.modified_class)
+    planner.__init__(2)
+    llm, held = _StandInLLM(), []
+    llm.planner = SimpleNamespace(knobs=SimpleNamespace(n_buckets=2))
+    llm.routing_mass = lambda: held[-1] if held else np.full((2, 4), 0.25)
+    llm.set_routing_mass = held.append
+    ready = {"now": False}
+    handle = SimpleNamespace(**{m: SimpleNamespace(remote=getattr(planner, m)) for m in ("push", "merged", "forget")})
+    engine = AsyncEngine(llm, "async-sync", planner=handle, routing_sync_s=3600.0)
+    engine.shutdown()  # its loop stopped: the passes below are this test's alone
+    get, wait = engine_actor.ray.get, engine_actor.ray.wait
+    engine_actor.ray.get = lambda ref, timeout=None: ref
+    engine_actor.ray.wait = lambda refs, timeout=None: (refs, []) if ready["now"] else ([], refs)
+    try:
+        engine._last_sync, llm.num_tokens_computed = 0.0, 40  # due
+        engine._sync_routing()
+        assert engine._sync_ref is not None and not held  # pushed, not waited for
+        engine._sync_routing()
+        assert engine._sync_ref is not None and not held  # the reply has not come: nothing adopted, no new push
+        ready["now"] = True
+        engine._sync_routing()
+        assert engine._sync_ref is None and len(held) == 1 and engine._adopted_version == 1
+        stale = decode_reply(planner.merged())
+        stale["version"] = 0
+        engine._adopt(stale)
+        assert len(held) == 1  # an older merge is not taken
+    finally:
+        engine_actor.ray.get, engine_actor.ray.wait = get, wait
