@@ -67,7 +67,7 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     prompt residual heads are fitted on min(`heads_seqs`, `num_seqs`) sequences spread the same way (0: none; the
     planner then runs on the global estimate).
     """
-    from pagedweight.checkpoint import INDEX, read_config
+    from pagedweight.checkpoint import INDEX, TOKENIZER, read_config
     from pagedweight.knobs import PlannerKnobs
     from pagedweight.models import load_model
     from pagedweight.tokenizer import TextTokenizer
@@ -81,7 +81,9 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     timings["load_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    files = [src / "config.json", *sorted(src.glob("*.safetensors")), *[p for p in (src / INDEX,) if p.exists()]]
+    # the calibration text's token ids come from tokenizer.json: another tokenizer, other statistics
+    files = [src / "config.json", src / TOKENIZER, *sorted(src.glob("*.safetensors")),
+             *[p for p in (src / INDEX,) if p.exists()]]
     tok = TextTokenizer.from_dir(src)
     stats = cached_calibrate(model, files, calib, out, sensitivity, num_seqs, seq_len, tok.encode)
     timings["calibrate_s"] = time.perf_counter() - t0

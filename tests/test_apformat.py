@@ -240,6 +240,11 @@ def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
     assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
     with pytest.raises(AssertionError, match="calibration ran"):  # other settings: a different key
         convert(src, out, calib, sensitivity="activation", num_seqs=5, seq_len=64, device="cpu")
+    retok = tmp_path / "retokenized"  # the same weights with another tokenizer.json: other token ids, another key
+    shutil.copytree(src, retok)
+    (retok / "tokenizer.json").write_text((src / "tokenizer.json").read_text() + "\n")
+    with pytest.raises(AssertionError, match="calibration ran"):
+        convert(retok, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
 
 
 def test_reconverting_into_a_used_directory_leaves_nothing_of_the_old_one(converted, tmp_path):
