@@ -38,13 +38,16 @@ class CheckpointError(Exception):
 
 # what a checkpoint directory needs from a Hub repository (not its .bin / .pt / .gguf copies of the weights)
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+# Mistral's repositories carry their own format beside the HF one: consolidated*.safetensors, the same weights again
+# (~93 GB more for Mixtral-8x7B); vLLM skips them too when it loads the HF format
+HUB_SKIPPED = ["consolidated*", "original/*"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model(name: str | Path) -> Path:
     """A model directory: `name` itself if it is one, else a Hugging Face Hub repository id ("org/model") fetched once
     into the Hub's cache (HF_HOME, shared with transformers and vLLM; HF_HUB_OFFLINE=1 reads the cache alone, HF_TOKEN
-    opens gated repositories) with the files HUB_FILES names, as `vllm serve org/model` takes it."""
+    opens gated repositories) with the files HUB_FILES names but HUB_SKIPPED's, as `vllm serve org/model` takes it."""
     path = Path(name)
     if path.is_dir():
         return path
@@ -55,7 +58,7 @@ def resolve_model(name: str | Path) -> Path:
 
     logger.info("{} is not a directory here: fetching it from the Hugging Face Hub (or its local cache)", name)
     try:
-        return Path(snapshot_download(str(name), allow_patterns=HUB_FILES))
+        return Path(snapshot_download(str(name), allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED))
     except LocalEntryNotFoundError as e:  # offline, or the Hub unreachable, and not in the cache
         raise FileNotFoundError(f"{name}: not a model directory, and no cached copy of that Hub repository ({e})") \
             from None

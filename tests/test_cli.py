@@ -245,3 +245,20 @@ def test_serve_refuses_replicas_its_own_cluster_cannot_place(model_dir, monkeypa
     with pytest.raises(Started):  # a joined cluster: past the check, into Serve
         main(["serve", str(model_dir), "--dense", "--num-replicas", "3", "--address", "ray://elsewhere:10001"])
     assert "3 engine replicas need 3 x 1 CPU > 2: the deploy waits" in capsys.readouterr().err
+
+
+def test_hub_fetch_takes_the_hf_format_alone():
+    """Of a Mistral repository's files, the fetch takes the HF format's (config, tokenizer, index and shards) and
+    skips Mistral's own consolidated weights (the same weights again) and other formats."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from pagedweight.checkpoint import HUB_FILES, HUB_SKIPPED
+
+    repo = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+            "model.safetensors.index.json", "model-00001-of-00019.safetensors", "model-00019-of-00019.safetensors",
+            "consolidated.safetensors", "consolidated.00.pt", "params.json", "original/consolidated.00.pth",
+            "pytorch_model-00001-of-00019.bin", "README.md", ".gitattributes"]
+    assert list(filter_repo_objects(repo, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+        "model.safetensors.index.json", "model-00001-of-00019.safetensors", "model-00019-of-00019.safetensors",
+        "params.json"]
