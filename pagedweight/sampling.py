@@ -176,10 +176,6 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 # samples its widest decode step through the sort (top-k and top-p), so the activation reserve holds a chunk's worth.
 SAMPLE_CHUNK_BYTES = 64 << 20
 FILTERED_BYTES_PER_ENTRY, PLAIN_BYTES_PER_ENTRY, GATHERED_BYTES_PER_ENTRY = 50, 9, 4
-# every sampled row with a top-k: torch.topk of the widest k columns, no sort of the vocabulary; the H200 measured 8.0
-# bytes beyond the logits in 8-row chunks (9.28 MiB, sampler_bench-nvidia-h200-20261205-s43-thresholds.json, cases
-# t0.7-k50 and t0.7-k20-p0.8), before the tie count's two boolean masks (computed: 1 byte each)
-TOPK_BYTES_PER_ENTRY = 16
 ADJUSTED_BYTES_PER_ENTRY = 5
 MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed, not measured)
 # sampled rows of a step from which top-p takes the nucleus cut kernel rather than the sort. On the H200 one call at
@@ -192,16 +188,15 @@ NUCLEUS_KERNEL_MIN_ROWS = 4
 THRESHOLD_TOP_K_MAX, THRESHOLD_BYTES_PER_K = 1024, 16
 
 
-def _kth_largest(top: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, 1] each row's k-th largest logit from its largest ones in descending order (`top`, at least max(top_k)
-    columns), -inf where the row has no top-k, and [R, 1] its column. x >= it keeps every tie at the k-th, whichever
-    of them the sort put first."""
+def _kth_largest(top: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """[R, 1]: each row's k-th largest logit from its largest ones in descending order (`top`, at least max(top_k)
+    columns), -inf where the row has no top-k. x >= it keeps every tie at the k-th, whichever of them the sort put
+    first."""
     dev = top.device
-    column = torch.tensor([max(k - 1, 0) for k in top_k]).to(dev, non_blocking=True)[:, None]
-    kth = top.gather(1, column)
+    kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in top_k]).to(dev, non_blocking=True)[:, None])
     if not all(top_k):
         kth.masked_fill_(torch.tensor([not k for k in top_k]).to(dev, non_blocking=True)[:, None], float("-inf"))
-    return kth, column
+    return kth
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -239,29 +234,21 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     if nucleus_kernel and _cuts_nucleus(top_k, nucleus):
         from pagedweight.cuda.sampling_kernels import top_p_cut
         if any(top_k):  # vLLM's order: top-k, then top-p over it
-            x.masked_fill_(x < _kth_largest(torch.topk(x, max(top_k), dim=-1).values, top_k)[0], float("-inf"))
+            x.masked_fill_(x < _kth_largest(torch.topk(x, max(top_k), dim=-1).values, top_k), float("-inf"))
         cut = top_p_cut(x, torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True))
         x.masked_fill_(x < cut[:, None], float("-inf"))
     elif any(top_k) or nucleus:
         width = max(top_k) if all(top_k) else vocab
         kept = torch.topk(x, width, dim=-1).values if width < vocab else torch.sort(x, dim=-1, descending=True).values
-        floor = None
         if any(top_k):
-            floor, column = _kth_largest(kept, top_k)
+            floor = _kth_largest(kept, top_k)
+            x.masked_fill_(x < floor, float("-inf"))
             kept.masked_fill_(kept < floor, float("-inf"))
         if nucleus:  # drop a token when the mass before it already reaches top_p; keep x >= the last one kept
-            probs = torch.softmax(kept, dim=-1)
-            top_p = _per_row([p.top_p for p in params], dev)
-            if floor is not None and width < vocab:
-                # ties at the k-th beyond the topk's columns: each has the k-th's probability and shares the mass,
-                # p / (1 + extra * p_kth) for every kept p, so the cut compares the mass before against this instead
-                extra = (x == floor).sum(-1, keepdim=True).sub_((kept == floor).sum(-1, keepdim=True))
-                top_p = probs.gather(1, column).mul_(extra).add_(1.0).mul_(top_p)
-            drop = probs.cumsum(dim=-1).sub_(probs) >= top_p
-            cut = kept.masked_fill_(drop, float("inf")).amin(dim=-1, keepdim=True)
-            floor = cut if floor is None else torch.maximum(cut, floor)
+            probs = kept.sub(torch.logsumexp(x, dim=-1, keepdim=True)).exp_()  # over every token top-k kept
+            drop = probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev)
+            x.masked_fill_(x < kept.masked_fill_(drop, float("inf")).amin(dim=-1, keepdim=True), float("-inf"))
             del probs, drop
-        x.masked_fill_(x < floor, float("-inf"))
         del kept
     noise = torch.empty_like(x)
     if all(g is None for g in generators):
@@ -416,8 +403,7 @@ def _chunk_rows(vocab: int, params: list[SamplingParams], gathered: bool, adjust
     sampled = [p for p in params if not p.greedy]
     top_k, top_p = [p.top_k if 0 < p.top_k < vocab else 0 for p in sampled], any(p.top_p < 1.0 for p in sampled)
     cut = nucleus_kernel and _cuts_nucleus(top_k, top_p)
-    per_entry = (TOPK_BYTES_PER_ENTRY if sampled and all(top_k) and not cut else
-                 FILTERED_BYTES_PER_ENTRY if (any(top_k) or top_p) and not cut else
+    per_entry = (FILTERED_BYTES_PER_ENTRY if (any(top_k) or top_p) and not cut else
                  PLAIN_BYTES_PER_ENTRY if sampled else 0) + \
         (MASK_BYTES_PER_ENTRY if any(p.min_p > 0.0 for p in sampled) or cut else 0) + \
         (GATHERED_BYTES_PER_ENTRY if gathered else 0) + (ADJUSTED_BYTES_PER_ENTRY if adjusted else 0)
