@@ -183,20 +183,9 @@ MASK_BYTES_PER_ENTRY = 1  # min-p's or the nucleus cut's boolean mask (computed,
 # 256 rows, with the sort 0.29 / 0.47 / 0.54 / 1.02 / 1.96 / 15.2 (sampler_bench-nvidia-h200-20261205-s40-nucleus3.json)
 NUCLEUS_KERNEL_MIN_ROWS = 4
 # the widest top-k that rows taking the nucleus cut kernel apply as a threshold (the k-th largest logit, from
-# torch.topk: its values and int64 indices, priced at 16 bytes a column, computed);
+# torch.topk: its values and int64 indices and a padded copy of the values, priced at 16 bytes a column, computed);
 # a wider one sorts
 THRESHOLD_TOP_K_MAX, THRESHOLD_BYTES_PER_K = 1024, 16
-
-
-def _kth_largest(top: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """[R, 1]: each row's k-th largest logit from its largest ones in descending order (`top`, at least max(top_k)
-    columns), -inf where the row has no top-k. x >= it keeps every tie at the k-th, whichever of them the sort put
-    first."""
-    dev = top.device
-    kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in top_k]).to(dev, non_blocking=True)[:, None])
-    if not all(top_k):
-        kth.masked_fill_(torch.tensor([not k for k in top_k]).to(dev, non_blocking=True)[:, None], float("-inf"))
-    return kth
 
 
 def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
@@ -215,14 +204,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     Min-p needs no sort: p >= min_p x p_max is x >= max(x) + log(min_p) on the tempered logits x.
 
     E is drawn over the whole vocabulary in its order, from the row's generator (None: the global RNG, one launch for
-    all such rows), so a seeded row's tokens do not depend on the rest of its batch. Each filter keeps the tokens
-    whose logit is at least a value, so tied logits stay or go together and the kept set does not depend on the
-    order a sort gave them (which may change with the step's widest top-k): top-k keeps x >= the k-th largest
-    logit (every tie at it, vLLM's top-k), top-p keeps x >= the smallest logit of the nucleus (every tie at the
-    cut), over top-k's renormalised probabilities. With a filter the rows are sorted once (torch.topk when every row
-    has a top-k, else a full sort) to find those values; with `nucleus_kernel` (a GPU), rows with top-p of which
-    some have no top-k take the nucleus cut kernel instead (cuda/sampling_kernels.py: no sort, the same kept tokens),
-    after any top-k's threshold (`_cuts_nucleus`)."""
+    all such rows), so a seeded row's tokens do not depend on the rest of its batch. With a filter the rows are
+    sorted once (torch.topk when every row has a top-k, else a full sort) to find the kept tokens; with
+    `nucleus_kernel` (a GPU), rows with top-p of which some have no top-k take the nucleus cut kernel instead
+    (cuda/sampling_kernels.py: no sort, the same kept tokens except that ties at the cut all stay), after any top-k
+    as a threshold (ties at the k-th logit all stay, as in vLLM's top-k alone; `_cuts_nucleus`)."""
     rows, vocab = logits.shape
     dev = logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -233,23 +219,27 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     nucleus = any(p.top_p < 1.0 for p in params)
     if nucleus_kernel and _cuts_nucleus(top_k, nucleus):
         from pagedweight.cuda.sampling_kernels import top_p_cut
-        if any(top_k):  # vLLM's order: top-k, then top-p over it
-            x.masked_fill_(x < _kth_largest(torch.topk(x, max(top_k), dim=-1).values, top_k), float("-inf"))
+        if any(top_k):  # top-k as a threshold: the k-th largest logit (vLLM's order: top-k, then top-p over it)
+            width = max(top_k)
+            top = torch.nn.functional.pad(torch.topk(x, width, dim=-1).values, (0, 1), value=float("-inf"))
+            kth = torch.tensor([k - 1 if k else width for k in top_k]).to(dev, non_blocking=True)
+            x.masked_fill_(x < top.gather(1, kth[:, None]), float("-inf"))
+            del top
         cut = top_p_cut(x, torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True))
         x.masked_fill_(x < cut[:, None], float("-inf"))
     elif any(top_k) or nucleus:
         width = max(top_k) if all(top_k) else vocab
-        kept = torch.topk(x, width, dim=-1).values if width < vocab else torch.sort(x, dim=-1, descending=True).values
-        if any(top_k):
-            floor = _kth_largest(kept, top_k)
-            x.masked_fill_(x < floor, float("-inf"))
-            kept.masked_fill_(kept < floor, float("-inf"))
-        if nucleus:  # drop a token when the mass before it already reaches top_p; keep x >= the last one kept
-            probs = kept.sub(torch.logsumexp(x, dim=-1, keepdim=True)).exp_()  # over every token top-k kept
-            drop = probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev)
-            x.masked_fill_(x < kept.masked_fill_(drop, float("inf")).amin(dim=-1, keepdim=True), float("-inf"))
-            del probs, drop
-        del kept
+        kept, order = torch.topk(x, width, dim=-1) if width < vocab else torch.sort(x, dim=-1, descending=True)
+        if any(k != width for k in top_k):
+            k = _per_row([k or vocab for k in top_k], dev)
+            kept.masked_fill_(torch.arange(width, device=dev) >= k, float("-inf"))
+        if nucleus:  # drop a token when the mass before it already reaches top_p
+            probs = torch.softmax(kept, dim=-1)
+            kept.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev),
+                              float("-inf"))
+            del probs
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, kept)  # back in vocabulary order
+        del kept, order
     noise = torch.empty_like(x)
     if all(g is None for g in generators):
         noise.exponential_()
