@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import subprocess
@@ -24,15 +25,19 @@ def machine_name() -> str:
     return f"cpu-{os.cpu_count()}c"
 
 
+@functools.cache
 def git_rev() -> str:
-    """Revision of the tree that ran; the GPU box gets a copy without .git, so GIT_REV may be passed in."""
+    """Revision of the tree that ran, read once (at the first result written, before this run's own files could
+    make it look changed; a commit made during a long run does not rename the code that ran), "-dirty" when files
+    outside benchmarks/results/ differ from it. The GPU box gets a copy without .git, so GIT_REV may be passed in."""
     if os.environ.get("GIT_REV"):
         return os.environ["GIT_REV"]
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/", ":(exclude,top)benchmarks/results"],
+                               capture_output=True, text=True, cwd=here).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

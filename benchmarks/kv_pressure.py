@@ -133,6 +133,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
     evicted0, reclaimed0 = llm.kv.evicted_blocks, llm.kv.reclaimed_blocks
+    st0, paging0 = llm.stats(), dataclasses.replace(llm.paging)  # counters since this drive began (not the warm-up's)
     phases = StepPhases(llm) if trace is not None else None
     after = [r[2] if len(r) > 2 else None for r in requests]  # the turn each request follows, if any
     due = [(r[0], i) for i, r in enumerate(requests) if after[i] is None]  # (second, index): sendable
@@ -198,16 +199,17 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     return {
         "requests": len(requests), "cut_short": cut, "requests_done": finished - failed,
         "elapsed_s": elapsed, "steps": llm.num_steps - steps0,
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        # over the requests that got a first token (`ttft_requests`): one still waiting when a run is cut has none
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "ttft_requests": len(ttft),
         # closed-loop conversations (--think-s): the turns after the first, whose context may be found computed
         "ttft_later_turns_p50_ms": pct(ttft_later, 50), "ttft_later_turns_p99_ms": pct(ttft_later, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],
-        "offload_triggers": st["offload_triggers"], "reload_triggers": st["reload_triggers"],
-        "bytes_offloaded": st["bytes_offloaded"], "bytes_reloaded": st["bytes_reloaded"],
-        "time_pages_in_flight_s": llm.paging.time_in_flight_s, "steps_pages_in_flight": llm.paging.steps_in_flight,
-        "sync_waits": llm.paging.syncs,
+        **{k: st[k] - st0[k] for k in ("offload_triggers", "reload_triggers", "bytes_offloaded", "bytes_reloaded")},
+        "time_pages_in_flight_s": llm.paging.time_in_flight_s - paging0.time_in_flight_s,
+        "steps_pages_in_flight": llm.paging.steps_in_flight - paging0.steps_in_flight,
+        "sync_waits": llm.paging.syncs - paging0.syncs,
         # prefix sharing: prompt tokens found computed (in blocks other requests held or kept blocks), of those
         # looked up; kept blocks evicted for KV or weights (reclaimed: by weights), and those still kept at the end
         "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0,
@@ -349,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             "prefix_retention_s": args.prefix_retention_s}
 
     def save(complete: bool = False) -> Path:
-        """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result."""
+        """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result. `complete`:
+        the run reached its end with no mode skipped and none cut short by the time budget."""
         return write_result("kv_pressure", rows, out_dir=args.out_dir, label=args.label,
                             extra={**meta, "complete": complete, "skipped_modes": skipped,
                                    "pagedweight_runs": run_spread([r for r in rows if r.get("mode") == "pagedweight"])})
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                if not isinstance(v, (list, dict))}, file=sys.stderr)
         rows.append(row)
         save()
-    print(save(complete=True))
+    print(save(complete=not skipped and not any(r.get("cut_short") for r in rows)))
     return 0
 
 

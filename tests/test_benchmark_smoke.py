@@ -123,8 +123,14 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     prof = tmp_path / "boundaries.txt"
     assert kv_pressure.main(["--tiny", "--device", "cpu", "--profile", str(prof), "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("kv_pressure-*.json")
-    rows = json.loads(path.read_text())["rows"]
+    res = json.loads(path.read_text())
+    rows = res["rows"]
     assert [r["mode"] for r in rows] == ["pagedweight", "static-ap6", "static-ap4"]  # the warm-up replay is not a row
+    assert res["complete"] and not any(r["cut_short"] for r in rows)
+    # the percentiles' population: every request but those that failed before a first token (static 6 bits' budget
+    # cannot hold some contexts at all)
+    assert all(r["requests_done"] <= r["ttft_requests"] <= r["requests"] for r in rows)
+    assert rows[0]["ttft_requests"] == rows[0]["requests"]
     paged = rows[0]
     assert paged["run"] == 0
     assert paged["requests_done"] == paged["requests"] and paged["offload_triggers"] > 0
@@ -430,3 +436,39 @@ def test_prefix_cost_rows(tmp_path):
     assert [(r["prompt_tokens"], r["prefix_caching"]) for r in rows] == [(64, False), (64, True)]
     assert rows[0]["evict_us_per_block"] is None and rows[1]["evict_us_per_block"] > 0
     assert all(r[k] > 0 for r in rows for k in ("start_us", "free_us", "hit_start_us"))
+
+
+def test_engine_bench_rows_time_the_whole_batch_s_decode_steps(tmp_path):
+    """The table's median decode step is of the steps the whole batch decoded: the requests that finish their
+    prompts first also finish first, and the steps of the draining batch after them are left out (they were in)."""
+    from benchmarks import engine_bench
+
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "4", "--skip-fp16",
+                              "--paged-home", "match", "--seq-len", "96", "--gen", "12", "--chunk", "64", "--trace",
+                              "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("engine_bench-*.json")
+    for row in json.loads(path.read_text())["rows"]:
+        cols, steps = row["step_trace"]["columns"], row["step_trace"]["rows"]
+        ms, tokens, running = (cols.index(c) for c in ("step_ms", "tokens", "running"))
+        whole = [b[ms] for a, b in zip(steps, steps[1:]) if a[running] == 4 and b[tokens] == 4]
+        assert any(s[tokens] < 4 for s in steps), "no draining steps: the case tests nothing"
+        assert row["decode_step_ms_median"] == pytest.approx(float(np.median(whole)), abs=0.02), row["config"]
+
+
+def test_a_run_cut_by_its_time_budget_is_not_complete(tmp_path):
+    """A configuration skipped or a mode cut short for the time budget leaves `complete` false (it was true
+    whenever the script reached its end), and a cut mode says over how many requests its TTFT percentiles are."""
+    from benchmarks import engine_bench, kv_pressure
+
+    assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1", "--skip-fp16",
+                              "--paged-home", "match", "--gen", "4", "--time-budget-s", "0",
+                              "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("engine_bench-*.json")
+    res = json.loads(path.read_text())
+    assert not res["complete"] and res["skipped_configs"] and not res["rows"]
+    assert kv_pressure.main(["--tiny", "--device", "cpu", "--time-budget-s", "0.5", "--static-bits", "none",
+                             "--warmup-replays", "0", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("kv_pressure-*.json")
+    res = json.loads(path.read_text())
+    (row,) = res["rows"]
+    assert row["cut_short"] and not res["complete"] and row["ttft_requests"] < row["requests"]
