@@ -440,7 +440,9 @@ def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_en
     cluster has no GPU, gpus_per_engine is 0 or cfg.device is "cpu" ("auto" included, when there is no GPU). Asking for
     more GPU engines than the cluster's GPUs fit is an error (Ray would leave the extra ones pending forever); but
     `num_engines` GPU engines with cfg.device "cuda" on a cluster with no GPU yet are started, for an autoscaler
-    to bring GPU nodes up for them."""
+    to bring GPU nodes up for them. Engines are named `<job>-gpu<i>` (or `-cpu<i>`), the job being the caller's Ray
+    job: two jobs on one cluster keep apart in the model's planner and in the metrics' `engine` label."""
+    job = f"job{ray.get_runtime_context().get_job_id()}"
     if not 0 <= gpus_per_engine <= 1:
         raise ValueError(f"gpus_per_engine {gpus_per_engine}: an engine drives one device, use a value in [0, 1]")
     if num_engines is not None and num_engines < 1:
@@ -461,7 +463,7 @@ def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_en
             if n > fit:
                 raise ValueError(f"{n} engines at {gpus_per_engine} GPU each need {n * gpus_per_engine:g} GPUs; "
                                  f"the cluster has {gpus:g}")
-        return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"gpu{i}")
+        return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"{job}-gpu{i}")
                 for i in range(n)]
     n = 1 if num_engines is None else num_engines
-    return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_engine).remote(cfg, f"cpu{i}") for i in range(n)]
+    return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_engine).remote(cfg, f"{job}-cpu{i}") for i in range(n)]

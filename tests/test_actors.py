@@ -159,7 +159,9 @@ def test_evaluation_job_spreads_over_engines(ray_cluster, ap_model_dir, tmp_path
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "perplexity" in proc.stdout + proc.stderr  # tqdm progress was shown
     result = json.loads(out.read_text())
-    assert len({e["engine_id"] for e in result["engines"]}) == 2
+    ids = [e["engine_id"] for e in result["engines"]]  # named by the job: two jobs' engines never share a name
+    assert sorted(i.split("-")[1] for i in ids) == ["cpu0", "cpu1"] and len({i.split("-")[0] for i in ids}) == 1
+    assert ids[0].startswith("job") and ids[0].split("-")[0] != "job"
     ppl = result["perplexity"]
     assert ppl["windows"] == 6 and ppl["tokens"] == 6 * 64
     assert sum(ppl["windows_per_engine"]) == 6 and min(ppl["windows_per_engine"]) >= 1  # both engines worked
