@@ -29,11 +29,12 @@ then finds its history where an idle engine would otherwise have reloaded the we
 are released last block first, so a block leaves after the blocks that continue it (an evicted block's
 continuations could no longer be found). A block computed again under a key another block already has (a prompt of
 whole blocks recomputes its last one, whose logits are needed; two requests of one prompt at once) is not published:
-the request's next blocks continue the key's block instead, and the request holds that block (a pin) until the next
-step starts (`fold_copies`, when the step that wrote the copy is done): then the key's block replaces the copy in
-its block table (equal keys, equal K/V) and the copy goes back to the pool. So no continuation outlives the block it
-continues, and a copy costs a block for one step. Before, the chain stopped at the copy: a repeated prompt's answer
-was never published.
+the request's next blocks continue the key's block instead, and the request holds that block (a pin) until the step
+that wrote the copy is done (`fold_copies`, at the end of the engine's step): then the key's block replaces the copy
+in its block table (equal keys, equal K/V) and the copy goes back to the pool. So no continuation outlives the block
+it continues, and a copy costs a block for one step (a request scoring its prompt keeps its copies, and its pins,
+to its end: its scores must not depend on other requests). Before, the chain stopped at the copy: a repeated
+prompt's answer was never published.
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
