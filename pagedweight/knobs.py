@@ -46,6 +46,8 @@ class PlannerKnobs:
         object.__setattr__(self, "bucket_floors", tuple(int(f) for f in self.bucket_floors))
         object.__setattr__(self, "stage_floors", tuple(int(f) for f in self.stage_floors))
         object.__setattr__(self, "rho_clip", (float(self.rho_clip[0]), float(self.rho_clip[1])))
+        if self.n_buckets < 1:
+            raise ValueError(f"n_buckets must be >= 1, got {self.n_buckets}")
         if len(self.bucket_multipliers) != self.n_buckets or len(self.bucket_floors) != self.n_buckets:
             raise ValueError("bucket_multipliers and bucket_floors need one entry per bucket")
         if any(m <= 0 for m in self.bucket_multipliers):

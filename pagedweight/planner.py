@@ -71,6 +71,8 @@ class BlockTables:
         self.sup_rows = np.ascontiguousarray(self.supported.T)
         self.mem_rows = np.ascontiguousarray(np.asarray(self.mem, dtype=np.float64).T)
         sens_rows = np.asarray(self.sens, dtype=np.float64).T
+        if not np.isfinite(sens_rows[self.sup_rows]).all():  # inf - inf would be a NaN damage that no order ranks
+            raise ValueError("a supported width's sensitivity is not finite")
         self.low = int(np.flatnonzero(self.sup_rows.any(axis=1))[0])
         prev = np.full((w, n), w, dtype=np.int64)
         nxt = np.full(n, w, dtype=np.int64)

@@ -75,13 +75,14 @@ class RoutingTracker:
 
 
 def bucket_experts(mass: np.ndarray, n_buckets: int) -> np.ndarray:
-    """Rank the experts of each layer by mass (hottest first) and cut the ranks into `n_buckets` equal groups."""
+    """Rank the experts of each layer by mass (hottest first) and cut the ranks into `n_buckets` equal groups. Equal
+    masses take the coldest rank among them, so they share a bucket and no routing evidence protects none of them
+    (no routing seen yet, or experts never routed): by index, experts 0-3 of a uniform layer of 8 were hot."""
     if n_buckets == 1:  # every rank lands in bucket 0: skip the per-step sort
         return np.zeros(mass.shape, dtype=np.int64)
     num_experts = mass.shape[1]
-    order = np.argsort(-mass, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(num_experts)[None, :].repeat(mass.shape[0], 0), axis=1)
+    ascending = np.sort(mass, axis=1)  # rank: the experts with at least this mass, less itself
+    rank = np.stack([num_experts - 1 - np.searchsorted(row, m, side="left") for row, m in zip(ascending, mass)])
     return (rank * n_buckets) // num_experts
 
 
@@ -355,8 +356,9 @@ class ResidualHeads:
                    np.zeros(N_FEATURES), np.ones(N_FEATURES))
 
     def transform(self, phi: np.ndarray, blocks: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """x of every row of phi; rows are blocks 0..n-1, or `blocks` [m] when given (per-row form)."""
-        phi = np.asarray(phi, dtype=np.float64)
+        """x of every row of phi; rows are blocks 0..n-1, or `blocks` [m] when given (per-row form). A NaN feature
+        (an overflowed activation norm) is no evidence (0), an infinite one the largest finite: eta stays finite."""
+        phi = np.nan_to_num(np.asarray(phi, dtype=np.float64), nan=0.0, posinf=1e300, neginf=0.0)
         mean = self.feat_mean if blocks is None or self.feat_mean.ndim == 1 else self.feat_mean[blocks]
         out = np.add(phi, _TINY, out=out)
         np.log(out, out=out)

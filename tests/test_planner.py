@@ -885,3 +885,32 @@ def test_releases_take_pending_reloads_back_first(seed, frac, cover):
         assert plan.met and plan.delta_bytes >= demand
     else:
         assert (planner.desired[pending] <= committed[pending]).all()
+
+
+def test_equal_masses_share_a_bucket_and_bad_inputs_are_refused_or_harmless():
+    """Experts of equal routing mass share the coldest bucket among them (a uniform layer, or experts never routed:
+    by index, experts 0-3 of 8 were the hot bucket); n_buckets 0 and a non-finite sensitivity are refused; an overflowed (inf / NaN)
+    activation norm in one block's features leaves every eta finite, and a zero-confidence head's eta exactly 1
+    (before, a NaN damage reached the planner's histogram and the step raised)."""
+    from pagedweight.signals import N_FEATURES
+
+    assert bucket_experts(np.full((2, 8), 0.125), 2).tolist() == [[1] * 8] * 2
+    mass = np.array([[0.5, 0.3, 0.05, 0.05, 0.05, 0.05, 0.0, 0.0]])
+    assert bucket_experts(mass, 2).tolist() == [[0, 0, 1, 1, 1, 1, 1, 1]]  # the 4 tied at 0.05 alike
+    assert bucket_experts(np.array([[4.0, 3.0, 2.0, 1.0]]), 2).tolist() == [[0, 0, 1, 1]]  # no ties: as before
+    with pytest.raises(ValueError, match="n_buckets must be >= 1"):
+        PlannerKnobs(n_buckets=0, bucket_multipliers=(), bucket_floors=())
+    rng = np.random.default_rng(0)
+    t = make_tables(rng, 2, 4, 8)
+    sens = t.sens.copy()
+    sens[0, 5:7] = np.inf
+    with pytest.raises(ValueError, match="sensitivity is not finite"):
+        BlockTables(t.supported, t.mem, sens, 2, 4)
+    phi = np.ones((t.n_blocks, N_FEATURES))
+    phi[0, 2], phi[1, 0] = np.inf, np.nan
+    eta = eta_rows(t, ResidualHeads.zeros(8), phi, 2.0, (-2.0, 2.0))
+    assert np.isfinite(eta).all() and np.all(eta == 1.0)
+    planner = Planner(t, PlannerKnobs(), np.full(t.n_blocks, 8), heads=ResidualHeads.zeros(8))
+    planner.observe(features=phi)
+    plan = planner.step(KVState(free_blocks=0, target_free_blocks=4, block_bytes=4096), np.full(t.n_blocks, 8))
+    assert plan is not None and plan.delta_bytes > 0
