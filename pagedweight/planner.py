@@ -498,7 +498,8 @@ class Planner:
         self.features: np.ndarray | None = None
         self._scratch: EtaScratch | None = None
         self._signals: _SignalsCache | None = None
-        self._standing_inputs: tuple[int, np.ndarray, np.ndarray] | None = None  # version, widths, d_hat of the newest
+        # version, widths, d_hat and bucket floors the newest queued plan was planned on
+        self._standing_inputs: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.queue: deque[Plan] = deque(maxlen=knobs.queue_len)
         self.version = 0
         self.counters = {"release": 0, "reload": 0, "queue_hit": 0, "queue_miss": 0, "refresh": 0, "quiet": 0}
@@ -584,7 +585,7 @@ class Planner:
         target = max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes
         dhat, floors = self.signals()
         if self.queue and self._standing_inputs is not None:
-            version, widths, planned_dhat = self._standing_inputs
+            version, widths, planned_dhat, _ = self._standing_inputs
             newest = self.queue[-1]
             if (version == self.version == newest.version and planned_dhat is dhat
                     and np.array_equal(widths, self.desired) and _serves(newest, target)):
@@ -592,7 +593,7 @@ class Planner:
         plan = plan_release(self.tables, self.desired, 0.0, dhat, floors, k.stage_floors, keep_order_to=target)
         plan.version = self.version
         self.queue.append(plan)
-        self._standing_inputs = (self.version, self.desired.copy(), dhat)
+        self._standing_inputs = (self.version, self.desired.copy(), dhat, floors)
         self.counters["refresh"] += 1
         return plan
 
@@ -686,14 +687,24 @@ class Planner:
         return Plan("release", self.desired.copy(), widths, float(demand), freed, float(avoided[order[:n]].sum()),
                     freed >= demand, -1, 0.0)
 
+    def _planned_on(self, dhat: np.ndarray, floors: np.ndarray) -> bool:
+        """Whether the newest queued plan was planned on these d_hat and floors (the same arrays, or equal ones)."""
+        if self._standing_inputs is None:
+            return False
+        _, _, planned_dhat, planned_floors = self._standing_inputs
+        return ((planned_dhat is dhat or np.array_equal(planned_dhat, dhat))
+                and (planned_floors is floors or np.array_equal(planned_floors, floors)))
+
     def _release(self, demand: float) -> Plan:
-        """Newest queued plan cut to `demand` when it is current and was planned at the right stage."""
+        """Newest queued plan cut to `demand` when it is current (same widths' version, and planned on the d_hat and
+        bucket floors the signals give now: routing that moved an expert to a hotter bucket since must not be
+        released below its new floor) and was planned at the right stage."""
+        dhat, floors = self.signals()
         if self.queue:
             newest = self.queue[-1]
-            if (newest.version == self.version and newest.cum_bytes.size and newest.cum_bytes[-1] >= demand
-                    and _first_stage(newest.stage_release, demand) == newest.stage):
+            if (newest.version == self.version and self._planned_on(dhat, floors) and newest.cum_bytes.size
+                    and newest.cum_bytes[-1] >= demand and _first_stage(newest.stage_release, demand) == newest.stage):
                 self.counters["queue_hit"] += 1
                 return newest.prefix(demand)
         self.counters["queue_miss"] += 1
-        dhat, floors = self.signals()
         return plan_release(self.tables, self.desired, demand, dhat, floors, self.knobs.stage_floors)

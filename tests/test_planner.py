@@ -603,6 +603,7 @@ class EveryStepPlanner(Planner):
                             keep_order_to=max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes)
         plan.version = self.version
         self.queue.append(plan)
+        self._standing_inputs = (self.version, self.desired.copy(), dhat, floors)
         self.counters["refresh"] += 1
         return plan
 
@@ -914,3 +915,24 @@ def test_equal_masses_share_a_bucket_and_bad_inputs_are_refused_or_harmless():
     planner.observe(features=phi)
     plan = planner.step(KVState(free_blocks=0, target_free_blocks=4, block_bytes=4096), np.full(t.n_blocks, 8))
     assert plan is not None and plan.delta_bytes > 0
+
+
+def test_a_queued_release_is_not_taken_after_the_buckets_moved():
+    """The standing release was planned with expert 0 cold; routing then made it hot (its floor 7): the release
+    that pressure takes is planned anew on the current floors (the queued one took expert 0 to 4 bits)."""
+    L, E, P, n = 1, 2, 8, 4
+    sup = np.zeros((n, P + 1), bool)
+    sup[:, 3:] = True
+    mem = np.arange(P + 1)[None, :] * 4096.0 * np.ones((n, 1))
+    sens = np.ones((n, 1)) * 4.0 ** (-np.arange(P + 1))[None, :]
+    sens[0:2] *= 0.01  # expert 0 is the cheap one to drop
+    knobs = PlannerKnobs(n_buckets=2, bucket_multipliers=(1.0, 1.0), bucket_floors=(7, 3), stage_floors=(3,),
+                         routing_decay=0.0)
+    planner = Planner(BlockTables(sup, mem, sens, L, E), knobs, np.full(n, 8), routing_prior=np.array([[0.1, 0.9]]))
+    committed = np.full(n, 8)
+    planner.step(KVState(free_blocks=20, target_free_blocks=0, block_bytes=4096), committed)  # queues a release
+    planner.observe(step_mass=np.array([[0.9, 0.1]]))  # expert 0 is hot now
+    floors = planner.signals()[1]
+    assert floors.tolist() == [7, 7, 3, 3]
+    plan = planner.step(KVState(free_blocks=0, target_free_blocks=4, block_bytes=4096), committed)
+    assert plan is not None and (plan.widths >= floors).all(), plan.widths
