@@ -17,6 +17,8 @@ import torch
 from pagedweight.sampling import SamplingParams
 
 
+DETOKENIZE_CONTEXT = 5  # prompt tokens the first generated token's text is decoded after (vLLM's)
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,7 +41,10 @@ class Sequence:
     text: str = ""  # detokenized completion, cut at a stop string
     sent_text_len: int = 0  # how much of `text` earlier outputs already carried
     sent_tokens: int = 0  # how many generated tokens earlier outputs already carried
-    prefix_offset: int = 0  # incremental detokenization: completion tokens [prefix, read) are already text
+    # incremental detokenization: completion tokens [prefix, read) are already text; prefix starts DETOKENIZE_CONTEXT
+    # prompt tokens back, so the first token's text is what it adds to the prompt's (a SentencePiece decoder strips
+    # the leading space of a text that starts with it: " the" came out "the" after "The capital is"; vLLM's offsets)
+    prefix_offset: int = 0
     read_offset: int = 0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
@@ -60,6 +65,7 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prefix_offset = -min(DETOKENIZE_CONTEXT, self.num_prompt_tokens)
         if self.params.reads_history:
             self.history_ids = np.empty(16, dtype=np.int64)
 

@@ -1494,3 +1494,28 @@ def test_converted_cache_follows_the_source(tmp_path, monkeypatch):
     defaults = knobs.PlannerKnobs
     monkeypatch.setattr(knobs, "PlannerKnobs", lambda: replace(defaults(), trigger_blocks=defaults().trigger_blocks + 1))
     assert source_fingerprint(src, calib) != with_text
+
+
+def test_the_first_token_s_text_is_what_it_adds_to_the_prompt():
+    """A SentencePiece-style decoder (Mixtral's) strips the leading space of a text that starts with it: the first
+    generated token is decoded after the prompt's last tokens (vLLM's offsets), so "The capital is" + " the fox"
+    streams " the fox", not "the fox"; the byte-level case is unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from pagedweight.tokenizer import TextTokenizer
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁the": 4, "▁fox": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    engine = types.SimpleNamespace(tokenizer=TextTokenizer(tok, None, ()))
+    prompt = tok.encode("The capital is").ids
+    assert prompt == [1, 2, 3] and tok.decode([4, 5]) == "the fox"
+    seq = Sequence("r", prompt, SamplingParams(max_tokens=4))
+    pieces = []
+    for t in (4, 5):
+        seq.append_token(t, 0.0)
+        before = seq.text
+        LLM._extend_text(engine, seq)
+        pieces.append(seq.text[len(before):])
+    assert pieces == [" the", " fox"] and seq.text == tok.decode(prompt + [4, 5])[len(tok.decode(prompt)):]
