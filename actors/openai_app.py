@@ -219,7 +219,10 @@ MAX_PROMPTS = 256
 # parameters this server does not implement, with the value that asks for nothing: any other value is a 400 rather
 # than an answer that silently ignores it (a client asking for JSON mode must not get free text back as if it were)
 UNSUPPORTED = {"suffix": None, "best_of": 1, "tools": None, "functions": None, "response_format": {"type": "text"},
-               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+               # vLLM's top-level chat extras for continuing the last assistant message: not implemented (they got a
+               # fresh assistant turn); chat_template_kwargs' add_generation_prompt still reaches the template
+               "add_generation_prompt": True, "continue_final_message": False}
 
 
 def _token_ids(body: dict, name: str) -> list[int] | None:
@@ -403,9 +406,15 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     """Wire form of tokens' log-probabilities: per token its text, log-probability and UTF-8 bytes, and "top":
     [text, log-probability, bytes] of its n most likely alternatives, most likely first (a prompt's first token,
     entry None: no log-probability, no alternatives). A token that ends inside a UTF-8 character decodes (alone) to
-    U+FFFD, and its bytes are that character's."""
+    U+FFFD, and its bytes are that character's. Each token is decoded after an anchor token, its text what it adds:
+    a SentencePiece-style decoder (Mixtral's) strips the leading space of a text that starts with it, so alone
+    "▁the" came out "the" and the tokens no longer joined into the text."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[:1]
+    lead = tokenizer.decode(anchor, skip_special_tokens=False)
+
     def text(t: int, lp: float | None) -> list:
-        s = tokenizer.decode([t], skip_special_tokens=False)
+        s = tokenizer.decode(anchor + [t], skip_special_tokens=False)
+        s = s[len(lead):] if s.startswith(lead) else tokenizer.decode([t], skip_special_tokens=False)
         return [s, lp, list(s.encode("utf-8"))]
 
     wire = []

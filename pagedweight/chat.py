@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+from jinja2 import nodes
+from jinja2.ext import Extension
+
 DEFAULT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                     "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -50,7 +53,8 @@ class ChatTemplate:
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, _GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
         return env.from_string(self.source if self.source is not None else DEFAULT_TEMPLATE)
@@ -58,12 +62,25 @@ class ChatTemplate:
     def render(self, messages: list[dict], **variables) -> str:
         """The prompt text of `messages` (dicts with "role" and "content"), ending with the assistant's cue."""
         try:
-            return self._compiled.render(**{**self.special_tokens, "add_generation_prompt": True, **variables,
-                                            "messages": messages})
+            # tools and documents None, as transformers passes them (undefined, `tools is not none` held)
+            return self._compiled.render(**{**self.special_tokens, "add_generation_prompt": True, "tools": None,
+                                            "documents": None, **variables, "messages": messages})
         except ChatTemplateError:
             raise
         except Exception as e:  # a syntax error, or one the template hits on these messages (a TypeError, ...)
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body: transformers marks the assistant's tokens with it
+    (for training masks); a template using it failed to compile here."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 def template_of(tokenizer_config: dict, jinja_file: str | None) -> str | None:

@@ -126,3 +126,17 @@ def test_llm_chat_generates_from_the_rendered_prompt(tmp_path):
     for out, ref, conv in zip(outs, llm.generate([hf_ids(hf, c) for c in convs], params, use_tqdm=False), convs):
         assert out.prompt_token_ids == hf_ids(hf, conv) and out.token_ids == ref.token_ids
     assert llm.chat(convs[0], params, use_tqdm=False)[0].token_ids == outs[0].token_ids  # one conversation
+
+
+def test_tools_none_and_the_generation_tag_render_as_transformers_does():
+    """transformers passes tools and documents as None (a template's `tools is not none` is false without tools;
+    undefined, it held, and `tools | tojson` failed every request) and takes `{% generation %}` blocks (a template
+    using them failed to compile here)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    templates = ["{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}"
+                 "{% if documents is not none %}DOCS{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                 "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}<a>{{ m['content'] }}</a>"
+                 "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"]
+    for template in templates:
+        ours = ChatTemplate(template, {"bos_token": EOS, "eos_token": EOS}).render(messages)
+        assert ours == hf_tokenizer(template).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

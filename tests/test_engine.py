@@ -1519,3 +1519,20 @@ def test_the_first_token_s_text_is_what_it_adds_to_the_prompt():
         LLM._extend_text(engine, seq)
         pieces.append(seq.text[len(before):])
     assert pieces == [" the", " fox"] and seq.text == tok.decode(prompt + [4, 5])[len(tok.decode(prompt)):]
+
+
+def test_logprob_token_strings_join_into_the_text_with_a_sentencepiece_decoder():
+    """The API's per-token strings are what each token adds to the text: with a decoder that strips a leading space
+    ("▁the" alone decodes to "the") they used to lose their spaces, and joined they no longer gave the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from pagedweight.actors.openai_app import token_logprobs
+    from pagedweight.tokenizer import TextTokenizer
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁the": 4, "▁fox": 5, "▁a": 6, "a": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    wire = token_logprobs(TextTokenizer(tok, None, ()), [4, 5], [{4: -0.1, 5: -2.0}, {5: -0.2, 4: -1.5}], 2)
+    assert [w["token"] for w in wire] == [" the", " fox"] and [w["top"][1][0] for w in wire] == [" fox", " the"]
+    assert wire[0]["bytes"] == list(b" the")
