@@ -42,8 +42,6 @@ class BlockSpace(Protocol):
 
     def free(self, seq: Sequence) -> None: ...
 
-    def fold_copies(self, running: list[Sequence]) -> None: ...
-
 
 @dataclass
 class ScheduledBatch:
@@ -166,7 +164,6 @@ class Scheduler:
         return need
 
     def schedule(self) -> ScheduledBatch:
-        self.kv.fold_copies(self.running)  # blocks the last step computed again that were computed already
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0

@@ -216,9 +216,6 @@ class CountingKV:
     def shared_blocks(self, seq: Sequence) -> int:
         return 0
 
-    def fold_copies(self, running: list[Sequence]) -> None:
-        pass
-
 
 def _seq(rid: str, prompt: int, max_tokens: int) -> Sequence:
     return Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens))

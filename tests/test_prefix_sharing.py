@@ -45,9 +45,11 @@ def pages(kv: PagedKVCache, seq: Sequence, pos: int) -> list[int]:
     return kv.block_pages[seq.block_table[pos // BS]]
 
 
-def run_step(kv: PagedKVCache, sched: Scheduler) -> None:
+def run_step(kv: PagedKVCache, sched: Scheduler, fold: bool = True) -> None:
     """One engine step: write each scheduled token's stand-in K/V, publish, sample (a function of the history, so
-    equal prompts continue alike) and end requests at max_tokens."""
+    equal prompts continue alike), end requests at max_tokens, and fold the copies found (with `fold` False at the
+    start of the next step instead: the state between a publish and its fold is checked too)."""
+    kv.fold_copies(sched.running)  # those a step before left
     batch = sched.schedule()
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         kv.block_tables(seq)  # as the runner reads them (cached per request)
@@ -61,6 +63,8 @@ def run_step(kv: PagedKVCache, sched: Scheduler) -> None:
             seq.append_token(sum(seq.token_ids[-3:]) * 7 % 50 + 3, 0.0)
             if seq.num_completion_tokens >= seq.params.max_tokens:
                 sched.finish(seq, "length")
+    if fold:
+        kv.fold_copies(sched.running)  # the step is done (the engine's order)
 
 
 def history(kv: PagedKVCache, lid: int) -> list[int]:
@@ -102,7 +106,7 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(3, 60), max_size=6),
                                     st.integers(1, 8)),
-                          st.tuples(st.just("step")), st.tuples(st.just("step")),
+                          st.tuples(st.just("step"), st.booleans()), st.tuples(st.just("step"), st.booleans()),
                           st.tuples(st.just("repeat"), st.integers(0, 20), st.integers(1, 8)),
                           st.tuples(st.just("abort"), st.integers(0, 20)),
                           st.tuples(st.just("weights"), st.integers(1, 3 * LAYERS))), max_size=40),
@@ -143,7 +147,7 @@ def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retent
         elif op[0] == "abort" and op[1] < len(added):
             sched.abort(added[op[1]].request_id)
         else:
-            run_step(kv, sched)
+            run_step(kv, sched, fold=op[1])
         check(kv, sched)
     for _ in range(400):
         if not sched.has_unfinished():
@@ -192,8 +196,8 @@ def test_a_later_request_starts_after_the_shared_blocks():
 
 def test_a_repeated_prompt_of_whole_blocks_publishes_its_answer():
     """A prompt of whole blocks sent again recomputes its last block (its logits are needed), a copy of a published
-    one: the request pins the original for the step, the next step's table has the original in the copy's place (the
-    copy back in the pool), its answer's blocks continue the original, and a next turn finds the whole history
+    one: the request pins the original for the step, then its table has the original in the copy's place (the copy
+    back in the pool), its answer's blocks continue the original, and a next turn finds the whole history
     (before, the chain stopped at the copy and a next turn found the prompt only)."""
     kv, sched = make(budget=16, seats=4)
     prompt = FAMILIES[0] + [40, 41]  # 12 tokens: 3 full blocks
@@ -204,13 +208,14 @@ def test_a_repeated_prompt_of_whole_blocks_publishes_its_answer():
     original = list(kv._cached)[0]  # released last block first: its third block
     again = Sequence("b", prompt, SamplingParams(max_tokens=6))
     sched.add(again)
-    run_step(kv, sched)
+    run_step(kv, sched, fold=False)
     copy = again.block_table[2]
     assert again.num_cached_tokens == 8 and copy != original and copy not in kv._key
     assert kv._pins == {"b": {2: original}} and kv._refs[original] == 1 and original not in kv._cached
     check(kv, sched)
-    run_step(kv, sched)  # its start folds the copy
+    kv.fold_copies(sched.running)  # the step is done
     assert again.block_table[2] == original and copy not in kv.block_pages and not kv._pins
+    check(kv, sched)
     while again.num_computed_tokens < 16:
         run_step(kv, sched)
         check(kv, sched)
