@@ -109,7 +109,7 @@ def make_engine(cfg: EngineConfig, engine_id: str) -> "AsyncEngine":
     llm = build_llm(cfg)
     planner = None
     if cfg.routing_sync_s is not None and llm.planner is not None:  # buckets cut as this engine's planner cuts them
-        planner = get_or_create_planner(llm.planner.knobs.n_buckets, llm.planes_id)
+        planner = get_or_create_planner(llm.planes_id, llm.planner.knobs.n_buckets)
     return AsyncEngine(llm, engine_id, EngineMetrics(engine_id), planner, cfg.routing_sync_s)
 
 

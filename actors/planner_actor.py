@@ -96,9 +96,8 @@ class PlannerActor:
         return removed
 
 
-def get_or_create_planner(n_buckets: int = 4, model: str | None = None):
+def get_or_create_planner(model: str, n_buckets: int = 4):
     """The cluster's planner actor of one model (`model`: its planes id, runner.planes_id), created detached on first
     use: engines of different models, whose routing tables neither match nor mix, never share one."""
-    name = PLANNER_NAME if model is None else f"{PLANNER_NAME}-{model}"
-    return PlannerActor.options(name=name, namespace=NAMESPACE, lifetime="detached",
+    return PlannerActor.options(name=f"{PLANNER_NAME}-{model}", namespace=NAMESPACE, lifetime="detached",
                                 get_if_exists=True).remote(n_buckets)

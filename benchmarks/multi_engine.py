@@ -408,7 +408,7 @@ def measure(args, ap_dir: Path, sections: set[str]) -> tuple[list[dict], dict, d
         local = ray.get([e.call.remote(routing_view) for e in engines])
         pushed = [ray.get(e.sync_routing.remote(True)) for e in engines]  # one at a time: each adds its table
         adopted = ray.get([e.sync_routing.remote(False) for e in engines])  # everyone takes the full merge
-        planner = get_or_create_planner(model=planes_id(ap))  # the planner of this model's engines
+        planner = get_or_create_planner(planes_id(ap))  # the planner of this model's engines
         final = decode_reply(ray.get(planner.merged.remote()))
         tables = decode_tables(ray.get(planner.tables.remote()))
         want = merge_here(tables)

@@ -107,7 +107,7 @@ def test_engine_actor_restart_fails_in_flight_and_rebuilds(ray_cluster, ap_model
     from pagedweight.apformat import load_ap
     from pagedweight.runner import planes_id
 
-    planner = get_or_create_planner(model=planes_id(load_ap(ap_model_dir, verify=False)))  # this model's
+    planner = get_or_create_planner(planes_id(load_ap(ap_model_dir, verify=False)))  # this model's
 
     def cluster_table():
         try:
