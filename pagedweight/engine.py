@@ -543,8 +543,8 @@ class LLM:
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = replace(params or SamplingParams()).validate()  # its own copy: later edits of the caller's (a
-        # logit_bias set on it for the next request) neither reach this request nor meet its cached bias arrays
+        params = (params or SamplingParams()).clone().validate()  # its own copy (lists and dict too): later edits
+        # of the caller's (a logit_bias entry added for the next request) neither reach this request nor its arrays
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -553,6 +553,8 @@ class LLM:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty (zero tokens)")
+        if params.stop and not self.options.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text): give stop_token_ids")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
@@ -932,10 +934,14 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, **(chat_template_kwargs or {})) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def generate(self, prompts: list[str | list[int]],
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Serve every prompt to completion (continuous batching); outputs in prompt order."""
+        """Serve every prompt to completion (continuous batching); outputs in prompt order. One prompt (a string,
+        or a list of token ids) is served as a list of one. Outputs of other requests (added with add_request, or
+        another stream's) that the steps here produce are kept for the next `step()`."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
@@ -945,7 +951,7 @@ class LLM:
         for p in params:
             p.validate()
         # only finished outputs are kept: the others are not built (each would copy the tokens generated so far)
-        params = [replace(p, output_kind="final_only") for p in params]
+        params = [p.clone(output_kind="final_only") for p in params]
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -955,22 +961,30 @@ class LLM:
                 self.abort(rid)
             self._pending = [o for o in self._pending if o.request_id not in ids]  # nor surface in a later step
             raise
-        wanted, done = set(ids), {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while len(done) < len(ids) and self.has_unfinished():
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+        wanted, done, others = set(ids), {}, []
+        try:
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while len(done) < len(ids) and self.has_unfinished():
+                    for out in self.step():
+                        if out.request_id not in wanted:
+                            others.append(out)
+                        elif out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        finally:
+            self._pending[:0] = others  # the next step() returns them, before its own
         return [done[r] for r in ids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they come; closing the iterator early aborts the request."""
+        """Yield this request's outputs as they come; closing the iterator early aborts the request. Outputs of
+        other requests (another stream's, interleaved with this one) go back for the next `step()`."""
         request_id = self.add_request(prompt, params)
         finished = False
         try:
             while not finished and self.has_unfinished():
-                for out in self.step():
+                outs = self.step()
+                self._pending[:0] = [o for o in outs if o.request_id != request_id]
+                for out in outs:
                     if out.request_id == request_id:
                         finished = out.finished
                         yield out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -74,6 +74,13 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with its own lists and dict (a request's: what the caller does to its object later, a stop string
+        or a logit_bias entry added for the next request, reaches neither this request nor its cached arrays)."""
+        own = {name: type(v)(v) for name in ("stop", "stop_token_ids", "logit_bias")
+               if isinstance(v := getattr(self, name), (list, dict))}
+        return replace(self, **{**own, **changes})
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
@@ -105,9 +112,10 @@ class SamplingParams:
         """Raise ValueError with a one-line reason when a field is out of range; returns self."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
@@ -121,8 +129,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):  # torch.Generator.manual_seed's range
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -196,6 +205,17 @@ def _per_row(values: list, dev: torch.device) -> torch.Tensor | float:
     return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
 
 
+def nucleus_drop(kept: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p on logits sorted in descending order [R, W]: True where a token goes, because the mass before it already
+    reaches the row's top_p [R, 1], i.e. the mass from it to the end is at most 1 - top_p (vLLM's form: a float32
+    running sum from the top reaches 1.0 before the tail and then dropped tail tokens even at top_p 1; a sum from
+    the tail keeps their small masses). The most likely token always stays."""
+    tail = torch.softmax(kept, dim=-1).flip(-1).cumsum_(dim=-1).flip(-1)
+    drop = tail <= 1.0 - top_p
+    drop[:, 0] = False
+    return drop
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], nucleus_kernel: bool = False) -> torch.Tensor:
     """One token per row of logits [R, V] from softmax(logits / T) restricted by min-p, top-k, then top-p (over the
@@ -233,11 +253,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         if any(k != width for k in top_k):
             k = _per_row([k or vocab for k in top_k], dev)
             kept.masked_fill_(torch.arange(width, device=dev) >= k, float("-inf"))
-        if nucleus:  # drop a token when the mass before it already reaches top_p
-            probs = torch.softmax(kept, dim=-1)
-            kept.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= _per_row([p.top_p for p in params], dev),
-                              float("-inf"))
-            del probs
+        if nucleus:
+            kept.masked_fill_(nucleus_drop(kept, _per_row([p.top_p for p in params], dev)), float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter_(1, order, kept)  # back in vocabulary order
         del kept, order
     noise = torch.empty_like(x)

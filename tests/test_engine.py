@@ -74,7 +74,8 @@ def test_sampling_params_validate():
                 dict(logit_bias={t: 1.0 for t in range(301)}), dict(logit_bias=[(1, 1.0)]), dict(min_p=-0.1),
                 dict(min_p=1.5), dict(min_p=True), dict(stop_token_ids=[-1]), dict(stop_token_ids=3),
                 dict(stop_token_ids=[True]), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.0),
-                dict(repetition_penalty=0.0), dict(repetition_penalty=11.0), dict(repetition_penalty="1")):
+                dict(repetition_penalty=0.0), dict(repetition_penalty=11.0), dict(repetition_penalty="1"),
+                dict(temperature=float("inf")), dict(temperature=True), dict(top_p=True), dict(seed=2**64)):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="x").stop == ["x"]
@@ -96,6 +97,72 @@ def test_a_reused_params_object_samples_with_its_current_bias(hf_dir):
     assert list(llm.stream(PROMPTS[0], params))[-1].token_ids == [5, 5, 5]
     params.logit_bias = {7: 100.0}
     assert list(llm.stream(PROMPTS[0], params))[-1].token_ids == [7, 7, 7]
+
+
+def test_a_request_keeps_its_params_when_the_callers_lists_change(hf_dir):
+    """add_request copies the params' lists and dict too: a logit_bias entry or stop string added to the caller's
+    object afterwards neither reaches the request (a token id past the vocabulary failed its whole step, the other
+    requests of the step with it) nor changes where it stops."""
+    llm = LLM(hf_dir[0])
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, logit_bias={5: 100.0}, stop=["zzz"],
+                            ignore_eos=True)
+    other = llm.add_request(PROMPTS[1], greedy(4))
+    mine = llm.add_request(PROMPTS[0], params)
+    params.logit_bias[10**6] = 1.0
+    params.stop.append(llm.tokenizer.decode([5]))
+    outs = {}
+    while llm.has_unfinished():
+        outs.update((o.request_id, o) for o in llm.step())
+    assert outs[other].finish_reason == "length" and outs[mine].finish_reason == "length"
+    assert outs[mine].token_ids == [5] * 4
+
+
+def test_generate_and_streams_hand_back_other_requests_outputs(hf_dir):
+    """Two streams read together both run to their end with their whole text; a request added before a generate
+    call that finishes inside it is returned by the next step; a single prompt (text or token ids) is one
+    request."""
+    llm = LLM(hf_dir[0])
+    want = [o.text for o in llm.generate(PROMPTS[:2], [greedy(8), greedy(4)], use_tqdm=False)]
+    a, b = llm.stream(PROMPTS[0], greedy(8)), llm.stream(PROMPTS[1], greedy(4))
+    last = {}
+    for pair in itertools.zip_longest(a, b):
+        for i, out in enumerate(pair):
+            if out is not None:
+                last[i] = out
+    assert last[0].finished and last[1].finished and [last[0].text, last[1].text] == want
+    early = llm.add_request(PROMPTS[1], greedy(4))
+    assert [o.text for o in llm.generate([PROMPTS[0]], greedy(8), use_tqdm=False)] == want[:1]
+    later = llm.step()  # every output of it, in order (cumulative: one a step)
+    assert {o.request_id for o in later} == {early} and len(later) == 4
+    assert [o.finished for o in later] == [False] * 3 + [True] and later[-1].text == want[1]
+    assert not llm.has_unfinished()
+    assert len(llm.generate(PROMPTS[0], greedy(2), use_tqdm=False)) == 1
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    assert llm.generate(ids, greedy(2), use_tqdm=False)[0].prompt_token_ids == ids
+
+
+def test_stop_strings_need_detokenization(hf_dir):
+    llm = LLM(hf_dir[0], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize"):
+        llm.add_request([1, 2, 3], SamplingParams(stop=["x"]))
+
+
+def test_nucleus_drop_keeps_the_tail_at_top_p_one():
+    """A float32 running sum from the top reaches 1.0 before a long flat tail: the rule is read from the tail, so
+    top_p 1 keeps every token and a top_p below 1 keeps what the float64 rule keeps."""
+    from pagedweight.sampling import nucleus_drop
+
+    torch.manual_seed(0)
+    logits = torch.cat([torch.tensor([17.0]), torch.randn(151_935) * 0.01]).sort(descending=True).values  # tail 0.6 %
+    rows = logits.expand(3, -1).contiguous()
+    top_p = torch.tensor([[1.0], [0.999], [0.9995]])
+    drop = nucleus_drop(rows, top_p)
+    assert not drop[0].any()
+    probs = torch.softmax(logits.double(), -1)
+    for i in (1, 2):
+        exact = (probs.cumsum(0) - probs) >= top_p[i].double()
+        assert 0 < int(exact.sum()) < len(probs) - 1000
+        assert int((drop[i] != exact).sum()) <= 50, int((drop[i] != exact).sum())  # float32 at the cut (a sum from the top: 9,568)
 
 
 def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
