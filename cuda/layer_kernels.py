@@ -19,6 +19,7 @@ Reductions go through shared memory, not warp shuffles, so the CUDA simulator ru
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -244,11 +245,12 @@ def _shared_out_kernel(x, routed, gate, shared, out, half):
 
 
 @cuda.jit(cache=True)
-def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc):
+def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc, token_rows, tracked, req):
     """Block (l, t): |x[l, t]| (float32, a block reduction over D), then for each routing slot j the weight
     r = weights[l, t, j] (times token_weights[t] when `weighted`) adds r, r|x| and r|x|^2 to acc[0:3, row] and raises
-    acc[3, row] to |x|, row = offsets[l] + ids[l, t, j]. x [L', n, D], ids and weights [L', n, k], offsets [L'] (a
-    layer's first row, layer * E), acc [4, L * E] float32. Atomics: the sums' order is free, as index_add_'s is."""
+    acc[3, row] to |x|, row = offsets[l] + ids[l, t, j]; when `tracked`, the same with r unweighted into req at
+    token_rows[t] * acc.shape[1] + row. x [L', n, D], ids and weights [L', n, k], offsets [L'] (a layer's first row,
+    layer * E), acc [4, L * E] float32, req [4, rows * L * E]. Atomics: the sums' order is free, as index_add_'s is."""
     l = cuda.blockIdx.x
     n = cuda.blockIdx.y
     t = cuda.threadIdx.x
@@ -260,14 +262,22 @@ def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc):
     norm = float32(math.sqrt(_block_reduce(red, ss, t, False)))
     if t < ids.shape[2]:
         row = offsets[l] + ids[l, n, t]
-        r = float32(weights[l, n, t])
+        r0 = float32(weights[l, n, t])
+        r = r0
         if weighted:
-            r = r * float32(token_weights[n])
+            r = r0 * float32(token_weights[n])
         rn = r * norm
         cuda.atomic.add(acc, (0, row), r)
         cuda.atomic.add(acc, (1, row), rn)
         cuda.atomic.add(acc, (2, row), rn * norm)
         cuda.atomic.max(acc, (3, row), norm)
+        if tracked:
+            at = token_rows[n] * acc.shape[1] + row
+            rn = r0 * norm
+            cuda.atomic.add(req, (0, at), r0)
+            cuda.atomic.add(req, (1, at), rn)
+            cuda.atomic.add(req, (2, at), rn * norm)
+            cuda.atomic.max(req, (3, at), norm)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -361,19 +371,34 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool)
 
 
 def route_stats(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                token_weights: torch.Tensor | None, acc: torch.Tensor) -> None:
+                token_weights: torch.Tensor | None, acc: torch.Tensor, token_rows: torch.Tensor | None = None,
+                req: torch.Tensor | None = None) -> None:
     """Add one step's routing statistics to acc [4, L * E] (float32) in one launch: signals.RouterStats' fold of
     x [L', n, D] (fp16/fp32), ids [L', n, k] (int64), weights [L', n, k] (fp16/fp32, times token_weights [n] if
-    given) and offsets [L'] (int64, layer * E), where torch takes ~15 small kernels."""
+    given) and offsets [L'] (int64, layer * E), where torch takes ~15 small kernels. With token_rows [n] (int64)
+    and req [4, rows * L * E] (float32), each token's unweighted statistics also go to its request's row of req
+    (RouterStats.track_requests)."""
     if x.dtype not in DTYPES or weights.dtype not in DTYPES or ids.dtype != torch.int64:
         raise ValueError(f"route_stats takes fp16/fp32 x and weights and int64 ids, got {x.dtype}, {weights.dtype}, "
                          f"{ids.dtype}")
     if acc.dtype != torch.float32 or acc.shape[0] != 4 or ids.shape[2] > THREADS:
         raise ValueError(f"route_stats adds into a float32 [4, rows] accumulator with top-k <= {THREADS}")
+    tracked = token_rows is not None
+    if tracked and (req is None or req.dtype != torch.float32 or req.shape[0] != 4 or token_rows.dtype != torch.int64
+                    or req.shape[1] % acc.shape[1]):
+        raise ValueError("route_stats' per-request sums take int64 token_rows and a float32 [4, rows * L * E] req")
     weighted = token_weights is not None
     tw = token_weights.float() if weighted else acc[0, :1]  # unread stand-in when unweighted
+    if not tracked:  # unread stand-ins of their own (the simulator copies each array back: not acc a second time)
+        token_rows, req = _untracked(acc.device)
     _route_stats_kernel[(x.shape[0], x.shape[1]), THREADS, _stream()](
-        _dev(x), _dev(ids), _dev(weights), _dev(offsets), _dev(tw), weighted, _dev(acc))
+        _dev(x), _dev(ids), _dev(weights), _dev(offsets), _dev(tw), weighted, _dev(acc), _dev(token_rows), tracked,
+        _dev(req))
+
+
+@functools.lru_cache(maxsize=None)
+def _untracked(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(4, 1, device=device)
 
 
 def _grid(n: int, d: int) -> tuple[int, int]:

@@ -531,6 +531,8 @@ class LLM:
                                home_widths=np.full(n, home), narrow_width=NARROW_WIDTH)
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
         self.router_stats.active = False  # installed as every layer's observer, folding only on observed steps
+        if weights.heads is not None:  # the heads' features describe each request's tokens so far, as in training
+            self.router_stats.track_requests(opts.max_num_seqs, self._running)
         self._first_mlp = self.model.layers[0]._modules["mlp"]  # its observer says what every layer's is
 
     def _too_small(self, what: str) -> ValueError:
@@ -616,7 +618,7 @@ class LLM:
                 self.model.set_router_observer(self.router_stats)
             if observe:
                 self._read_routing()  # an unread earlier window (observe_every == 1) before the next one starts
-                self.router_stats.arm(batch.num_new_tokens, [len(s.block_table) for s in batch.seqs])
+                self.router_stats.arm(batch.num_new_tokens, [len(s.block_table) for s in batch.seqs], batch.seqs)
         to_sample, tokens, failure = [], [], None
         try:
             to_sample, logits, prompt_rows = self.runner.run(batch)
@@ -678,6 +680,10 @@ class LLM:
             if self._in_flight and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return True
+
+    def _running(self) -> list[Sequence]:
+        """The running requests (RouterStats reuses the rows of all others)."""
+        return self.scheduler.running
 
     def _kv_spare(self) -> bool:
         """The KV cache has the blocks the next step allocates and the planner's trigger margin free: the step

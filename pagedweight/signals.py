@@ -6,6 +6,7 @@ Block index rule: i = (layer*E + expert)*2 + (0 gate_up, 1 down).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,14 @@ def batch_token_weights(tokens_per_request: list[int], kv_blocks_per_request: li
 _KERNEL_DTYPES = (torch.float16, torch.float32)  # what layer_kernels.route_stats reads (Numba has no bf16 arrays)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned memory (a pageable copy would wait for the step's graph:
+    the host would stall there)."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class RouterStats:
     """Router observer for `model.set_router_observer`: routing mass and per-expert input-norm features.
 
@@ -119,6 +128,8 @@ class RouterStats:
     `norm_sum`, `norm2_sum`, `norm_max`, `routing_mass()` or `features()` reduces everything queued with two
     scatters and one copy to the host. Calls without reads fold into a device accumulator every 4L calls.
     `prefetch()` starts that copy without waiting (CUDA), so a read after later device work does not wait for it.
+    With `track_requests` (an engine whose planner has residual heads) each request's observed tokens also add up
+    in a row of their own, and `features()` describes the window's requests' tokens so far, not the window's only.
     """
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
@@ -127,23 +138,79 @@ class RouterStats:
         self._device_weights: torch.Tensor | None = None  # token_weights on the device of the last call
         self._offsets: tuple | None = None  # ((layers, device), layer * E as [L']) of the last stacked call
         self.active = True  # calls fold only while active (an engine turns it on for its observed steps: `arm`)
-        self._window: tuple[list[int], list[int]] | None = None  # `arm`'s batch: a new window at the next call
+        self._window: tuple[list[int], list[int], list | None] | None = None  # `arm`'s batch: a new window next call
+        # per request (track_requests): rows of _req, one per running request, and a last row (index _slots) that
+        # takes the tokens of a request without one; only the window's requests' rows are read (`_merged`)
+        self._slots = 0
+        self._live: Callable[[], Iterable] | None = None
+        self._rows: dict[int, tuple[int, object]] = {}  # id(request) -> (its row, the request: its id stays its own)
+        self._free: list[int] = []
+        self._seen = np.zeros(0)  # tokens observed per row
+        self._zero: list[int] = []  # rows handed out since the last fold: zeroed before the next
+        self._req: torch.Tensor | None = None  # [4, (slots + 1) * L * E] on the device: the four sums per row
         self.reset()
 
-    def arm(self, tokens_per_request: list[int], kv_blocks_per_request: list[int]) -> None:
+    def track_requests(self, max_requests: int, live: Callable[[], Iterable]) -> None:
+        """Keep the sums of each request's observed tokens, for `features()` of the tokens of the window's requests
+        so far (DESIGN.md §2: phi of the current sequence's tokens; the residual heads are fitted on whole calibration
+        sequences, `calibrate.DamageProbe`), merged weighted by their KV blocks as the routing mass is. Without it
+        a decode window has one token per request, whose max |x| is that token's norm: not what the heads learnt.
+        Rows for up to `max_requests` requests at once; `live()` gives the requests still running (the `requests`
+        of `arm`), and the rows of any other are reused."""
+        if max_requests < 1:
+            raise ValueError(f"track_requests needs max_requests >= 1, got {max_requests}")
+        self._slots, self._live = max_requests, live
+        self._rows, self._free, self._zero, self._req = {}, list(range(max_requests - 1, -1, -1)), [], None
+        self._seen = np.zeros(max_requests)
+
+    def arm(self, tokens_per_request: list[int], kv_blocks_per_request: list[int], requests: list | None = None
+            ) -> None:
         """Observe the next forward, a batch of these requests: its first call starts a new window (`reset`)
-        with their token weights (`batch_token_weights`). Only flags are set here: an engine arms before it
-        launches the step, where host time leaves the GPU idle, and the calls come after the launch. An engine
-        sets `active = False` once the step's statistics are prefetched; while inactive, calls return at once."""
-        self._window = tokens_per_request, kv_blocks_per_request
+        with their token weights (`batch_token_weights`); `requests` (objects, one per entry) say whose tokens they
+        are, for `track_requests`. Only flags are set here: an engine arms before it launches the step, where host
+        time leaves the GPU idle, and the calls come after the launch. An engine sets `active = False` once the
+        step's statistics are prefetched; while inactive, calls return at once."""
+        self._window = tokens_per_request, kv_blocks_per_request, requests
         self.active = True
 
     def _begin(self) -> None:
         if self._window is not None:
-            tokens, blocks = self._window
+            tokens, blocks, requests = self._window
             self._window = None
             self.reset()
             self.token_weights = batch_token_weights(tokens, blocks)
+            if self._live is not None and requests is not None:
+                self._assign(requests, tokens, blocks)
+
+    def _assign(self, requests: list, tokens: list[int], blocks: list[int]) -> None:
+        """Rows of the window's requests (a new request takes a free row, zeroed before the next fold), each
+        token's row, and the merge weights: a request's KV blocks over its tokens observed so far."""
+        rows = np.empty(len(requests), dtype=np.int64)
+        for i, req in enumerate(requests):
+            got = self._rows.get(id(req))
+            if got is None:
+                if not self._free:
+                    self._reclaim(requests)
+                row = self._free.pop() if self._free else self._slots  # none left: the untracked row
+                if row < self._slots:
+                    self._rows[id(req)] = row, req
+                    self._seen[row] = 0
+                    self._zero.append(row)
+            else:
+                row = got[0]
+            rows[i] = row
+        tokens = np.asarray(tokens, dtype=np.int64)
+        tracked = rows < self._slots
+        self._seen[rows[tracked]] += tokens[tracked]
+        self._token_rows = torch.from_numpy(np.repeat(rows, tokens))
+        weights = np.asarray(blocks, dtype=np.float64)[tracked] / np.maximum(self._seen[rows[tracked]], 1)
+        self._merge = rows[tracked], weights.astype(np.float32)
+
+    def _reclaim(self, batch: list) -> None:
+        """Rows of requests no longer running (finished, aborted, preempted: a recompute starts a new row) go back."""
+        keep = {id(r) for r in self._live()} | {id(r) for r in batch}
+        for key in [k for k in self._rows if k not in keep]:
+            self._free.append(self._rows.pop(key)[0])
 
     @property
     def token_weights(self) -> torch.Tensor | None:
@@ -155,10 +222,14 @@ class RouterStats:
 
     def reset(self) -> None:
         self._host = np.zeros((4, self.num_layers, self.num_experts))  # mass, sum r|x|, sum r|x|^2, max |x|
+        self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_merged`)
         self._ids: list[torch.Tensor] = []  # per call: flat block row layer*E + expert of every (token, slot)
-        self._r: list[torch.Tensor] = []  # its routing weight (times the token weight)
+        self._r: list[torch.Tensor] = []  # its routing weight (the token weight applies at `_reduce`)
         self._norm: list[torch.Tensor] = []  # |x| per token
         self._k: list[int] = []
+        self._token_rows: torch.Tensor | None = None  # the window's row of each token [n] (track_requests)
+        self._device_rows: torch.Tensor | None = None
+        self._merge: tuple[np.ndarray, np.ndarray] | None = None  # the window's tracked rows and merge weights
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
         self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
 
@@ -167,13 +238,16 @@ class RouterStats:
         if not self.active:
             return
         self._begin()
-        r = self._weighted(topk_weights.float(), x.device)
         self._ids.append(topk_ids.reshape(-1) + layer * self.num_experts)
-        self._r.append(r.reshape(-1))
+        self._r.append(topk_weights.float().reshape(-1))
         self._norm.append(torch.linalg.vector_norm(x.float(), dim=-1))
         self._k.append(topk_ids.shape[1])
         if len(self._ids) >= 4 * self.num_layers:  # many forwards without a read: bound the queue
             self._reduce()
+
+    @property
+    def _stride(self) -> int:
+        return self.num_layers * self.num_experts
 
     @torch.no_grad()
     def observe_layers(self, layers: list[int], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -189,55 +263,103 @@ class RouterStats:
         if self._offsets is None or self._offsets[0] != key:
             self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
         offsets = self._offsets[1]
+        tracked = self._token_rows is not None
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and topk_weights.dtype in _KERNEL_DTYPES:
             # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
             from pagedweight.cuda import layer_kernels
-            if self._acc is None:
-                self._acc = torch.zeros(4, self.num_layers * self.num_experts, device=x.device)
             layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, self._device_token_weights(x.device),
-                                      self._acc)
+                                      self._window_acc(x.device), self._rows_on(x.device) if tracked else None,
+                                      self._req_acc(x.device) if tracked else None)
             return
-        r = self._weighted(topk_weights.float(), x.device)  # [n, 1] token weights broadcast over L' and k
-        norm = torch.linalg.vector_norm(x.float(), dim=-1)
-        self._fold((topk_ids + offsets[:, None, None]).reshape(-1), r.reshape(-1),
-                   norm[:, :, None].expand(topk_ids.shape).reshape(-1))
+        r0 = topk_weights.float()
+        w = self._device_token_weights(x.device)
+        r = r0 if w is None else r0 * w[:, None]  # [L', n, k] times the token weights [n]
+        norm = torch.linalg.vector_norm(x.float(), dim=-1)[:, :, None].expand(topk_ids.shape).reshape(-1)
+        flat = topk_ids + offsets[:, None, None]
+        self._fold(self._window_acc(x.device), flat.reshape(-1), r.reshape(-1), norm)
+        if tracked:
+            rows = self._rows_on(x.device)[None, :, None] * self._stride
+            self._fold(self._req_acc(x.device), (flat + rows).reshape(-1), r0.reshape(-1), norm)
 
     def _device_token_weights(self, device: torch.device) -> torch.Tensor | None:
         """The token weights [n] (float32) on `device`, moved there once per batch; None if unset."""
         if self._token_weights is None:
             return None
         if self._device_weights is None or self._device_weights.device != device:
-            w = self._token_weights.float()
-            if device.type == "cuda":  # a pageable copy would wait for the step's graph: the host would stall here
-                w = w.pin_memory()
-            self._device_weights = w.to(device, non_blocking=True)
+            self._device_weights = _to_device(self._token_weights.float(), device)
         return self._device_weights
 
-    def _weighted(self, r: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """r [..., n, k] times the token weights [n], if set."""
-        w = self._device_token_weights(device)
-        return r if w is None else r * w[:, None]
+    def _rows_on(self, device: torch.device) -> torch.Tensor:
+        """Each token's row of _req [n] (int64) on `device`, moved there once per window."""
+        if self._device_rows is None or self._device_rows.device != device:
+            self._device_rows = _to_device(self._token_rows, device)
+        return self._device_rows
+
+    def _window_acc(self, device: torch.device) -> torch.Tensor:
+        if self._acc is None:
+            self._acc = torch.zeros(4, self._stride, device=device)
+        return self._acc
+
+    def _req_acc(self, device: torch.device) -> torch.Tensor:
+        """The per-request sums on `device`, rows handed out since the last fold zeroed first."""
+        if self._req is None or self._req.device != device:
+            self._req = torch.zeros(4, (self._slots + 1) * self._stride, device=device)
+        if self._zero:
+            rows = _to_device(torch.tensor(self._zero, dtype=torch.int64), device)
+            self._req.view(4, self._slots + 1, self._stride).index_fill_(1, rows, 0.0)
+            self._zero = []
+        return self._req
 
     @torch.no_grad()
     def _reduce(self) -> None:
-        """Fold the queued calls into the device accumulator (device ops only, no host read)."""
+        """Fold the queued calls into the device accumulators (device ops only, no host read). The calls are of
+        one batch (its n tokens each): a token's weight and row repeat over its k slots and over the calls."""
         if not self._ids:
             return
+        device = self._norm[0].device
+
+        def per_slot(t: torch.Tensor) -> torch.Tensor:  # [n] per token -> the calls' (token, slot) order
+            if len(set(self._k)) == 1:
+                return t.repeat_interleave(self._k[0]).repeat(len(self._k))
+            return torch.cat([t.repeat_interleave(k) for k in self._k])
+
         if len(set(self._k)) == 1:
             norm = torch.cat(self._norm).repeat_interleave(self._k[0])
         else:
             norm = torch.cat([n.repeat_interleave(k) for n, k in zip(self._norm, self._k)])
-        self._fold(torch.cat(self._ids), torch.cat(self._r), norm)
+        ids, r0 = torch.cat(self._ids), torch.cat(self._r)
+        w = self._device_token_weights(device)
+        self._fold(self._window_acc(device), ids, r0 if w is None else r0 * per_slot(w), norm)
+        if self._token_rows is not None:
+            self._fold(self._req_acc(device), ids + per_slot(self._rows_on(device)) * self._stride, r0, norm)
         self._ids, self._r, self._norm, self._k = [], [], [], []
 
-    def _fold(self, ids: torch.Tensor, r: torch.Tensor, norm: torch.Tensor) -> None:
-        """Add flat (block row, routing weight, |x|) triples to the device accumulator."""
-        if self._acc is None:
-            self._acc = torch.zeros(4, self.num_layers * self.num_experts, device=r.device)
+    @staticmethod
+    def _fold(acc: torch.Tensor, ids: torch.Tensor, r: torch.Tensor, norm: torch.Tensor) -> None:
+        """Add flat (row, routing weight, |x|) triples to a [4, rows] accumulator."""
         ids = ids.long()
         rn = r * norm
-        self._acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
-        self._acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
+        acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
+        acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
+
+    def _merged(self) -> torch.Tensor | None:
+        """[4, L*E] on the device: the sums of the window's tracked requests, each weighted by its KV blocks over
+        its observed tokens (the max: the largest); None without tracked requests."""
+        if self._merge is None or not len(self._merge[0]) or self._req is None:
+            return None
+        rows, weights = self._merge
+        device = self._req.device
+        req = self._req_acc(device).view(4, self._slots + 1, self._stride)[:, _to_device(torch.from_numpy(rows),
+                                                                                           device)]
+        out = torch.empty(4, self._stride, device=device)
+        out[:3] = torch.einsum("b,sbr->sr", _to_device(torch.from_numpy(weights), device), req[:3])
+        out[3] = req[3].amax(0)
+        return out
+
+    def _with_merged(self) -> torch.Tensor:
+        """The window's sums, and the window's requests' below them if tracked: [4 or 8, L*E]."""
+        merged = self._merged()
+        return self._acc if merged is None else torch.cat([self._acc, merged])
 
     @torch.no_grad()
     def prefetch(self) -> None:
@@ -249,14 +371,15 @@ class RouterStats:
         if self._acc is None:
             return
         self._land_copy()
-        if self._acc.is_cuda:
-            buf = torch.empty(self._acc.shape, dtype=self._acc.dtype, pin_memory=True)
-            buf.copy_(self._acc, non_blocking=True)
+        sums = self._with_merged()
+        if sums.is_cuda:
+            buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            buf.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._copy = buf, event
         else:
-            self._copy = self._acc, None
+            self._copy = sums, None
         self._acc = None
 
     def _land_copy(self) -> None:
@@ -268,9 +391,12 @@ class RouterStats:
             self._copy = None
 
     def _add(self, sums: np.ndarray) -> None:
-        sums = sums.reshape(self._host.shape)
-        self._host[:3] += sums[:3]
-        np.maximum(self._host[3], sums[3], out=self._host[3])
+        """Window sums [4, L*E] add up; the tracked requests' sums below them, if any, are the latest snapshot."""
+        sums = sums.reshape(-1, *self._host.shape)
+        self._host[:3] += sums[0, :3]
+        np.maximum(self._host[3], sums[0, 3], out=self._host[3])
+        if len(sums) > 1:
+            self._feat = sums[1].copy()
 
     def _flush(self) -> None:
         """Everything observed so far into the host sums: a prefetched copy, then the one device-to-host copy."""
@@ -278,7 +404,7 @@ class RouterStats:
         self._land_copy()
         if self._acc is None:
             return
-        self._add(self._acc.cpu().numpy())
+        self._add(self._with_merged().cpu().numpy())
         self._acc = None
 
     def _stat(self, i: int) -> np.ndarray:
@@ -310,8 +436,10 @@ class RouterStats:
 
     def features(self) -> np.ndarray:
         """phi [n_blocks, 4] = (routing-weighted mean |x|, routing-weighted RMS |x|, max |x|, the expert's share of
-        its layer's routing mass); all 0 for an expert that got no token."""
-        mass, norm_sum, norm2_sum, norm_max = (self._stat(i) for i in range(4))
+        its layer's routing mass); all 0 for an expert that got no token. Of the window's tokens, or with
+        `track_requests` of its requests' observed tokens so far (merged weighted by their KV blocks)."""
+        self._flush()
+        mass, norm_sum, norm2_sum, norm_max = self._host if self._feat is None else self._feat
         denom = np.where(mass > 0, mass, 1.0)
         share = mass / np.maximum(mass.sum(axis=1, keepdims=True), _TINY)
         phi = np.stack([norm_sum / denom, np.sqrt(norm2_sum / denom), norm_max, share], axis=-1)

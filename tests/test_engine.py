@@ -1322,6 +1322,36 @@ def test_routing_read_lands_one_step_later(ap_dir):
     assert not llm._routing_unread and not np.array_equal(got, mass)
 
 
+def test_residual_heads_see_each_requests_tokens_so_far(ap_dir, monkeypatch):
+    """The planner's features (what the residual heads read) describe every token the request's observed steps
+    computed, its prompt and each decoded token, as the heads were fitted on whole sequences: with one request,
+    those of a plain RouterStats that saw every one of those steps (one request: its merge weight scales every sum
+    alike, so the features are the same)."""
+    from pagedweight.signals import RouterStats
+
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    assert llm.planner.heads is not None
+    ref = RouterStats(llm.config.num_hidden_layers, llm.config.num_experts)
+    call, layers = RouterStats.__call__, RouterStats.observe_layers
+
+    def tee(method):
+        def observe(self, *args):
+            if self is llm.router_stats and self.active:
+                method(ref, *args)
+            method(self, *args)
+        return observe
+
+    monkeypatch.setattr(RouterStats, "__call__", tee(call))
+    monkeypatch.setattr(RouterStats, "observe_layers", tee(layers))
+    seen, observe = [], llm.planner.observe
+    llm.planner.observe = lambda mass, phi: (seen.append((phi.copy(), ref.features())), observe(mass, phi))
+    llm.generate([PROMPTS[1]], greedy(12), use_tqdm=False)
+    assert len(seen) >= 5
+    for phi, want in seen:
+        np.testing.assert_allclose(phi, want, rtol=1e-5, atol=1e-7)
+    assert (seen[-1][0][:, 2] > seen[1][0][:, 2]).any()  # a max |x| over more tokens than the last step's
+
+
 def test_router_observer_stays_installed_and_folds_only_observed_steps(ap_dir):
     """The engine installs its RouterStats once and only arms it for observed steps: before a step's launch it
     writes no observer (24 writes a step cost host time there), and an unobserved step's forward folds nothing.

@@ -127,6 +127,19 @@ COMPARE = textwrap.dedent(r"""
             lk.route_stats(xr, ids, wr, torch.tensor(layers, device=device) * E, tw.to(device) if weighted else None,
                            acc)
             out[f"route_stats_{weighted}"] = float((acc.cpu().double() - want).abs().max() / want.abs().max())
+        # and each token's unweighted sums into its request's row (RouterStats.track_requests), 3 requests in 2 rows
+        # beside the row of untracked tokens, against the torch fold
+        ref = RouterStats(L, E)
+        ref.track_requests(2, lambda: [])
+        reqs = [object(), object(), object()]
+        ref.arm([2, 1, 2], [1, 3, 2], reqs)
+        ref.observe_layers(layers, xr.cpu(), ids.cpu(), wr.cpu())
+        acc, req = torch.zeros(4, L * E, device=device), torch.zeros(4, 3 * L * E, device=device)
+        lk.route_stats(xr, ids, wr, torch.tensor(layers, device=device) * E, ref.token_weights.to(device), acc,
+                       ref._token_rows.to(device), req)
+        want = ref._req.double()
+        out["route_stats_rows"] = float((req.cpu().double() - want).abs().max() / want.abs().max())
+        out["route_stats_rows_used"] = int((want[0].view(3, -1).sum(1) > 0).sum())
         return out
 
     def model_pair(device, dtype_name, family="qwen2_moe"):
@@ -215,6 +228,7 @@ def check_case(r: dict, dtype: str, seed: int) -> None:
         assert r[key.replace("ids", "weights")] <= (4e-3 if dtype == "float16" else 1e-5), (key, r)
     for weighted in (False, True):  # float32 sums in another order: an ulp or two of the largest
         assert r[f"route_stats_{weighted}"] <= 1e-6, r
+    assert r["route_stats_rows"] <= 1e-6 and r["route_stats_rows_used"] == 3, r
 
 
 @pytest.mark.parametrize("case", ["float16/0", "float16/1", "float32/0", "float32/1"])

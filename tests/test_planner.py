@@ -936,3 +936,64 @@ def test_a_queued_release_is_not_taken_after_the_buckets_moved():
     assert floors.tolist() == [7, 7, 3, 3]
     plan = planner.step(KVState(free_blocks=0, target_free_blocks=4, block_bytes=4096), committed)
     assert plan is not None and (plan.widths >= floors).all(), plan.widths
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_router_stats_features_of_each_requests_tokens_so_far(stacked):
+    """With track_requests, features() describe every observed token of the window's requests (a prompt window,
+    then one-token decode windows), merged weighted by KV blocks over those tokens: the per-request sums of a
+    reference over all windows. A finished request's row goes to a new request zeroed; past the rows, a request's
+    tokens are left out of the features (never an error)."""
+    torch.manual_seed(3)
+    L, E, k, D = 2, 5, 2, 6
+    running: list = []
+    stats = RouterStats(L, E)
+    stats.track_requests(2, lambda: running)
+    seen: dict[int, list] = {}  # request -> [(layer, |x|, expert, r)] of every observed token
+
+    def window(reqs, tokens, blocks):
+        stats.arm(tokens, blocks, reqs)
+        n = sum(tokens)
+        owner = [q for q, t in zip(reqs, tokens) for _ in range(t)]
+        xs, ids, ws = torch.randn(L, n, D), torch.stack([torch.stack([torch.randperm(E)[:k] for _ in range(n)])
+                                                         for _ in range(L)]), torch.rand(L, n, k)
+        if stacked:
+            stats.observe_layers(list(range(L)), xs, ids, ws)
+        else:
+            for layer in range(L):
+                stats(layer, xs[layer], ids[layer], ws[layer])
+        for layer in range(L):
+            for t in range(n):
+                for j in range(k):
+                    seen.setdefault(id(owner[t]), []).append((layer, float(xs[layer, t].norm()), int(ids[layer, t, j]),
+                                                               float(ws[layer, t, j])))
+        stats.prefetch()
+        mass = np.zeros((L, E))  # the window's own routing mass: every token of it, weighted by blocks / tokens
+        tw = np.repeat(np.asarray(blocks) / np.asarray(tokens), tokens)
+        np.add.at(mass, (np.arange(L)[:, None, None], ids.numpy()), ws.numpy() * tw[None, :, None])
+        np.testing.assert_allclose(stats.mass, mass, rtol=1e-5)
+
+    def want(reqs, blocks):
+        s = np.zeros((4, L, E))
+        for q, b in zip(reqs, blocks):
+            rows = seen[id(q)]
+            w = b / (len(rows) / (L * k))  # KV blocks over observed tokens
+            for layer, nrm, e, r in rows:
+                s[:3, layer, e] += w * np.array([r, r * nrm, r * nrm * nrm])
+                s[3, layer, e] = max(s[3, layer, e], nrm)
+        denom = np.where(s[0] > 0, s[0], 1.0)
+        phi = np.stack([s[1] / denom, np.sqrt(s[2] / denom), s[3], s[0] / s[0].sum(1, keepdims=True)], -1)
+        return np.repeat(phi.reshape(-1, 4), 2, axis=0)
+
+    a, b, c, d = object(), object(), object(), object()
+    running[:] = [a, b]
+    window([a, b], [4, 3], [1, 1])  # prompts
+    np.testing.assert_allclose(stats.features(), want([a, b], [1, 1]), rtol=1e-5)
+    for blocks in ([2, 1], [2, 2], [2, 2]):  # decodes: one token each
+        window([a, b], [1, 1], blocks)
+        np.testing.assert_allclose(stats.features(), want([a, b], blocks), rtol=1e-5)
+    running[:] = [b, c]  # a finished; c takes its row, zeroed
+    window([b, c], [1, 5], [2, 2])
+    np.testing.assert_allclose(stats.features(), want([b, c], [2, 2]), rtol=1e-5)
+    window([b, c, d], [1, 1, 2], [2, 2, 1])  # no row left for d (b and c run): d's tokens are left out
+    np.testing.assert_allclose(stats.features(), want([b, c], [2, 2]), rtol=1e-5)
