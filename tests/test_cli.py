@@ -98,7 +98,7 @@ def test_seeded_sampling_is_repeatable(model_dir, capsys):
 
 @pytest.mark.parametrize("extra,reason", [
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be finite and >= 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--dtype", "int8"], "unsupported dtype 'int8'"),
     (["--device", "bogus"], "--device 'bogus' is not a torch device"),
@@ -238,13 +238,22 @@ def test_serve_refuses_replicas_its_own_cluster_cannot_place(model_dir, monkeypa
     assert main(["serve", str(model_dir), "--dense", "--num-replicas", "3"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("pagedweight serve: error: --num-replicas 3: the engine replicas need 3 x 1 CPU > 2")
-    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    ended = []
+    monkeypatch.setattr(serve, "shutdown", lambda: ended.append("shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name: ended.append(f"delete {name}"))
+    monkeypatch.setattr(ray, "nodes", lambda: [{}, {}])
     import pagedweight.actors.page_store_actor as store
 
     monkeypatch.setattr(store, "page_store_for_node", lambda: pytest.fail("no page store of a joined cluster"))
     with pytest.raises(Started):  # a joined cluster: past the check, into Serve
         main(["serve", str(model_dir), "--dense", "--num-replicas", "3", "--address", "ray://elsewhere:10001"])
-    assert "3 engine replicas need 3 x 1 CPU > 2: the deploy waits" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3 engine replicas need 3 x 1 CPU > 2: the deploy waits" in err and "must be there too" in err
+    assert ended == ["delete pagedweight"]  # not serve.shutdown(): other applications of that cluster stay
+    with pytest.raises(Started):  # GPU replicas asked of a cluster whose GPU nodes are at zero: it may scale up
+        main(["serve", str(model_dir), "--dense", "--gpus-per-replica", "1", "--address", "ray://elsewhere:10001"])
+    assert "1 engine replicas need 1 x 1 GPU > 0: the deploy waits" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--dense", "--gpus-per-replica", "2"]) == EXIT_BAD_INPUT
 
 
 def test_hub_fetch_takes_the_hf_format_alone():
