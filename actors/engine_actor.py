@@ -465,5 +465,14 @@ def start_engines(cfg: EngineConfig, num_engines: int | None = None, cpus_per_en
                                  f"the cluster has {gpus:g}")
         return [EngineActor.options(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine).remote(cfg, f"{job}-gpu{i}")
                 for i in range(n)]
+    if cfg.device not in ("cpu", "auto"):  # its engines would fail inside their actors ("CUDA is not available")
+        raise ValueError(f"device {cfg.device!r} with " + ("gpus_per_engine 0" if gpus_per_engine == 0 else
+                         "no GPU in the cluster: give num_engines to start engines that wait for GPU nodes (an "
+                         "autoscaling cluster)"))
+    if cfg.device == "auto" and not gpus:
+        from loguru import logger
+
+        logger.warning("the cluster has no GPU: CPU engines (device 'cuda' with num_engines asks for GPU engines that "
+                       "wait for GPU nodes)")
     n = 1 if num_engines is None else num_engines
     return [EngineActor.options(num_gpus=0, num_cpus=cpus_per_engine).remote(cfg, f"{job}-cpu{i}") for i in range(n)]

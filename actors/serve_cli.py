@@ -35,7 +35,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
                    help="route requests with Serve's default router (power of two choices) instead of by prefix "
                         "affinity under a load bound (a conversation's turns to the replica holding its KV blocks)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a new local one)")
+    p.add_argument("--gpus-per-replica", type=float, default=None, metavar="N",
+                   help="GPUs of each engine replica, 0 for CPU engines (default: 1 if the cluster has GPUs now, else "
+                        "0; give 1 to join an autoscaling cluster whose GPU nodes are still at zero)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS or a new local one); MODEL must then be a path that "
+                        "every node reads (a shared or synced directory): converted and Hub checkpoints go to this "
+                        "machine's --cache-dir")
     p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
                    help="where converted AP checkpoints are kept")
@@ -68,6 +74,8 @@ def run(args) -> int:
         raise ValueError(f"--port {args.port}: not a TCP port")
     if args.num_replicas is not None and args.num_replicas < 1:
         raise ValueError("--num-replicas must be >= 1")
+    if args.gpus_per_replica is not None and not 0 <= args.gpus_per_replica <= 1:
+        raise ValueError("--gpus-per-replica must be in [0, 1] (an engine runs on one device)")
     options = engine_options_json(args.engine_options)
     api_key = args.api_key or os.environ.get("PAGEDWEIGHT_API_KEY")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
@@ -81,7 +89,9 @@ def run(args) -> int:
     replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
     app_args = AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,
                        api_key=api_key, engine_options={"served_model_name": name, **options},
-                       prefix_affinity=args.prefix_affinity)
+                       prefix_affinity=args.prefix_affinity, num_gpus_per_replica=args.gpus_per_replica)
+    if not own_cluster and len(ray.nodes()) > 1:
+        logger.warning("engine replicas on other nodes open {} at that path: it must be there too", app_args.model_dir)
     short = replicas_short(replicas, engine_actor_options(app_args), ray.cluster_resources())
     if short and own_cluster:  # Serve would wait forever for replicas this machine cannot place
         raise ValueError(f"--num-replicas {replicas}: the engine replicas need {', '.join(short)} (this machine's "
@@ -99,7 +109,10 @@ def run(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:  # Ctrl-C, or an app that failed to deploy
-        serve.shutdown()
+        if own_cluster:
+            serve.shutdown()
+        else:  # a joined cluster may serve other applications: only this one goes
+            serve.delete("pagedweight")
         if own_cluster:  # nobody else maps this cluster's page stores: give /dev/shm back
             from pagedweight.actors.page_store_actor import page_store_for_node
 

@@ -349,6 +349,8 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
     (["--ctx", "1023"], "--ctx 1023: a window and its sampled token exceed the model's 1024 positions"),
     (["--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
     (["--engine-options", "{bad"], "--engine-options is not JSON"),
+    (["--gpus-per-engine", "2"], "--gpus-per-engine must be in [0, 1]"),
+    (["--gpu-memory-budget", "lots"], "--gpu-memory-budget: "),
 ])
 def test_evaluation_job_refuses_bad_arguments_before_starting(model_dir, extra, reason, capsys):
     """Refused by the parser before Ray or an engine starts (a --shard -1 ran nothing and reported success)."""
@@ -381,6 +383,12 @@ def test_gpu_engines_asked_of_a_cluster_without_gpus_wait_for_them(ray_cluster, 
     with mock.patch.object(ray, "cluster_resources", return_value={"GPU": 1.0}):
         with pytest.raises(ValueError, match="need 2 GPUs"):
             start_engines(cfg, num_engines=2, gpus_per_engine=1)
+    # device "cuda" that would land on CPU engines (no engine count to wait for, or no GPU per engine) is refused
+    # before any actor starts (each would fail inside with "CUDA is not available")
+    with pytest.raises(ValueError, match="no GPU in the cluster: give num_engines"):
+        start_engines(cfg)
+    with pytest.raises(ValueError, match="gpus_per_engine 0"):
+        start_engines(cfg, num_engines=1, gpus_per_engine=0)
 
 
 # ---------------------------------------------------------------- AsyncEngine with a stand-in LLM (no Ray)

@@ -49,6 +49,18 @@ def test_ray_up_yaml_passes_ray_schema():
     assert len(shm) == 1 and shm[0].endswith("g") and int(shm[0][len("--shm-size="):-1]) >= 64
     starts = " ".join(prepared["worker_start_ray_commands"] + prepared["head_start_ray_commands"])
     assert starts.count("--metrics-export-port=") == 2
+    # the GPU nodes' object store is held below /dev/shm, which the page store also fills
+    assert all("--object-store-memory=" in c for c in prepared["worker_start_ray_commands"] if "ray start" in c)
+    # an ImageId of every node type (without one Ray boots its 2023 Ubuntu 18.04 fallback AMI)
+    config = _load("ray-cluster-aws.yaml")
+    for name, spec in config["available_node_types"].items():
+        assert spec["node_config"].get("ImageId", "").startswith(("ami-", "resolve:ssm:")), name
+    # file mounts: sources that a fresh checkout has, small (`ray up` reads every file of a mount to hash it)
+    for target, source in config["file_mounts"].items():
+        path = ROOT / source
+        assert path.exists() and path.resolve() != ROOT, (target, source)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+        assert size < 1 << 20, (target, source, size)
 
 
 @pytest.mark.parametrize("breakage", ["typo_top", "typo_docker", "bad_type"])

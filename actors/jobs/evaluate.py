@@ -1,7 +1,7 @@
 """Cluster evaluation job: perplexity and/or greedy generation spread over every engine of the cluster.
 
-    ray job submit --working-dir . -- python -m pagedweight.actors.jobs.evaluate MODEL_DIR \\
-        --mode all --out eval.json                       # one engine per GPU
+    ray job submit -- python -m pagedweight.actors.jobs.evaluate MODEL_DIR \\
+        --mode all --out eval.json                       # one engine per GPU (pagedweight installed on every node)
     ... --num-engines 4 --gpus-per-engine 0.5             # two engines share each of 2 GPUs
     RAY_ADDRESS=... python -m pagedweight.actors.jobs.evaluate MODEL_DIR --num-engines 2   # CPU cluster
 
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from pagedweight.actors.engine_actor import EngineConfig, engine_options_json, start_engines
 from pagedweight.corpus import DATA_DIR
+from pagedweight.pool import parse_budget
 
 DEFAULT_DATA = DATA_DIR / "eval.txt"  # installed with the package: `ray submit` copies this script alone
 
@@ -71,11 +72,7 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
     starts from the arguments and kills at the end."""
     model_dir = Path(args.model_dir).resolve()
     text = Path(args.data).read_text()
-    budget = None
-    if args.gpu_memory_budget:
-        from pagedweight.pool import parse_budget
-
-        budget = parse_budget(args.gpu_memory_budget)
+    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
     own = engines is None
     if own:
         cfg = EngineConfig(str(model_dir), budget, device=args.device,
@@ -169,8 +166,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.num_engines is not None and args.num_engines < 1:
         parser.error(f"--num-engines {args.num_engines}: must be >= 1")
-    if args.gpus_per_engine < 0 or args.engine_cpus < 0:
-        parser.error("--gpus-per-engine and --engine-cpus must be >= 0")
+    if not 0 <= args.gpus_per_engine <= 1 or args.engine_cpus < 0:
+        parser.error("--gpus-per-engine must be in [0, 1] (an engine drives one device) and --engine-cpus >= 0")
+    if args.gpu_memory_budget:
+        try:
+            parse_budget(args.gpu_memory_budget)
+        except ValueError as e:
+            parser.error(f"--gpu-memory-budget: {e}")
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
     try:
