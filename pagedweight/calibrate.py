@@ -88,11 +88,15 @@ def cache_key(files: list[Path], calib_text: bytes, **settings: object) -> str:
     """blake2b over the model files' bytes, the calibration text and the settings."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({"version": CACHE_VERSION, **settings}, sort_keys=True).encode())
-    for path in sorted(files):
-        h.update(path.name.encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
+    total = sum(p.stat().st_size for p in files)
+    # tens of seconds for a large checkpoint, cache hit or not: shown
+    with tqdm(total=total, desc="calibration cache key", unit="B", unit_scale=True, disable=total < 1 << 30) as bar:
+        for path in sorted(files):
+            h.update(path.name.encode())
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+                    bar.update(len(chunk))
     h.update(calib_text)
     return h.hexdigest()
 
@@ -144,34 +148,51 @@ def calibrate(model: MoEForCausalLM, batches: torch.Tensor, kind: str, batch_siz
             gate_up, down = _fisher(model, batches, dev)
     finally:
         model.set_router_observer(None)
+    if not (torch.isfinite(gate_up).all() and torch.isfinite(down).all()):  # quantize_rows would fall back to
+        # uniform weights for those rows and the checkpoint's sensitivities would be NaN
+        raise ValueError(f"the {kind} calibration statistics are not finite: an overflow in the calibration forward "
+                         "(try --sensitivity activation, or a float32 model)")
     total = obs.mass.sum(1, keepdim=True)
     mass = torch.where(total > 0, obs.mass / total.clamp_min(1e-300), torch.zeros_like(obs.mass))
     return CalibStats(kind, gate_up.cpu(), down.cpu(), mass.cpu(), obs.count.cpu(), int(batches.numel()))
 
 
 def _fisher(model: MoEForCausalLM, batches: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum over sequences of the squared per-sequence gradient w.r.t. every expert weight."""
+    """Sum over sequences of the squared per-sequence gradient w.r.t. every expert weight. Each gradient is squared
+    into its layer's slice of two preallocated float32 sums as soon as the backward pass has it, then freed: beyond
+    the model the pass holds the sums and about one gradient (every expert's gradient at once, their squares and a
+    final stack took 3.4x the experts' float32 bytes: at Qwen1.5-MoE's 46 GiB more than an H200 holds)."""
     experts = [layer.mlp.experts for layer in model.layers]
     saved = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
-    params = [p for ex in experts for p in (ex.gate_up, ex.down)]
-    for p in params:
-        p.requires_grad_(True)
-    fisher = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    gate_up = torch.zeros(len(experts), *experts[0].gate_up.shape, dtype=torch.float32, device=dev)
+    down = torch.zeros(len(experts), *experts[0].down.shape, dtype=torch.float32, device=dev)
+
+    def fold(acc: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            acc.addcmul_(p.grad, p.grad)
+            p.grad = None
+        return hook
+
+    params, hooks = [], []
+    for l, ex in enumerate(experts):
+        for p, acc in ((ex.gate_up, gate_up[l]), (ex.down, down[l])):
+            p.requires_grad_(True)
+            params.append(p)
+            hooks.append(p.register_post_accumulate_grad_hook(fold(acc)))
     try:
         for seq in tqdm(batches, desc="calibrate (fisher)", unit="seq"):
             seq = seq.to(dev).unsqueeze(0)
-            logits = model(seq)
-            loss = F.cross_entropy(logits[0, :-1], seq[0, 1:])
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            for acc, g in zip(fisher, grads):
-                if g is not None:
-                    acc += g.float() ** 2
+            F.cross_entropy(model(seq)[0, :-1], seq[0, 1:]).backward()
     finally:
+        for h in hooks:
+            h.remove()
+        for p in params:
+            p.grad = None
         for p, flag in saved.items():
             p.requires_grad_(flag)
-    return torch.stack(fisher[0::2]), torch.stack(fisher[1::2])
+    return gate_up, down
 
 
 def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path: str | Path, cache_dir: str | Path,

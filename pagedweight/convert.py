@@ -106,7 +106,8 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
 
         def measure(e: int, kind: str, blk: QuantizedBlock, l: int = l) -> None:
             k = getattr(experts, kind).shape[2]
-            probe.measure(l, e, kind, lambda b: dequantize(blk.planes, blk.luts[b], b, k))
+            planes = blk.planes.to(device)  # the probe's dequantizes and products where the model runs, not the host
+            probe.measure(l, e, kind, lambda b: dequantize(planes, blk.luts[b].to(device), b, k))
 
         quantize_layer(writer, l, experts.gate_up, experts.down, sens, device, batch_weights,
                        measure if probe is not None else None)
@@ -193,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("need 1 <= --seed-bits <= --parent-bits <= 8")
     if args.heads_seqs < 0:
         raise ValueError("--heads-seqs must be >= 0")
+    if args.num_seqs < 1 or args.seq_len < 2:
+        raise ValueError("need --num-seqs >= 1 and --seq-len >= 2 (a sequence predicts its tokens after the first)")
     if not args.calib.is_file():  # before the model loads (seconds to minutes for a large one)
         raise FileNotFoundError(f"--calib {args.calib}: no such file")
     convert(resolve_model(args.src), args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity,

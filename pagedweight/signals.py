@@ -452,8 +452,8 @@ class ResidualHeads:
 
     x = (log phi - feat_mean) / feat_scale. feat_mean is each block's mean log features over the calibration
     sequences that routed to it ([n_blocks, 4]; a [4] row applies to every block), so a head sees how this prompt
-    differs from the block's usual traffic, which is what its target (the block's damage over its mean damage)
-    varies with; a block with no token in the observation gets x = 0 (no evidence: rho_hat = a).
+    differs from the block's usual traffic, which is what its target (the block's damage over its geometric mean
+    damage, `damage_samples`) varies with; a block with no token in the observation gets x = 0 (no evidence: rho_hat = a).
     Arrays are indexed [u, b, b'] (u: 0 gate_up, 1 down). confidence c in [0, 1]; c = 0 gives eta = 1 exactly.
     """
 
@@ -574,18 +574,24 @@ def damage_samples(phi: np.ndarray, damage: np.ndarray, seed_bits: int):
     """Training samples of the residual heads from per-sequence features [S, n, 4] and damage [S, n, P+1].
 
     damage[s, i, b] is sequence s's measured damage of block i's drop b+1 -> b. A sample is a (sequence, block,
-    drop) whose expert saw tokens of the sequence; its target is log(damage / the block's mean damage over
-    those sequences). Returns (blocks, b_from, b_to, phi rows, targets).
+    drop) whose expert saw tokens of the sequence; its target is log(damage / the block's geometric mean damage over
+    those sequences): the prompt's deviation from the block's usual damage, which eta applies to the global
+    estimate g (DESIGN.md §2 names the ratio to g itself; measured output error and a Fisher g are in other units,
+    and g is already the block's global figure). The geometric mean centres every block's targets at 0, so a typical
+    prompt and a block without evidence get eta = 1 (an arithmetic mean put the bias at about minus half the
+    log-damage spread, unequal between gate_up and down: a planner lean toward one kind).
+    Returns (blocks, b_from, b_to, phi rows, targets).
     """
     S, n, w = damage.shape
     out = [], [], [], [], []
     for b in range(seed_bits, w - 1):
         d = damage[:, :, b]
         ok = (phi[:, :, -1] > 0) & (d > 0)
-        mean = np.where(ok, d, 0.0).sum(axis=0) / np.maximum(ok.sum(axis=0), 1)
+        log_d = np.log(np.where(ok, d, 1.0))
+        log_mean = log_d.sum(axis=0) / np.maximum(ok.sum(axis=0), 1)
         s_idx, i_idx = np.nonzero(ok)
         for lst, v in zip(out, (i_idx, np.full(len(i_idx), b + 1), np.full(len(i_idx), b), phi[s_idx, i_idx],
-                                np.log(d[s_idx, i_idx] / mean[i_idx]))):
+                                log_d[s_idx, i_idx] - log_mean[i_idx])):
             lst.append(v)
     blocks, b_from, b_to, rows, y = (np.concatenate(v) if v else np.zeros(0) for v in out)
     return blocks.astype(np.int64), b_from.astype(np.int64), b_to.astype(np.int64), rows.reshape(-1, N_FEATURES), y

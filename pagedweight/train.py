@@ -113,11 +113,19 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+def data_cache_paths(cfg: TrainConfig, work: Path) -> tuple[Path, Path]:
+    """Where `prepare_data` keeps the tokenizer and the token array: named by what they are built from (vocabulary,
+    text sizes, site-packages), so configurations sharing a work directory never read each other's (a `tiny` run
+    after `micro` trained on micro's 512-token vocabulary)."""
+    key = f"v{cfg.vocab_size}-t{cfg.tokenizer_bytes}-c{cfg.corpus_bytes}{'-site' if cfg.site_packages else ''}"
+    return work / f"tokenizer-{key}.json", work / f"tokens-{key}.npy"
+
+
 def prepare_data(cfg: TrainConfig, work: Path):
     """Tokenizer + flat training token array (uint16, documents separated by EOS), cached in `work`."""
     from tokenizers import Tokenizer
 
-    tok_path, tok_arr = work / "tokenizer.json", work / f"tokens-{cfg.vocab_size}.npy"
+    tok_path, tok_arr = data_cache_paths(cfg, work)
     docs = None
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
@@ -336,7 +344,7 @@ def train(cfg: TrainConfig, work: Path, device: str, resume: bool, ckpt_every: i
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
+        gen.set_state(state["gen"].cpu())  # a CPU generator's state (map_location moved it with the rest)
         step, total_steps, spent_s, losses = state["step"], state["total_steps"], state["spent_s"], state["losses"]
         logger.info("resumed {} at step {} of {}", ckpt, step, total_steps)
 
@@ -353,7 +361,9 @@ def train(cfg: TrainConfig, work: Path, device: str, resume: bool, ckpt_every: i
     use_amp = device.startswith("cuda")
     model.train()
     t_start = time.time() - spent_s
-    t_probe, probe_steps = None, 20
+    # the speed probe times probe_steps steps from step 5, or from the first step after a resume that came before
+    # the step budget was fixed (its probe did not finish)
+    t_probe, probe_steps, probe_start = None, 20, max(5, step + 1)
     while total_steps is None or step < total_steps:
         starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen).to(device)
         batch = data[starts[:, None] + offs].long()
@@ -372,14 +382,14 @@ def train(cfg: TrainConfig, work: Path, device: str, resume: bool, ckpt_every: i
         if step % 10 == 0 or step == 1:
             losses.append((step, lm_loss.item(), aux.item()))
         if total_steps is None:  # fix the step budget from the measured speed, before cosine decay starts
-            if step == 5:
+            if step == probe_start:
                 if use_amp:
                     torch.cuda.synchronize()
                 t_probe = time.time()
-            elif step == 5 + probe_steps or step >= cfg.warmup_steps:
+            elif step == probe_start + probe_steps or (step > probe_start and step >= cfg.warmup_steps):
                 if use_amp:
                     torch.cuda.synchronize()
-                per_step = (time.time() - t_probe) / (step - 5)
+                per_step = (time.time() - t_probe) / (step - probe_start)
                 left = cfg.time_budget_s - (time.time() - t_start)
                 total_steps = min(cfg.max_steps, step + max(1, int(left / per_step)))
                 logger.info("{:.1f} ms/step -> {} steps in the {:.0f}s budget", per_step * 1e3, total_steps,
@@ -499,7 +509,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             from pagedweight.checkpoint import save_hf
 
-            save_hf(model.to("cpu", torch.bfloat16), args.out, tokenizer_json=str(args.work_dir / "tokenizer.json"))
+            save_hf(model.to("cpu", torch.bfloat16), args.out, tokenizer_json=str(data_cache_paths(cfg, args.work_dir)[0]))
             logger.info("wrote {}", args.out)
         from benchmarks.common import write_result
 

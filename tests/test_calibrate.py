@@ -1,6 +1,7 @@
 """Calibration statistics against references computed through a different path (module hooks, .backward())."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +62,17 @@ def test_fisher_is_sum_of_squared_per_sequence_gradients():
     torch.testing.assert_close(stats.down, ref_dn, rtol=1e-4, atol=1e-12)
     assert stats.gate_up.abs().sum() > 0
     assert all(p.requires_grad for p in model.parameters())  # the pass leaves the model as it found it
+
+
+def test_non_finite_statistics_are_refused():
+    """An overflow in the calibration forward is an error, not NaN sensitivities written into the checkpoint."""
+    model = _model()
+    with torch.no_grad():
+        model.layers[0].mlp.experts.gate_up[1, 0, 0] = float("inf")
+    batches = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(2))
+    for kind in ("activation", "fisher"):
+        with pytest.raises(ValueError, match="not finite"):
+            calibrate(model, batches, kind)
 
 
 def test_calibration_batches_cut_disjoint_sequences_spread_over_the_text():

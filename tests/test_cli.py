@@ -122,6 +122,8 @@ def test_missing_model_dir_subprocess(tmp_path):
 
 @pytest.mark.parametrize("argv,reason", [
     (["convert", "{model}", "{tmp}/out", "--calib", "{tmp}/none.txt"], "--calib {tmp}/none.txt: no such file"),
+    (["convert", "{model}", "{tmp}/out", "--calib", "{model}/config.json", "--num-seqs", "0"], "need --num-seqs >= 1 and --seq-len >= 2"),
+    (["convert", "{model}", "{tmp}/out", "--calib", "{model}/config.json", "--seq-len", "1"], "need --num-seqs >= 1 and --seq-len >= 2"),
     (["serve", "{model}", "--engine-options", "{{bad"], "--engine-options is not JSON"),
     (["serve", "{model}", "--engine-options", '{{"prefix_retention": 5}}'],
      "--engine-options: unknown engine option(s) ['prefix_retention']"),

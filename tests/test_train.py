@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -80,3 +81,28 @@ def test_micro_pipeline_end_to_end(tmp_path):
     args = parser.parse_args(argv + ["--resume"])
     assert args.func(args) == 0
     assert json.loads(result.read_text())["rows"][0]["steps"] == fig["steps"]
+
+
+def test_resume_before_the_step_budget_is_fixed(tmp_path, monkeypatch):
+    """A checkpoint written while the speed probe ran (no step budget yet) resumes: the probe starts again from the
+    resumed step (t_probe was None there and the budget's computation raised); configurations sharing a work
+    directory keep their own tokenizers."""
+    cfg = dataclasses.replace(train.CONFIGS["micro"], corpus_bytes=300_000, tokenizer_bytes=200_000, max_steps=12)
+    lr_at = train.lr_at
+
+    def killed_at_step_5(step, c, total):
+        if step == 5:
+            raise KeyboardInterrupt
+        return lr_at(step, c, total)
+
+    monkeypatch.setattr(train, "lr_at", killed_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg, tmp_path, "cpu", resume=False, ckpt_every=5)
+    state = torch.load(tmp_path / "ckpt-micro.pt", weights_only=False)
+    assert state["step"] == 5 and state["total_steps"] is None
+    monkeypatch.setattr(train, "lr_at", lr_at)
+    res = train.train(cfg, tmp_path, "cpu", resume=True, ckpt_every=5)
+    assert res["figures"]["steps"] == 12
+    other = dataclasses.replace(cfg, vocab_size=600)
+    assert train.data_cache_paths(other, tmp_path)[0] != train.data_cache_paths(cfg, tmp_path)[0]
+    assert train.prepare_data(other, tmp_path)[0].get_vocab_size() == 600
