@@ -37,7 +37,7 @@ from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
 from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
 from pagedweight.mover import PageMover, ReloadPace
-from pagedweight.page_table import PageState, WeightPageTable
+from pagedweight.page_table import WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted, release_cached,
                               resolve_budget)
@@ -1055,13 +1055,11 @@ class LLM:
         if self.table is not None:
             q = self.table.host_q.numpy()
             widths = self.table.parent_bits + 1
-            in_flight = sum(self.table.slot_pages(i, what, idx) for i in range(len(self.table.rows))
-                            for what, idx, slot in self.table.slots(i) if slot.state is PageState.IN_TRANSFER)
             out.update(
                 resident_weight_bytes=self.table.resident_weight_bytes(),
                 committed_width_hist=[np.bincount(q[l].ravel(), minlength=widths).tolist() for l in range(len(q))],
                 bytes_offloaded=self.mover.stats.bytes_freed,
                 bytes_reloaded=self.mover.stats.bytes_copied - self._initial_bytes,
-                pages_in_flight=in_flight,
+                pages_in_flight=self.mover.in_flight_pages(),
                 plan_staleness_steps=(self.num_steps - self.paging.plan_step) if self._requested else 0)
         return out

@@ -205,6 +205,11 @@ class PageMover:
         pages = sum(m.pages for m in self._moves.values()) + sum(self.table.slot_pages(*k) for k in self._retiring)
         return self.pool.bytes_of(pages)
 
+    def in_flight_pages(self) -> int:
+        """Pool pages whose copy is under way (IN_TRANSFER): only moves' fresh slots are, until the move ends."""
+        return sum(self.table.slot_pages(i, *key) for i, move in self._moves.items() for key in move.fresh
+                   if self.table.slot(i, *key).state is PageState.IN_TRANSFER)
+
     def request(self, i: int, b: int, keep_free_pages: int = 0, relocate: bool = True) -> bool:
         """Set d_i = b and start the move; False when busy or out of pages (q, d and weight pages unchanged).
 

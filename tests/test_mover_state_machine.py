@@ -434,7 +434,12 @@ class MoverMachine(RuleBasedStateMachine):
         pool = self.pool
         assert pool.used_pages <= pool.budget_pages
         assert self.table.resident_weight_bytes() + pool.bytes_of(pool.kv_pages) <= pool.bytes_of(pool.budget_pages)
-        assert self.table.resident_weight_bytes() == pool.bytes_of(pool.weight_pages)
+        table = self.table
+        slots = [(i, w, x, s) for i in range(len(table.rows)) for w, x, s in table.slots(i)]
+        held = sum(table.slot_pages(i, w, x) for i, w, x, s in slots if s.page >= 0)
+        assert table.resident_weight_bytes() == pool.bytes_of(held) == pool.bytes_of(pool.weight_pages)
+        assert self.mover.in_flight_pages() == sum(table.slot_pages(i, w, x) for i, w, x, s in slots
+                                                   if s.state is PageState.IN_TRANSFER)
         # what the planner counts as coming back or becoming the new widths: exactly the weight pages held beyond
         # every block's committed footprint
         committed = sum(self.table.memory(i, r.q) for i, r in enumerate(self.table.rows) if r.q)
@@ -474,9 +479,10 @@ class MoverMachine(RuleBasedStateMachine):
 
 def test_mover_state_machine(store):
     MoverMachine.store = store
-    # derandomized: the same 70 programs every run, so the coverage checks below cannot flake (a random draw
-    # missed a weight relocation about one run in twelve)
-    run = settings(max_examples=70, stateful_step_count=80, deadline=None, derandomize=True, database=None,
+    # derandomized: the same 100 programs every run, so the coverage checks below cannot flake (a random draw
+    # of 70 missed a weight relocation about one run in twelve; the draw follows the machine's code, and after an
+    # edit of its invariants its 70 programs had none)
+    run = settings(max_examples=100, stateful_step_count=80, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     MoverMachine.TestCase.settings = run
     before, before_w, before_r = RELOCATIONS[0], WEIGHT_RELOCATIONS[0], RECLAIMS[0]
