@@ -18,9 +18,10 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    v2.json, -v3.json): v1 gave each thread a whole key row, 55 us; v2 had a thread walk its keys one after another,
    each key's dims loaded under a branch, 33 us; this layout 21 us (gather + SDPA on the same exact-length table: 23),
    16 us with running unsigned indices, 14.5 us with 56 registers (see `_split_kernel`).
-   Grouped-query heads each read their KV head again, so the engine keeps gather + SDPA for them: with 4 query heads
-   per KV head at batch 16 and 8,192 keys this kernel takes 976 us against 423 (attention_bench-nvidia-h200-20261130-
-   s15-attn-old.json). A block of 4 query heads reading its KV head once (branch s15-grouped-attention) took 624 us,
+   Grouped-query heads each read their KV head again: with 4 query heads per KV head at batch 16 and 8,192 keys this
+   kernel took 976 us against gather + SDPA's 423 (attention_bench-nvidia-h200-20261130-s15-attn-old.json; that
+   SDPA was cuDNN's, which the engine no longer runs: against the engine's own it is used for them too, see
+   kv_cache.PagedKVCache). A block of 4 query heads reading its KV head once (branch s15-grouped-attention) took 624 us,
    1.01-2.63x the time of gather + SDPA across shapes (-s15-attn-new.json): 128 registers (offline), 4 blocks per SM.
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
@@ -271,7 +272,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)
     out = torch.empty(B, H, hd, dtype=q.dtype, device=dev)  # the combine rounds into q's dtype: no cast launch
     flat, row_len = flat_rows(kv)
-    a = [_dev(t) for t in (q.contiguous(), flat, tables, lengths, ml[0], ml[1], acc, out)]
+    qc = q.contiguous()  # held to the launch: a view keeps no tensor alive, so a temporary copy could be reused
+    a = [_dev(t) for t in (qc, flat, tables, lengths, ml[0], ml[1], acc, out)]
     q_, flat_, tables_, lengths_, m_, l_, acc_, out_ = a
     stream = _stream()
     _split_kernel[(B * H, splits), THREADS, stream](q_, flat_, row_len, tables_, lengths_, float32(scale), block_size,

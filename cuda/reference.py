@@ -51,6 +51,7 @@ def paged_decode_attention_reference(q: torch.Tensor, kv: torch.Tensor, tables: 
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
     visible = torch.arange(k.shape[1], device=q.device)[None, :] < lengths[:, None]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    v = torch.where(visible[:, :, None, None], v, 0.0)  # as the kernel, never read past a row's length (0 x NaN)
     return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), v).to(q.dtype)
 
 

@@ -111,8 +111,8 @@ class EngineOptions:
     observe_every: int = 4  # routing statistics from every n-th step (one device-to-host read per observed step)
     cuda_graphs: bool = True  # on CUDA: decode steps replay whole-step graphs (runner.DecodeGraphs), the MoE
     # launches of small mixed steps per-layer ones (runner.APExperts)
-    # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32, one query head per KV
-    # head; False or otherwise: gather + SDPA)
+    # on CUDA: those decode steps attend with the paged decode attention kernel (fp16/fp32, grouped query heads too;
+    # False or otherwise: gather + SDPA)
     decode_attention_kernel: bool = True
     # "auto": AP experts through the fused Numba kernel on CUDA, its torch twin elsewhere; "reference": the twin
     # everywhere (no kernel compile: for runs about plumbing, where the first compile would dominate). The twin reads
@@ -333,7 +333,8 @@ class LLM:
         if weights is not None:
             self._setup_weights(model, weights)
         self.kv = PagedKVCache(cfg, self.pool, self.dtype, opts.block_size, opts.decode_attention_kernel,
-                               opts.prefix_caching, opts.prefix_retention_s if self.planner is not None else 0.0)
+                               opts.prefix_caching, opts.prefix_retention_s if self.planner is not None else 0.0,
+                               max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,

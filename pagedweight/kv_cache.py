@@ -103,7 +103,7 @@ class DecodeLayout:
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, pool: PagePool, dtype: torch.dtype, block_size: int = 16,
                  decode_kernel: bool = True, prefix_caching: bool = True, retention_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_model_len: int | None = None) -> None:
         """`decode_kernel`: on CUDA, decode rows (static decode steps and the one-token rows of packed steps) attend
         with the paged decode attention kernel (keys read in place, split over the context) where it supports the
         dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask.
@@ -152,9 +152,12 @@ class PagedKVCache:
         # models/layers.py) the kernel took 0.05-0.9x the time with 8, 4 or 2 query heads per KV head at 1-16 rows of
         # 512-8,192 keys, but for 32/4 heads at 16 rows of 512 and 2,048 keys (1.15x, 1.27x) (attention_bench-nvidia-
         # h200-20261201-s25-nocudnn.json; before session 24 that benchmark's SDPA was cuDNN's, 2-9x faster there)
+        # the longest row a decode step attends (its table padded to whole blocks): what the engine serves
+        # (`max_model_len`), not what the model could (a 128K-position model served at 8K kept the gather)
+        self.max_keys = (max_model_len or cfg.max_position_embeddings) + block_size
         if decode_kernel and pool.device.type == "cuda":
             from pagedweight.cuda import attention_kernels
-            if attention_kernels.supports(dtype, cfg.head_dim, cfg.max_position_embeddings + block_size):
+            if attention_kernels.supports(dtype, cfg.head_dim, self.max_keys):
                 self._kernels = attention_kernels
         pool.add_kv_listener(self._relocated)
         pool.set_kv_reclaimer(lambda: len(self._cached) * self.num_layers, self._reclaim)

@@ -170,6 +170,19 @@ def test_twin_matches_sdpa_on_gathered_keys(i: int) -> None:
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
+def test_twin_never_reads_past_a_rows_length(i: int) -> None:
+    """The twin on the pool whose keys past each row's length are NaN gives what it gives on the clean pool, as the
+    kernel does (it multiplied the masked values by 0: 0 x NaN)."""
+    ns: dict = {}
+    exec(BUILD, ns)
+    hd = CASES[i][3]
+    q, kv, clean, tables, lengths = ns["build"](*CASES[i], seed=i)
+    got = paged_decode_attention_reference(q, kv, tables, lengths, hd ** -0.5)
+    torch.testing.assert_close(got, paged_decode_attention_reference(q, clean, tables, lengths, hd ** -0.5),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
 def test_gathered_decode_attention_in_slices_matches_the_twin(i: int, monkeypatch) -> None:
     """The engine's torch decode path (kv_cache.gathered_decode_attention: rows gathered whole, SDPA under the length
     mask) against the twin, whole and with GATHER_BYTES so small that every row is a slice of its own."""

@@ -1630,3 +1630,11 @@ def test_logprob_token_strings_join_into_the_text_with_a_sentencepiece_decoder()
     wire = token_logprobs(TextTokenizer(tok, None, ()), [4, 5], [{4: -0.1, 5: -2.0}, {5: -0.2, 4: -1.5}], 2)
     assert [w["token"] for w in wire] == [" the", " fox"] and [w["top"][1][0] for w in wire] == [" fox", " the"]
     assert wire[0]["bytes"] == list(b" the")
+
+
+def test_decode_rows_are_bounded_by_the_served_length(hf_dir):
+    """The decode attention kernel's limit is checked against the longest row the engine serves (max_model_len),
+    not the model's positions: a 128K-position model served at 8K kept the gather + SDPA path."""
+    llm = LLM(hf_dir[0], max_model_len=64, block_size=16)
+    assert llm.kv.max_keys == 64 + 16
+    assert LLM(hf_dir[0], block_size=16).kv.max_keys == llm.config.max_position_embeddings + 16
