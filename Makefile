@@ -12,7 +12,7 @@ DEVICE ?= cpu
 # CUDA: the weights are fp16 and the budget also holds the activation reserve measured at start-up (94 MiB kept on the
 # H200); the process peaked at 134 MiB at every budget up to 134 (the start-up profile's pool and what it measures),
 # so 134 MiB is the least the budget bounds, and 32 requests of 64 tokens then need more KV than it leaves: widths 8.00 -> 7.64 -> 8.00, no preemption, peak
-# within (benchmarks/results/run_budgets-nvidia-h200-20261201-s26-32x64.json). A budget too small for the reserve is
+# within (benchmarks/results/run_budgets-nvidia-h200-20261201-s26-fix.json). A budget too small for the reserve is
 # refused, naming it
 BUDGET ?= $(if $(filter cuda%,$(DEVICE)),134MiB,41MiB)
 PROMPTS ?= $(if $(filter cuda%,$(DEVICE)),32,8)

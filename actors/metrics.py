@@ -20,7 +20,7 @@ GAUGES = {
     "kv_total_blocks": ("kv_total_blocks", "KV-cache blocks the page pool holds now (free + used)."),
     "resident_weight_bytes": ("resident_weight_bytes", "Bytes of expert bit-planes and LUTs resident on the device."),
     "pages_in_flight": ("pages_in_flight", "Weight pages being copied host->device or released."),
-    "planner_step_ms": ("planner_step_ms", "Wall time of the last planner step, ms."),
+    "planner_step_ms": ("planner_step_seconds", "Wall time of the last planner step, s."),
     "plan_staleness_steps": ("plan_staleness_steps", "Engine steps since the executed plan was computed."),
     "num_running": ("running_requests", "Requests in the running batch."),
     "num_waiting": ("waiting_requests", "Requests waiting for KV blocks."),
@@ -42,7 +42,7 @@ COUNTERS = {
     "engine_steps": ("engine_steps", "Engine steps run."),
     "steps_in_flight": ("steps_with_pages_in_flight", "Engine steps that ran while weight pages were being copied "
                                                       "or awaited release (copy/compute overlap)."),
-    "time_in_flight_s": ("time_with_pages_in_flight_s", "Wall seconds of the steps that ran while weight pages were "
+    "time_in_flight_s": ("time_with_pages_in_flight_seconds", "Wall seconds of the steps that ran while weight pages were "
                                                         "in flight."),
     "prefix_query_tokens": ("prefix_query_tokens", "Prompt tokens of requests that looked for a shared prefix."),
     "prefix_hit_tokens": ("prefix_hit_tokens", "Prompt tokens found computed in blocks other requests hold or "
@@ -51,6 +51,8 @@ COUNTERS = {
     "kv_reclaimed_blocks": ("kv_reclaimed_blocks", "Kept prefix blocks that weight reloads took back (within "
                                                    "kv_evicted_blocks)."),
 }
+# Prometheus base units: seconds (stats() keys in ms are scaled, SCALE)
+SCALE = {"planner_step_ms": 1e-3}
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 
 
@@ -71,11 +73,11 @@ class EngineMetrics:
                             description="Expert linear blocks per layer at each committed bit width.",
                             tag_keys=("engine", "layer", "width"))
         self._width.set_default_tags(tags)
-        self._latency = Histogram(PREFIX + "request_latency_s",
+        self._latency = Histogram(PREFIX + "request_latency_seconds",
                                   description="End-to-end request latency, s (finish_reason tagged).",
                                   boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine", "finish_reason"))
         self._latency.set_default_tags(tags)
-        self._ttft = Histogram(PREFIX + "time_to_first_token_s", description="Time to first token, s.",
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", description="Time to first token, s.",
                                boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine",))
         self._ttft.set_default_tags(tags)
         self._last_totals: dict[str, float] = {}
@@ -84,7 +86,7 @@ class EngineMetrics:
         """Export one LLM.stats() snapshot."""
         for key, gauge in self._gauges.items():
             if stats.get(key) is not None:
-                gauge.set(float(stats[key]))
+                gauge.set(float(stats[key]) * SCALE.get(key, 1.0))
         for key, counter in self._counters.items():
             if stats.get(key) is None:
                 continue

@@ -97,7 +97,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     def ready(s):
         # the replica's own series: engines of earlier tests in this Ray session may have exported requests of
         # their own, which made a sum over every engine ready before this one's histogram arrived (CI, 36bc75c)
-        served = value(s, "ray_pagedweight_request_latency_s_count", engine=live["engine_id"],
+        served = value(s, "ray_pagedweight_request_latency_seconds_count", engine=live["engine_id"],
                        finish_reason="length")
         return value(s, "ray_pagedweight_preemptions_total", engine="probe") == 2 and (served or 0) >= 2
 
@@ -106,7 +106,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     # gauges: the last snapshot that carried them
     assert probe_v("kv_free_blocks") == 70 and probe_v("kv_total_blocks") == 70
     assert probe_v("resident_weight_bytes") == 100000 and probe_v("pages_in_flight") == 0
-    assert probe_v("planner_step_ms") == 0.5 and probe_v("plan_staleness_steps") == 0
+    assert probe_v("planner_step_seconds") == 0.0005 and probe_v("plan_staleness_steps") == 0
     assert probe_v("budget_bytes") == 9000000 and probe_v("device_reserved_bytes") == 9500000
     assert probe_v("device_peak_reserved_bytes") == 9600000
     # counters: growth summed over snapshots; after the restart the new totals are added on top
@@ -117,16 +117,16 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("kv_cached_blocks") == 9 and probe_v("kv_evicted_blocks_total") == 4
     assert probe_v("kv_retained_blocks") == 5
     assert probe_v("engine_steps_total") == 50 and probe_v("steps_with_pages_in_flight_total") == 12
-    assert probe_v("time_with_pages_in_flight_s_total") == 0.75
+    assert probe_v("time_with_pages_in_flight_seconds_total") == 0.75
     # committed-width histogram per layer (last non-empty snapshot)
     assert probe_v("committed_width_blocks", layer="0", width="8") == 16
     assert probe_v("committed_width_blocks", layer="0", width="3") == 0
     assert probe_v("committed_width_blocks", layer="1", width="4") == 4
     # request latency histogram
-    assert probe_v("request_latency_s_count", finish_reason="length") == 1
-    assert probe_v("request_latency_s_bucket", finish_reason="stop", le="2.5") == 1
-    assert probe_v("request_latency_s_bucket", finish_reason="stop", le="1.0") == 0
-    assert probe_v("time_to_first_token_s_count") == 1
+    assert probe_v("request_latency_seconds_count", finish_reason="length") == 1
+    assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="2.5") == 1
+    assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="1.0") == 0
+    assert probe_v("time_to_first_token_seconds_count") == 1
 
     # the live engine replica: same numbers as its own stats(), and the requests above were timed
     # (engines of earlier tests in this Ray session may still have series exported: pick the replica's own)
@@ -144,5 +144,5 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
         exported = [value(s, "ray_pagedweight_committed_width_blocks", engine=engine, layer=str(layer),
                           width=str(w)) for w in range(len(counts))]
         assert exported == counts and sum(counts) > 0
-    assert value(s, "ray_pagedweight_request_latency_s_count", engine=engine, finish_reason="length") >= 2
-    assert value(s, "ray_pagedweight_request_latency_s_sum", engine=engine, finish_reason="length") > 0
+    assert value(s, "ray_pagedweight_request_latency_seconds_count", engine=engine, finish_reason="length") >= 2
+    assert value(s, "ray_pagedweight_request_latency_seconds_sum", engine=engine, finish_reason="length") > 0
