@@ -47,6 +47,21 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
+def package_versions() -> dict[str, str | None]:
+    """Python's and the installed distributions' versions that a measurement depends on (None: not installed),
+    read from package metadata: nothing is imported."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": sys.version.split()[0],
+            **{name: version(name) for name in ("torch", "numba", "numba-cuda", "numpy", "ray")}}
+
+
 def write_result(benchmark: str, rows: list[dict], command: str | None = None, ceilings: dict | None = None,
                  out_dir: str | os.PathLike | None = None, extra: dict | None = None, label: str | None = None) -> Path:
     """Write `<benchmark>-<machine>-<YYYYMMDD>[-<label>].json` with the fields DESIGN.md §9 asks for; returns its
@@ -62,6 +77,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
         "git_rev": git_rev(),
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command or " ".join([Path(sys.executable).name] + sys.argv),
+        "versions": package_versions(),
         "ceilings": ceilings or {},
         "rows": rows,
     }
