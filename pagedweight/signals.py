@@ -207,7 +207,8 @@ class RouterStats:
         self._merge = rows[tracked], weights.astype(np.float32)
 
     def _reclaim(self, batch: list) -> None:
-        """Rows of requests no longer running (finished, aborted, preempted: a recompute starts a new row) go back."""
+        """When rows run out: those of requests no longer running (finished, aborted, preempted) go back. A preempted
+        request that kept its row re-observes its recomputed tokens into it (its means stay, its weight halves)."""
         keep = {id(r) for r in self._live()} | {id(r) for r in batch}
         for key in [k for k in self._rows if k not in keep]:
             self._free.append(self._rows.pop(key)[0])
