@@ -139,8 +139,10 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- caller side (event loop thread) ----
-    async def generate(self, prompt, params, request_id: str | None = None, coalesce: bool = False) -> AsyncIterator:
-        """Yield the request's outputs until it finishes; closing the iterator early aborts it.
+    async def generate(self, prompt, params, request_id: str | None = None, coalesce: bool = False,
+                       work: str = "generate") -> AsyncIterator:
+        """Yield the request's outputs until it finishes; closing the iterator early aborts it. `work` labels its
+        latency metric ("score": a perplexity window, not a request someone waits on).
 
         ValueError from add_request (bad prompt or params) propagates before the first output. With `coalesce`,
         outputs that piled up while the caller was busy come as one (their delta texts joined, and their token ids
@@ -187,7 +189,7 @@ class AsyncEngine:
                 self._wake.set()
             if self._metrics is not None:
                 reason = out.finish_reason if finished else "abort"
-                self._metrics.observe_request(time.perf_counter() - start, first, reason)
+                self._metrics.observe_request(time.perf_counter() - start, first, reason, work)
 
     def _abort_added(self, add: asyncio.Future) -> None:
         if not add.cancelled() and add.exception() is None:
@@ -214,7 +216,7 @@ class AsyncEngine:
 
         async def one(window: list[int]) -> float:
             out = None
-            async for out in self.generate(window, params):
+            async for out in self.generate(window, params, work="score"):
                 pass
             if out.finish_reason == "error":
                 raise RuntimeError(f"scoring a window of {len(window)} tokens failed: {out.error}")

@@ -74,8 +74,9 @@ class EngineMetrics:
                             tag_keys=("engine", "layer", "width"))
         self._width.set_default_tags(tags)
         self._latency = Histogram(PREFIX + "request_latency_seconds",
-                                  description="End-to-end request latency, s (finish_reason tagged).",
-                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine", "finish_reason"))
+                                  description="End-to-end request latency, s (finish_reason and work tagged: "
+                                              "generate, or score for a perplexity window).",
+                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine", "finish_reason", "work"))
         self._latency.set_default_tags(tags)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", description="Time to first token, s.",
                                boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine",))
@@ -101,8 +102,9 @@ class EngineMetrics:
             for width, count in enumerate(counts):
                 self._width.set(float(count), tags={"layer": str(layer), "width": str(width)})
 
-    def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None) -> None:
-        self._latency.observe(latency_s, tags={"finish_reason": finish_reason or "none"})
+    def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None,
+                        work: str = "generate") -> None:
+        self._latency.observe(latency_s, tags={"finish_reason": finish_reason or "none", "work": work})
         if ttft_s is not None:
             self._ttft.observe(ttft_s)
 

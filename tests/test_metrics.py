@@ -46,6 +46,7 @@ class MetricsProbe:
             self.metrics.update(s)
         self.metrics.observe_request(0.3, 0.02, "length")
         self.metrics.observe_request(2.0, None, "stop")
+        self.metrics.observe_request(0.7, None, "length", "score")
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
@@ -98,7 +99,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
         # the replica's own series: engines of earlier tests in this Ray session may have exported requests of
         # their own, which made a sum over every engine ready before this one's histogram arrived (CI, 36bc75c)
         served = value(s, "ray_pagedweight_request_latency_seconds_count", engine=live["engine_id"],
-                       finish_reason="length")
+                       finish_reason="length", work="generate")
         return value(s, "ray_pagedweight_preemptions_total", engine="probe") == 2 and (served or 0) >= 2
 
     s = scrape_until(ray_cluster.metrics_port, ready)
@@ -123,7 +124,8 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("committed_width_blocks", layer="0", width="3") == 0
     assert probe_v("committed_width_blocks", layer="1", width="4") == 4
     # request latency histogram
-    assert probe_v("request_latency_seconds_count", finish_reason="length") == 1
+    assert probe_v("request_latency_seconds_count", finish_reason="length", work="generate") == 1
+    assert probe_v("request_latency_seconds_count", finish_reason="length", work="score") == 1
     assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="2.5") == 1
     assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="1.0") == 0
     assert probe_v("time_to_first_token_seconds_count") == 1
@@ -144,5 +146,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
         exported = [value(s, "ray_pagedweight_committed_width_blocks", engine=engine, layer=str(layer),
                           width=str(w)) for w in range(len(counts))]
         assert exported == counts and sum(counts) > 0
-    assert value(s, "ray_pagedweight_request_latency_seconds_count", engine=engine, finish_reason="length") >= 2
-    assert value(s, "ray_pagedweight_request_latency_seconds_sum", engine=engine, finish_reason="length") > 0
+    assert value(s, "ray_pagedweight_request_latency_seconds_count", engine=engine, finish_reason="length",
+                 work="generate") >= 2
+    assert value(s, "ray_pagedweight_request_latency_seconds_sum", engine=engine, finish_reason="length",
+                 work="generate") > 0
