@@ -24,7 +24,7 @@ against the parent width, which shows where quantization stops costing anything 
 
 Item 4 (knob search) runs first on windows spread evenly over data/calib.txt, the residual heads are fitted on the
 windows between them exactly as `pagedweight convert` fits them (calibrate.DamageProbe; target: log of the window's
-measured output error of a block's drop over its mean across windows; features centred per block, including the
+measured output error of a block's drop over its geometric mean across windows; features centred per block, including the
 expert's routing share), and the evaluation uses data/eval.txt only (its first --eval-windows windows).
 
     python benchmarks/planner_quality.py [--ap DIR] [--eval-windows 32] [--context 512] [--measured-cache NPY]
@@ -222,6 +222,7 @@ def main() -> int:
     ap_.add_argument("--measure-windows", type=int, default=12,
                      help="calibration windows (between the search windows) of the measured-sensitivity table")
     ap_.add_argument("--measured-cache", type=Path, default=None, help=".npy of that table (read if present)")
+    ap_.add_argument("--label", default=None, help="suffix of the result file (runs of one day apart)")
     args = ap_.parse_args()
     torch.set_num_threads(1)
     from tokenizers import Tokenizer
@@ -381,7 +382,8 @@ def main() -> int:
         "chosen_knobs": best.to_dict(), "bucket_rows_knobs": bk.to_dict(), "residual_head_confidence": conf.tolist(),
         "checks": {"planner_beats_uniform_at": beats, "planner_beats_uniform_by_2se_at": beats_2se},
         "wall_s": round(time.perf_counter() - t0, 1), "context": args.context, "eval_windows": args.eval_windows,
-        "model_sha256": hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]})
+        "model_sha256": hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]},
+        label=args.label)
     print(path)
     plot(path)
     return 0
