@@ -13,6 +13,8 @@ Wire format (msgpack maps, arrays as raw little-endian bytes):
 """
 from __future__ import annotations
 
+import time
+
 import msgpack
 import numpy as np
 import ray
@@ -21,6 +23,9 @@ from pagedweight.signals import bucket_experts, merge_routing_mass
 
 PLANNER_NAME = "pagedweight-planner"
 NAMESPACE = "pagedweight"
+# a table no push has refreshed for this long leaves the merge: an engine killed without `forget` (SIGKILL, a lost
+# node, a Serve replica replaced under a new id) would weigh in forever; engines push every few seconds they serve
+STALE_S = 60.0
 
 
 def encode_table(engine_id: str, mass: np.ndarray, tokens: float) -> bytes:
@@ -47,12 +52,19 @@ def decode_tables(payload: bytes) -> dict[str, tuple[np.ndarray, float]]:
 
 @ray.remote(num_cpus=0)
 class PlannerActor:
-    """One per cluster (named, detached): the latest table of every engine, merged on demand."""
+    """One per model (named, detached): the latest table of every engine that pushed within `stale_s`, merged on
+    demand."""
 
-    def __init__(self, n_buckets: int = 4):
-        self._n_buckets = n_buckets
+    def __init__(self, n_buckets: int = 4, stale_s: float = STALE_S, clock=time.monotonic):
+        self._n_buckets, self._stale_s, self._clock = n_buckets, stale_s, clock
         self._tables: dict[str, tuple[np.ndarray, float]] = {}  # engine id -> (mass [L, E], tokens)
+        self._pushed_at: dict[str, float] = {}
         self._version = 0
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for engine in [e for e, t in self._pushed_at.items() if now - t > self._stale_s]:
+            self.forget(engine)
 
     def push(self, payload: bytes) -> bytes:
         """Store an engine's table (msgpack) and return the merged cluster table (msgpack)."""
@@ -65,13 +77,17 @@ class PlannerActor:
         if others and mass.shape != others[0]:
             raise ValueError(f"engine {engine} pushed a {mass.shape} table, the cluster has {others[0]}")
         tokens = float(msg["tokens"])
-        if not np.all(np.isfinite(mass)) or (mass < 0).any() or not tokens >= 0:
+        if not np.all(np.isfinite(mass)) or (mass < 0).any() or not 0 <= tokens < np.inf:
             raise ValueError(f"engine {engine} pushed negative or non-finite routing mass or tokens")
+        if tokens == 0 and engine in self._tables:  # nothing served since its last push: its weight stays
+            tokens = self._tables[engine][1]
         self._tables[engine] = (mass, tokens)
+        self._pushed_at[engine] = self._clock()
         self._version += 1
         return self.merged()
 
     def merged(self) -> bytes:
+        self._expire()
         if not self._tables:
             raise ValueError("no routing-mass table pushed yet")
         masses = np.stack([m for m, _ in self._tables.values()])
@@ -86,12 +102,14 @@ class PlannerActor:
     def tables(self) -> bytes:
         """The latest pushed table of every engine (msgpack {engine id: {"tokens", "shape", "mass"}}), so a
         caller can check the merge against its own arithmetic."""
+        self._expire()
         return msgpack.packb({e: {"tokens": t, "shape": list(m.shape), "mass": m.astype("<f4").tobytes()}
                               for e, (m, t) in self._tables.items()})
 
     def forget(self, engine_id: str) -> bool:
         """Drop a retired engine's table."""
         removed = self._tables.pop(engine_id, None) is not None
+        self._pushed_at.pop(engine_id, None)
         self._version += int(removed)
         return removed
 

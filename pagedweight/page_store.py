@@ -67,6 +67,7 @@ class PageStore:
         self._mapping = _Mapping.acquire(self.path / "pages.bin", self.nbytes)
         self.array, self._tensor = self._mapping.array, self._mapping.tensor
         self._closed = False
+        self.written = False  # this process wrote the store (`create`): only such a process may remove it
 
     @property
     def pinned(self) -> bool:
@@ -87,7 +88,9 @@ class PageStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (path / "index.msgpack").exists():
                 cls._write(path, Path(source), records)
-                return cls(path)
+                store = cls(path)
+                store.written = True
+                return store
         store = cls(path)
         try:
             store._check_holds(Path(source), records)
@@ -121,9 +124,17 @@ class PageStore:
             pos = _align(pos + r.nbytes)
         if len({tuple(e[:3]) for e in entries}) != len(entries):
             raise ValueError("duplicate (block, what, idx) records")
+        index = msgpack.packb({"version": FORMAT_VERSION, "align": ALIGN, "nbytes": pos, "source": str(source),
+                               "entries": entries})
+        # no index: what a writer killed here, or a failed index write, left is incomplete and would count against
+        # the free space below (every later create refused as full); readers that map an old file keep its pages
+        leftovers = [path / name for name in ("pages.bin.tmp", "pages.bin", "index.msgpack.tmp")]
+        for f in leftovers:
+            f.unlink(missing_ok=True)
+        need = _align(pos) + _align(len(index))  # the data and the index, in whole pages as tmpfs allocates them
         free = shutil.disk_usage(path).free  # a tmpfs too small is refused before writing (Docker's is 64 MiB)
-        if pos > free:
-            raise PageStoreFull(path, pos, free)
+        if need > free:
+            raise PageStoreFull(path, need, free)
         tmp = path / "pages.bin.tmp"
         try:
             with open(source, "rb") as src, open(tmp, "wb") as dst:
@@ -135,16 +146,15 @@ class PageStore:
                     dst.seek(e[3])
                     dst.write(src.read(r.nbytes))
                 dst.truncate(pos)
+            os.replace(tmp, path / "pages.bin")
+            (path / "index.msgpack.tmp").write_bytes(index)
+            os.replace(path / "index.msgpack.tmp", path / "index.msgpack")  # last: an index means a whole store
         except BaseException as exc:  # a partial store would hold the node's shared memory for nothing
-            tmp.unlink(missing_ok=True)
+            for f in leftovers:
+                f.unlink(missing_ok=True)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                raise PageStoreFull(path, pos, shutil.disk_usage(path).free) from exc
+                raise PageStoreFull(path, need, shutil.disk_usage(path).free) from exc
             raise
-        os.replace(tmp, path / "pages.bin")
-        index = {"version": FORMAT_VERSION, "align": ALIGN, "nbytes": pos, "source": str(source),
-                 "entries": entries}
-        (path / "index.msgpack.tmp").write_bytes(msgpack.packb(index))
-        os.replace(path / "index.msgpack.tmp", path / "index.msgpack")
 
     @staticmethod
     def destroy(path: str | os.PathLike) -> None:

@@ -93,7 +93,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "seconds (a chat's next turn finds them; default 0: reloads take them at once)")
     p.add_argument("--page-store-dir", default=None,
                    help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>, removed at "
-                        "the end unless --keep-page-store: it holds the planes in RAM; a given directory is kept)")
+                        "the end if this run wrote it, unless --keep-page-store: it holds the planes in RAM; one it "
+                        "found, which other engines of the node may map, and a given directory are kept)")
     p.add_argument("--keep-page-store", action="store_true",
                    help="leave the default page store in /dev/shm for the next run (no rewrite of the planes)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "pagedweight"),
@@ -218,7 +219,8 @@ def run(args) -> int:
               f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
               f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
               f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
-    if llm.page_store_dir is not None and args.page_store_dir is None and not args.keep_page_store:
+    if (llm.page_store_dir is not None and args.page_store_dir is None and not args.keep_page_store
+            and llm.mover is not None and llm.mover.store.written):  # a store other engines of the node wrote stays
         PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB); this process's map stays
     if args.summary_json:  # after the printed summary: a failed write loses nothing
         Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -589,3 +589,28 @@ def test_the_periodic_routing_sync_does_not_wait_in_the_step_loop():
         assert len(held) == 1  # an older merge is not taken
     finally:
         engine_actor.ray.get, engine_actor.ray.wait = get, wait
+
+
+def test_planner_merge_drops_silent_engines_and_keeps_an_idle_pushs_weight():
+    """A table no push refreshed within stale_s leaves the merge (an engine killed without forget weighed in forever:
+    one 50k-token push outweighed a live engine's hundred 1k pushes); a push with no new tokens keeps the engine's
+    weight (it replaced it by 0); infinite token counts are refused."""
+    cls = PlannerActor.__ray_metadata__.modified_class
+    now = {"t": 0.0}
+    planner = cls.__new__(cls)
+    planner.__init__(2, stale_s=60.0, clock=lambda: now["t"])
+    hot, cold = np.array([[0.97, 0.01, 0.01, 0.01]]), np.array([[0.01, 0.01, 0.01, 0.97]])
+    planner.push(encode_table("dead", hot, 50_000))
+    for _ in range(10):
+        now["t"] += 5.0
+        reply = decode_reply(planner.push(encode_table("live", cold, 1_000)))
+    assert reply["engines"] == ["dead", "live"] and reply["mass"][0, 0] > 0.5  # within stale_s: still counted
+    for _ in range(4):
+        now["t"] += 5.0
+        reply = decode_reply(planner.push(encode_table("live", cold, 1_000)))
+    assert reply["engines"] == ["live"] and reply["mass"][0, 3] == pytest.approx(0.97, abs=1e-6)
+    planner.push(encode_table("other", hot, 1_000))
+    reply = decode_reply(planner.push(encode_table("live", cold, 0)))  # nothing new: its 1,000 tokens still weigh
+    assert reply["mass"][0, 0] == pytest.approx(0.49, abs=1e-6) and reply["tokens"] == 2_000
+    with pytest.raises(ValueError, match="non-finite"):
+        planner.push(encode_table("live", cold, float("inf")))

@@ -21,6 +21,7 @@ import transformers
 from pagedweight import kv_cache
 from pagedweight.apformat import load_ap_model
 from pagedweight.engine import LLM, RequestOutput, serving_reserve
+from pagedweight.page_store import PageStore
 from pagedweight.pool import parse_budget
 from pagedweight.run import add_parser, run
 from pagedweight.generate import generate
@@ -1430,6 +1431,9 @@ def test_run_command(ap_dir, tmp_path, capsys):
     default_store = Path(f"/dev/shm/pagedweight-{planes_id(load_ap(ap_dir))}")
     brief = ["run", "--model", str(ap_dir), "--num-prompts", "1", "--max-tokens", "1", "--device", "cpu", "--show", "0"]
     assert run(parser.parse_args(brief + ["--keep-page-store"])) == 0 and default_store.is_dir()
+    # a store the run found (another engine's of the node, or one kept) stays: engines may map it; one it wrote goes
+    assert run(parser.parse_args(brief)) == 0 and default_store.is_dir()
+    PageStore.destroy(default_store)
     assert run(parser.parse_args(brief)) == 0 and not default_store.exists()
     assert (ap_dir / "store").is_dir()
     capsys.readouterr()

@@ -153,6 +153,46 @@ def test_a_tmpfs_too_small_is_refused_and_leaves_nothing(store_dir, monkeypatch)
     store.close()
 
 
+def test_a_failed_index_write_or_a_killed_writer_leaves_no_store_behind(store_dir, monkeypatch):
+    """The index is written last: when the tmpfs fills there (the planes fitted, the index did not), the planes file
+    goes too and the error is PageStoreFull; what a writer killed mid-write left (no index) is removed before the
+    space check, where it counted as used and refused every later create on a nearly full tmpfs."""
+    import errno
+    import shutil
+
+    from pagedweight import page_store
+    from pagedweight.page_store import PageStoreFull
+
+    path, src, records = store_dir
+    replace = os.replace
+
+    def index_fails(a, b):
+        if Path(b).name == "index.msgpack":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(a, b)
+
+    monkeypatch.setattr(page_store.os, "replace", index_fails)
+    with pytest.raises(PageStoreFull):
+        PageStore.create(path, src, records)
+    assert sorted(p.name for p in path.iterdir()) == [".lock"]
+    monkeypatch.undo()
+    for name in ("pages.bin.tmp", "pages.bin", "index.msgpack.tmp"):  # a killed writer's, never completed
+        (path / name).write_bytes(b"\0" * 8192)
+    usage = shutil.disk_usage
+
+    def after_cleanup(p):
+        assert not any((path / n).exists() for n in ("pages.bin.tmp", "pages.bin", "index.msgpack.tmp"))
+        return usage(p)
+
+    monkeypatch.setattr(page_store.shutil, "disk_usage", after_cleanup)
+    store = PageStore.create(path, src, records)
+    assert store.written and len(store.keys()) == len(records)
+    store.close()
+    again = PageStore.create(path, src, records)  # an existing store: opened, not written (the CLI keeps it)
+    assert not again.written
+    again.close()
+
+
 def test_two_processes_share_pages_and_reader_exit_keeps_store(store_dir):
     path, src, records = store_dir
     PageStore.create(path, src, records).close()  # creator unmaps: only the readers map it below
