@@ -277,7 +277,7 @@ def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_di
         def __init__(self):
             self.requests = []
 
-        def observe_request(self, latency_s, ttft_s, finish_reason):
+        def observe_request(self, latency_s, ttft_s, finish_reason, work="generate"):
             self.requests.append((latency_s, ttft_s, finish_reason))
 
         def update(self, stats):
@@ -471,7 +471,7 @@ def test_request_latency_counts_the_wait_for_the_engine_lock():
         def __init__(self) -> None:
             self.seen = []
 
-        def observe_request(self, latency, ttft, reason) -> None:
+        def observe_request(self, latency, ttft, reason, work="generate") -> None:
             self.seen.append((latency, ttft, reason))
 
         def update(self, stats) -> None:
