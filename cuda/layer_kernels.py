@@ -149,23 +149,25 @@ def _topk_row(logits, n, E, top_k, renorm, ids, weights, t):
     s = float32(0.0)
     for e in range(t, E, THREADS):
         p = float32(math.exp(float32(logits[n, e]) - m))
+        if p != p:  # a NaN logit ranks last, weight 0: every row still gets top_k distinct experts < E (left
+            p = float32(-1.0)  # unwritten, its ids were whatever memory held: the MoE kernels index by them)
         probs[e] = p
-        s += p
+        s += max(p, float32(0.0))
     for r in range(t, top_k, THREADS):
         top[r] = float32(0.0)
     s = _block_reduce(red, s, t, False)  # its barriers also publish probs and top
     for e in range(t, E, THREADS):
         p = probs[e]
-        if p == p:  # NaN logits pick nothing
-            rank = 0
-            for j in range(E):
-                q = probs[j]
-                if q > p or (q == p and j < e):
-                    rank += 1
-            if rank < top_k:
-                ids[n, rank] = e
-                weights[n, rank] = p / s
-                top[rank] = p / s
+        rank = 0
+        for j in range(E):
+            q = probs[j]
+            if q > p or (q == p and j < e):
+                rank += 1
+        if rank < top_k:
+            w = max(p, float32(0.0)) / s
+            ids[n, rank] = e
+            weights[n, rank] = w
+            top[rank] = w
     if renorm:
         cuda.syncthreads()
         if t == 0:

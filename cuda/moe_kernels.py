@@ -624,12 +624,16 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     memory of an 8-bit one (more blocks per SM).
     A graph that must survive any width change is captured with the default."""
     T, k = topk_ids.shape
+    lut_width = P if lut_width is None else lut_width
+    if q.shape[0] > MAX_EXPERTS or not (MIN_WIDTH <= P <= MAX_WIDTH and MIN_WIDTH <= lut_width <= MAX_WIDTH):
+        raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts, P and lut_width in {MIN_WIDTH}.."
+                         f"{MAX_WIDTH}, got {q.shape[0]} experts, P {P}, lut_width {lut_width}")
+    if T == 0:
+        return hidden.new_zeros(0, D)
     if T > DECODE_MAX_T:
         return _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F,
-                        P if lut_width is None else lut_width, buffers)
+                        lut_width, buffers)
     E = q.shape[0]
-    if E > MAX_EXPERTS or not MIN_WIDTH <= P <= MAX_WIDTH:
-        raise ValueError(f"moe_forward supports up to {MAX_EXPERTS} experts and widths {MIN_WIDTH}..{MAX_WIDTH}")
     dev = hidden.device
     slots = min(E, T * k)
     # ids (int64 from torch.topk and route_topk) and fp16 hidden go in as they are: the route kernel makes the fp32
@@ -649,7 +653,6 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         slot_count=slot_count, n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words,
         pool_halves=pool_halves, q=q, plane_off=plane_off, lut_off=lut_off).items()}
     stream = _stream()
-    lut_width = P if lut_width is None else lut_width
     shmem = lut_shared_bytes(lut_width)
     blocks = 1 + min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # routing + ~4 zeros of h a thread
     _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["x_in"], E, a["xf"], a["h"], a["out"],

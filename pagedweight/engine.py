@@ -486,6 +486,12 @@ class LLM:
         home = opts.bits or P
         if not weights.seed_bits <= home <= P:
             raise ValueError(f"bits={home} outside the checkpoint's widths [{weights.seed_bits}, {P}]")
+        if self.device.type == "cuda" and opts.expert_impl != "reference":
+            from pagedweight.cuda.moe_kernels import MIN_WIDTH
+            if weights.seed_bits < MIN_WIDTH:  # the kernel has no body for them: such blocks would add nothing
+                raise ValueError(f"the fused MoE kernel reads widths {MIN_WIDTH} and up, this checkpoint's seed width "
+                                 f"is {weights.seed_bits}: convert with --seed-bits {MIN_WIDTH}, or give "
+                                 "expert_impl='reference'")
         self.table = WeightPageTable(weights.specs, cfg.num_hidden_layers, cfg.num_experts, P, self.pool)
         if self.device.type == "cuda" and hasattr(weights.store, "pin"):
             weights.store.pin()  # reloads copy from page-locked memory, without a second host copy

@@ -322,3 +322,28 @@ def test_route_kernel_groups_every_pair_by_expert():
     assert len(res) == 5
     for case, r in res.items():
         assert all(r.values()), (case, r)
+
+
+ARGS_CHILD = r"""
+import json, torch
+from pagedweight.cuda import moe_kernels as mk
+q = torch.full((4, 2), 4, dtype=torch.int32)
+out = {"empty": list(mk.moe_forward(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), None,
+                                    None, q, None, None, 8, 16, 4).shape)}
+for lut_width in (2, 9):
+    try:
+        mk.moe_forward(torch.zeros(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), None, None, q, None,
+                       None, 8, 16, 4, lut_width=lut_width)
+        out[f"lut{lut_width}"] = "accepted"
+    except ValueError as e:
+        out[f"lut{lut_width}"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_moe_forward_refuses_widths_it_has_no_body_for_and_takes_no_tokens():
+    """lut_width outside 3..8 is a ValueError before any launch (9 failed inside the split sizing, one below the
+    widest block read out of shared memory's bounds); zero tokens give zero rows (a ZeroDivisionError before)."""
+    res = run_child_json(ARGS_CHILD, timeout=300, NUMBA_ENABLE_CUDASIM="1")
+    assert res["empty"] == [0, 8]
+    assert "lut_width" in res["lut2"] and "lut_width" in res["lut9"], res

@@ -89,6 +89,14 @@ COMPARE = textwrap.dedent(r"""
         tie = torch.zeros(1, E, device=device, dtype=dt)
         tie[0, [7, 3, 50]] = 1.0  # three equal largest: the lower experts first, then the rest in order
         out["route_ties"] = lk.route_topk(tie, 5, False)[0].tolist()
+        # NaN logits (a NaN hidden state) rank last: every row still names k distinct experts below E (the MoE kernels
+        # index by them), the NaN ones with weight 0; a row of NaN only, too
+        nan = torch.randn(2, E, generator=g).to(device=device, dtype=dt)
+        nan[0, [1, 5, 9]] = float("nan")
+        nan[1] = float("nan")
+        ids, w = lk.route_topk(nan, 4, False)
+        out["route_nan"] = [sorted(set(r)) == sorted(r) and all(0 <= i < E for i in r) for r in ids.tolist()]
+        out["route_nan_clean"] = not set(ids[0].tolist()) & {1, 5, 9}
         # the router's GEMV fused with the top-k against the gate's F.linear, then route: logits well apart (x's last
         # column is 1, the weights' last column distinct offsets 0.1 apart, the rest a sum of standard deviation 0.01),
         # so that an ulp of the dot product moves no pick; 2,100 columns take two passes of the kernel's loads
@@ -220,6 +228,7 @@ def check_case(r: dict, dtype: str, seed: int) -> None:
         assert r[f"route_ids_{renorm}"], r
         assert r[f"route_weights_{renorm}"] <= 1e-6, r  # float32 weights: a float32 ulp or two
     assert r["route_ties"][0] == [3, 7, 50, 0, 1], r["route_ties"]
+    assert r["route_nan"] == [True, True] and r["route_nan_clean"], r["route_nan"]
     router = [key for key in r if key.startswith("router_ids_")]
     assert len(router) == (2 if seed == 0 else 0), sorted(r)
     for key in router:
