@@ -109,11 +109,10 @@ def run(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:  # Ctrl-C, or an app that failed to deploy
-        if own_cluster:
-            serve.shutdown()
-        else:  # a joined cluster may serve other applications: only this one goes
+        if not own_cluster:  # a joined cluster may serve other applications: only this one goes
             serve.delete("pagedweight")
-        if own_cluster:  # nobody else maps this cluster's page stores: give /dev/shm back
+        else:  # nobody else maps this cluster's page stores: give /dev/shm back
+            serve.shutdown()
             from pagedweight.actors.page_store_actor import page_store_for_node
 
             ray.get(page_store_for_node().destroy.remote())

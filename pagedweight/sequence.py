@@ -19,6 +19,7 @@ from pagedweight.sampling import SamplingParams
 
 DETOKENIZE_CONTEXT = 5  # prompt tokens the first generated token's text is decoded after (vLLM's)
 
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
