@@ -12,6 +12,8 @@ Variants (each an ablation of one signal):
                      search's best bucketed setting when it chose one bucket: "bucket_rows_knobs" in the JSON)
   online-buckets     + routing buckets from each evaluation window's own routing mass (per-window plan)
   online+residual    the chosen knobs on each window's routing mass and residual heads (per-window plan)
+  ..., narrow rule   online+residual under the engine's class rule (planner.plan_release_narrow): a layer wholly
+                     at 4 bits or less, or above 4 for at least narrow_min_share of its blocks (the kernels' speed)
   ..., stages X      the same with the other depth-stage setting: one stage (3,) when the chosen knobs have stages,
                      stages (5, 3) when they have one (at a footprint equal to a stage floor, stages force uniform)
   measured, one stage  damage table = measured single-block NLL increase on calibration windows (no Fisher proxy)
@@ -53,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_result  # noqa: E402
 from pagedweight.apformat import load_ap, load_ap_model  # noqa: E402
 from pagedweight.knobs import PlannerKnobs  # noqa: E402
-from pagedweight.planner import BlockTables, damage_rows, eta_rows, plan_release  # noqa: E402
+from pagedweight.planner import BlockTables, damage_rows, eta_rows, plan_release, plan_release_narrow  # noqa: E402
+from pagedweight.runner import NARROW_WIDTH  # noqa: E402
 from pagedweight.calibrate import DamageProbe  # noqa: E402
 from pagedweight.signals import ResidualHeads, RouterStats, block_bucket_signals  # noqa: E402
 
@@ -171,8 +174,10 @@ def paired_se(a: np.ndarray, b: np.ndarray, tokens: int) -> float:
     return float(d.std(ddof=1) * math.sqrt(len(d)) / tokens) if len(d) > 1 else float("nan")
 
 
-def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, phi=None, sens_free=False):
-    """Widths after releasing from the parent width down to `budget` bytes."""
+def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, phi=None, sens_free=False,
+            narrow: int | None = None):
+    """Widths after releasing from the parent width down to `budget` bytes (with `narrow`: under the engine's class
+    rule, `plan_release_narrow`)."""
     n, p = tables.n_blocks, tables.parent_bits
     top = np.full(n, p)
     if mass is None:
@@ -185,10 +190,14 @@ def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, p
     else:
         dhat = damage_rows(tables, mu, knobs.eps, eta)
     demand = float(tables.bytes_at(top).sum() - budget)
+    if narrow is not None:
+        return plan_release_narrow(tables, top, demand, dhat, floors, knobs.stage_floors, narrow,
+                                   knobs.narrow_min_share).widths
     return plan_release(tables, top, demand, dhat, floors, knobs.stage_floors).widths
 
 
 _UNIT = {}
+NARROW_LABEL = "online+residual, narrow rule"  # the engine's release: layers wholly in the kernels' narrow class or not
 
 
 def replace_sens(tables: BlockTables) -> BlockTables:
@@ -353,6 +362,8 @@ def main() -> int:
             "online-buckets": lambda: [planned(tables, bk, budget, mass=m) for m, _ in sigs],
             "online+residual": lambda: [planned(tables, best, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
             other_label: lambda: [planned(tables, other, budget, mass=m, heads=heads, phi=f) for m, f in sigs],
+            NARROW_LABEL: lambda: [planned(tables, best, budget, mass=m, heads=heads, phi=f, narrow=NARROW_WIDTH)
+                                   for m, f in sigs],
             "measured, one stage": lambda: [planned(measured, one_stage, budget)],
         }
         for variant, make in configs.items():
@@ -373,7 +384,7 @@ def main() -> int:
             print(row, flush=True)
     evals = [r for r in rows if r["phase"] == "eval"]
     beats, beats_2se = {}, {}
-    for variant in ("online+residual", other_label, "global", "measured, one stage"):
+    for variant in ("online+residual", NARROW_LABEL, other_label, "global", "measured, one stage"):
         for label, _ in budgets:
             r = next(r for r in evals if r["budget"] == label and r["variant"] == variant)
             beats[f"{variant} @ {label}"] = r["nll_diff_vs_uniform_per_token"] < 0

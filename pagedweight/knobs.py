@@ -38,7 +38,8 @@ class PlannerKnobs:
     # a reload takes a layer whose blocks all sit in the kernels' narrow class (4 bits or less) above it only for at
     # least this share of its blocks (planner.plan_reload): Qwen3 at 4-bit memory, home 6, batch 1, PagedWeight
     # decoded at 0.963 of uniform 4 bits with 138 blocks at 5 bits spread over 46 layers
-    # (engine_bench-nvidia-h200-20261202-s31-qwen3-paired-parent.json). 0 turns the rule off.
+    # (engine_bench-nvidia-h200-20261202-s31-qwen3-paired-parent.json). A release that leaves a layer above the
+    # class for less than this share takes the whole layer into it (planner.plan_release_narrow). 0 turns both off.
     narrow_min_share: float = 0.5
 
     def __post_init__(self) -> None:

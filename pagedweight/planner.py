@@ -379,6 +379,51 @@ def plan_reload(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np
         plan = _reload_greedy(tables, widths, budget, dhat, caps)
 
 
+def plan_release_narrow(tables: BlockTables, widths: np.ndarray, demand: float, dhat: np.ndarray, floors: np.ndarray,
+                        stage_floors: tuple[int, ...], narrow: int, min_share: float, plan: Plan | None = None) -> Plan:
+    """plan_release under plan_reload's class rule: a layer the release leaves with some but fewer than `min_share`
+    of its blocks above `narrow` goes wholly to `narrow` (its blocks above it drop to the largest legal width at or
+    below it), and the rest of the demand is planned again from there.
+
+    Why: a release from a wide home toward about 4 bits a block spreads widths 3..6 over every layer, and each such
+    layer runs the wider class's kernel at about its widest routed block's pace. The Qwen1.5 shape at the parent's
+    6 bits released to 4-bit memory left all 24 layers in class 7 and decoded at 0.895 / 0.929 of uniform 4 bits at
+    batch 32 / 8 (engine_bench-nvidia-h100-80gb-hbm3-20261205-s44-paired-b328.json). Layers are capped the half
+    with the smallest shares at a time, as in plan_reload, until none is short; a layer whose floors keep a block
+    above `narrow` is never capped. The forced drops can free more than the demand (a layer's last wide blocks go
+    at once). `plan`: the unruled release of these inputs, when the caller has it (the plan queue's prefix).
+    """
+    widths = np.asarray(widths, dtype=np.int64)
+    if plan is None:
+        plan = plan_release(tables, widths, demand, dhat, floors, stage_floors)
+    if min_share <= 0 or plan.kind != "release":
+        return plan
+    L, n = tables.num_layers, tables.n_blocks
+    cols = np.arange(n)
+    # the largest legal width at or below `narrow` of each block (floors and the last stage's floor), -1: none
+    rows = np.arange(narrow + 1)[:, None]
+    legal = tables.sup_rows[:narrow + 1] & (rows >= np.maximum(floors, stage_floors[-1])[None, :])
+    target = np.where(legal.any(axis=0), narrow - np.argmax(legal[::-1], axis=0), -1)
+    wide = widths > narrow
+    can = ~(wide & (target < 0)).reshape(L, -1).any(axis=1)
+    steps = np.where(tables.has_step, dhat, 0.0)
+    below = np.vstack([np.zeros(n), np.cumsum(steps, axis=0)])  # below[b]: damage of the steps of rows < b
+    capped = np.zeros(L, dtype=bool)
+    while True:  # each pass caps at least one more layer, so at most L passes
+        share = (plan.widths.reshape(L, -1) > narrow).mean(axis=1)
+        short = np.flatnonzero(can & ~capped & (share > 0) & (share < min_share))
+        if not short.size:
+            return plan
+        capped[short[np.argsort(share[short], kind="stable")[:(short.size + 1) // 2]]] = True
+        forced = np.where(np.repeat(capped, n // L) & wide, target, widths)
+        freed = float((tables.bytes_at(widths) - tables.bytes_at(forced)).sum())
+        damage = float((below[widths, cols] - below[forced, cols]).sum())
+        rest = plan_release(tables, forced, demand - freed, dhat, floors, stage_floors)
+        total = freed + rest.delta_bytes
+        plan = Plan("release", widths, rest.widths, float(demand), total, damage + rest.damage, total >= demand,
+                    rest.stage if rest.kind == "release" else plan.stage, rest.gap_bound)
+
+
 def _reload_greedy(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
                    caps: np.ndarray) -> Plan:
     """plan_reload's packing greedy (no class rule)."""
@@ -479,7 +524,8 @@ class Planner:
     (Counting from the last release instead let a request's end reload everything the next arrival then released
     again: 15 reloads for 16 releases on the H200 workload, kv_pressure-nvidia-h200-20261129-s6-final.json.)
     With `narrow_width` (the engine passes the kernels' narrow class bound) a reload follows `plan_reload`'s class
-    rule, `knobs.narrow_min_share`.
+    rule and a release `plan_release_narrow`'s, both at `knobs.narrow_min_share`: a layer sits wholly in the narrow
+    class or above it for at least that share of its blocks.
     `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
     only when its inputs changed, so a step where nothing changed costs a few array compares.
     """
@@ -698,13 +744,21 @@ class Planner:
     def _release(self, demand: float) -> Plan:
         """Newest queued plan cut to `demand` when it is current (same widths' version, and planned on the d_hat and
         bucket floors the signals give now: routing that moved an expert to a hotter bucket since must not be
-        released below its new floor) and was planned at the right stage."""
+        released below its new floor) and was planned at the right stage; then, with `narrow_width`, the class rule
+        (`plan_release_narrow`: the queue's plans are unruled, a prefix of the greedy order)."""
         dhat, floors = self.signals()
+        k = self.knobs
+        plan = None
         if self.queue:
             newest = self.queue[-1]
             if (newest.version == self.version and self._planned_on(dhat, floors) and newest.cum_bytes.size
                     and newest.cum_bytes[-1] >= demand and _first_stage(newest.stage_release, demand) == newest.stage):
                 self.counters["queue_hit"] += 1
-                return newest.prefix(demand)
-        self.counters["queue_miss"] += 1
-        return plan_release(self.tables, self.desired, demand, dhat, floors, self.knobs.stage_floors)
+                plan = newest.prefix(demand)
+        if plan is None:
+            self.counters["queue_miss"] += 1
+            plan = plan_release(self.tables, self.desired, demand, dhat, floors, k.stage_floors)
+        if self.narrow_width is None:
+            return plan
+        return plan_release_narrow(self.tables, self.desired, demand, dhat, floors, k.stage_floors, self.narrow_width,
+                                   k.narrow_min_share, plan)

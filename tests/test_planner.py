@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.planner import (BlockTables, EtaScratch, KVState, Planner, _chain_steps, _first_stage, damage_rows,
-                                 eta_rows, plan_release, plan_reload)
+                                 eta_rows, plan_release, plan_release_narrow, plan_reload)
 from pagedweight.signals import (ResidualHeads, RouterStats, RoutingTracker, batch_token_weights, block_bucket_signals,
                                  bucket_experts, merge_routing_mass)
 
@@ -472,6 +472,90 @@ def test_a_reload_the_class_rule_turned_down_is_not_planned_again_until_budget_o
     assert len(calls) == 2 and plan is not None and plan.kind == "reload"
     shares = _shares_above(plan.widths, L, 4)
     assert ((shares == 0) | (shares >= 0.5)).all() and (shares >= 0.5).any()
+
+
+def test_release_leaves_a_layer_above_the_narrow_class_only_for_a_share_of_it():
+    """Every block at 6 bits, a release to about 4.2 bits a block: unruled, the greedy leaves most layers with a few
+    blocks above 4 (each layer on the wider kernel); ruled, each layer is either wholly at 4 bits or less or above it
+    for at least half its blocks, the demand is still met, the damage is no lower, and nothing rises."""
+    rng = np.random.default_rng(11)
+    L, E = 8, 16
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    dhat = damage_rows(t, rng.uniform(0.5, 2.0, n), EPS)
+    home, floors = np.full(n, 6), np.full(n, 3)
+    demand = float((t.bytes_at(home) - t.bytes_at(np.full(n, 4))).sum()) * 0.9
+    plain = plan_release(t, home, demand, dhat, floors, (3,))
+    shares = _shares_above(plain.widths, L, 4)
+    assert ((shares > 0) & (shares < 0.5)).sum() >= 3  # the case the rule is for
+    ruled = plan_release_narrow(t, home, demand, dhat, floors, (3,), 4, 0.5)
+    shares = _shares_above(ruled.widths, L, 4)
+    assert ((shares == 0) | (shares >= 0.5)).all() and (shares == 0).any() and (shares > 0).any()
+    assert ruled.kind == "release" and ruled.met and ruled.delta_bytes >= demand
+    assert np.isclose(ruled.delta_bytes, (t.bytes_at(home) - t.bytes_at(ruled.widths)).sum())
+    assert ruled.damage >= plain.damage - 1e-9 and (ruled.widths <= home).all() and (ruled.widths >= 3).all()
+    # its damage is the sum of the steps it takes
+    steps = np.where(t.has_step, dhat, 0.0)
+    taken = (np.arange(t.parent_bits + 1)[:, None] >= ruled.widths[None, :]) & \
+        (np.arange(t.parent_bits + 1)[:, None] < home[None, :])
+    assert np.isclose(ruled.damage, steps[taken].sum())
+    # off: min_share 0 gives the unruled plan; so does a layer whose floors keep a block above 4
+    assert np.array_equal(plan_release_narrow(t, home, demand, dhat, floors, (3,), 4, 0.0).widths, plain.widths)
+    high = floors.copy()
+    high[::2 * E] = 5  # one block of each layer may not go below 5 bits
+    pinned = plan_release_narrow(t, home, demand, dhat, high, (3,), 4, 0.5)
+    assert np.array_equal(pinned.widths, plan_release(t, home, demand, dhat, high, (3,)).widths)
+
+
+def test_the_engines_planner_releases_under_the_class_rule():
+    """The planner with the kernels' narrow bound: a release under KV pressure leaves no layer short of the share;
+    without the bound it releases as plan_release does."""
+    rng = np.random.default_rng(12)
+    L, E = 6, 16
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    knobs = PlannerKnobs()
+    need = int((t.bytes_at(np.full(n, 6)) - t.bytes_at(np.full(n, 4))).sum() * 0.9 // PAGE)
+    kv = KVState(free_blocks=0, target_free_blocks=need, block_bytes=PAGE)
+    plans = {}
+    for narrow in (None, 4):
+        planner = Planner(t, knobs, np.full(n, 6), narrow_width=narrow)
+        plans[narrow] = planner.step(kv, np.full(n, 6))
+        assert plans[narrow].kind == "release" and plans[narrow].met
+    plain = _shares_above(plans[None].widths, L, 4)
+    ruled = _shares_above(plans[4].widths, L, 4)
+    assert ((plain > 0) & (plain < 0.5)).any() and ((ruled == 0) | (ruled >= 0.5)).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), frac=st.floats(0.0, 1.2), min_share=st.floats(0.01, 1.0),
+       holes=st.booleans())
+def test_release_class_rule_holds_for_any_widths_and_demand(seed, frac, min_share, holes):
+    """Random tables, widths, floors and demand: the ruled release never raises a block or goes below a floor,
+    frees what it says, meets every demand the unruled release meets, and leaves every layer it may cap (no floor
+    above 4 where a block is above 4) at a share above 4 of 0 or at least min_share."""
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 5))
+    t = make_tables(rng, L, int(rng.integers(1, 5)), 7, holes=holes)
+    n = t.n_blocks
+    widths = np.array([rng.choice(np.flatnonzero(t.supported[i])) for i in range(n)])
+    floors = np.array([rng.choice(np.flatnonzero(t.supported[i, :widths[i] + 1])) for i in range(n)])
+    floors[rng.random(n) < 0.7] = 3  # mostly the seed width, some above
+    floors = np.minimum(floors, widths)
+    dhat = damage_rows(t, rng.uniform(0.5, 2, n), EPS)
+    demand = float(frac * (t.bytes_at(widths) - t.bytes_at(np.maximum(floors, 3))).sum())
+    plain = plan_release(t, widths, demand, dhat, floors, (3,))
+    plan = plan_release_narrow(t, widths, demand, dhat, floors, (3,), 4, min_share)
+    assert (plan.widths <= widths).all() and (plan.widths >= floors).all()
+    t.check_widths(plan.widths)
+    assert np.isclose(plan.delta_bytes, (t.bytes_at(widths) - t.bytes_at(plan.widths)).sum())
+    assert plan.met == (plan.delta_bytes >= demand) and (plan.met or not plain.met)
+    if plain.kind != "release":
+        return
+    legal4 = np.array([t.supported[i, max(floors[i], 3):5].any() for i in range(n)])
+    can = ~((widths > 4) & ~legal4).reshape(L, -1).any(axis=1)
+    shares = _shares_above(plan.widths, L, 4)
+    assert ((shares[can] == 0) | (shares[can] >= min_share)).all()
 
 
 @settings(max_examples=80, deadline=None)
