@@ -249,6 +249,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the loop no longer steps: the engine and its page store mapping can go
+            self.llm.close()
         if self._planner is not None:  # a retired engine's table leaves the cluster's merge
             self._planner.forget.remote(self.engine_id)
 

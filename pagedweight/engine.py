@@ -231,15 +231,20 @@ class LLM:
         weights = None
         self.page_store_dir: Path | None = None  # the node page store this engine maps (AP checkpoints)
         self.planes_id: str | None = None  # which planes (runner.planes_id): engines of one model share a planner
+        self._ap_weights: APWeights | None = None  # opened here (its page store): `close` drops them
         if (self.model_dir / MANIFEST).is_file():
             ap = load_ap(self.model_dir, verify=self.options.verify_checkpoint)
             model = build_ap_model(ap, self.dtype, self.device)
             self.planes_id = planes_id(ap)
             self.page_store_dir = Path(self.options.page_store_dir or f"/dev/shm/pagedweight-{self.planes_id}")
-            weights = ap_weights(ap, self.page_store_dir)
+            weights = self._ap_weights = ap_weights(ap, self.page_store_dir)
         else:
             model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
-        self._setup(model, gpu_memory_budget, weights)
+        try:
+            self._setup(model, gpu_memory_budget, weights)
+        except BaseException:  # e.g. a budget too small: the store's mapping would stay for the process
+            self.close()
+            raise
 
     @classmethod
     def from_parts(cls, model: MoEForCausalLM, weights: APWeights | None, tokenizer: TextTokenizer | None = None,
@@ -462,6 +467,19 @@ class LLM:
         blocks = max(2 * shorts * self._short_blocks(shorts) + -(-self.max_model_len // bs) + 3,
                      -(-opts.max_num_batched_tokens // bs) + 1)  # _setup_weights keeps one step of KV free
         return blocks * self.page_bytes * self.config.num_hidden_layers + self._expert_pool_bytes(weights)
+
+    def close(self) -> None:
+        """Free the engine and its hold on the node page store: the process unpins and unmaps the store with its last
+        engine. Without it a store destroyed and re-created (a new LLM on the same directory) stayed mapped, its
+        tmpfs pages allocated, for the life of the process. The store itself stays (`PageStore.destroy`); weights
+        handed to `from_parts` are the caller's to close. The LLM is unusable after."""
+        weights, self._ap_weights = getattr(self, "_ap_weights", None), None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy still reads the pinned pages
+        if getattr(self, "model", None) is not None:
+            self._release(weights)  # the mover (its copies' sources are views of the mapping), experts, pool
+        if weights is not None:
+            weights.store.close()
 
     def _release(self, weights: APWeights | None) -> None:
         """Drop everything that holds the pool (the profile's engine), so that its memory is free for the next

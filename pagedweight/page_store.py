@@ -15,6 +15,8 @@ import mmap
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,45 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+@contextmanager
+def _lock(path: Path, exclusive: bool, make: bool = False) -> Iterator[None]:
+    """Hold `path/.lock` (flock): exclusive to write or remove a store, shared to open one. A shared lock needs only
+    read access; where the lock file cannot be read (no store yet, or not readable) it goes unlocked. Retried until
+    the lock held is the directory's current one: `destroy` unlinks it, and a waiter woken on the old file would
+    otherwise write beside a creator that made a new one."""
+    lock = path / ".lock"
+    while True:
+        if make:
+            path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock, (os.O_WRONLY | os.O_CREAT) if exclusive else os.O_RDONLY, 0o666)
+        except FileNotFoundError:
+            if make:
+                continue  # `destroy` removed the directory between mkdir and open
+            if exclusive:
+                raise
+            fd = None
+        except PermissionError:
+            if exclusive:
+                raise
+            fd = None
+        if fd is None:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(lock)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                yield
+                return
+        finally:
+            os.close(fd)
+
+
 class PageStore:
     """Read-only mapping of a store directory (`pages.bin` + `index.msgpack`)."""
 
@@ -63,6 +104,7 @@ class PageStore:
         if index["version"] != FORMAT_VERSION:
             raise ValueError(f"page store format {index['version']} != {FORMAT_VERSION}")
         self.nbytes = index["nbytes"]
+        self.identity: str | None = index.get("identity")  # what the creator said the source is (None: not said)
         self._entries = {(b, w, i): (off, n) for b, w, i, off, n in index["entries"]}
         self._mapping = _Mapping.acquire(self.path / "pages.bin", self.nbytes)
         self.array, self._tensor = self._mapping.array, self._mapping.tensor
@@ -75,34 +117,50 @@ class PageStore:
 
     # ---- creation (once per node) ----
     @classmethod
-    def create(cls, path: str | os.PathLike, source: str | os.PathLike, records: list[Record]) -> PageStore:
+    def create(cls, path: str | os.PathLike, source: str | os.PathLike, records: list[Record],
+               identity: str | None = None) -> PageStore:
         """Copy `records` from `source` into a new store at `path`, or open it if a complete store of them is there
-        (a store of anything else is refused).
+        (a store of anything else is refused). `identity` names the source's content (a checkpoint's planes
+        checksum): recorded when writing, and an existing store must have recorded the same.
 
         Creation is serialized by a file lock, so several engines of a node racing here write it once; the index
-        is renamed into place last, so a store with an index is complete.
+        is renamed into place last, so a store with an index is complete, and opening one needs no write access.
         """
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (path / "index.msgpack").exists():
-                cls._write(path, Path(source), records)
-                store = cls(path)
-                store.written = True
-                return store
+        path, source = Path(path), Path(source)
+        with _lock(path, exclusive=False):  # held while mapping: `destroy` waits for it
+            if (path / "index.msgpack").exists():
+                return cls._open_checked(path, source, records, identity)
+        with _lock(path, exclusive=True, make=True):
+            if (path / "index.msgpack").exists():  # another engine wrote it meanwhile
+                return cls._open_checked(path, source, records, identity)
+            cls._write(path, source, records, identity)
+            store = cls(path)
+            store.written = True
+            return store
+
+    @classmethod
+    def _open_checked(cls, path: Path, source: Path, records: list[Record], identity: str | None) -> PageStore:
         store = cls(path)
         try:
-            store._check_holds(Path(source), records)
+            store._check_holds(source, records, identity)
         except BaseException:
             store.close()
             raise
         return store
 
-    def _check_holds(self, source: Path, records: list[Record], samples: int = 8, nbytes: int = 4096) -> None:
-        """An existing store serves these records only if it has their layout and their bytes (the first `nbytes`
-        of `samples` records spread over them, read from `source`): a directory reused for another checkpoint of the
-        same shapes would otherwise serve the old planes to every reload."""
+    def _check_holds(self, source: Path, records: list[Record], identity: str | None, samples: int = 8,
+                     nbytes: int = 4096) -> None:
+        """An existing store serves these records only if it recorded the same `identity` (when one is given: a
+        store that recorded none, written before stores did, cannot show what it holds), has their layout and their
+        bytes (the first `nbytes` of `samples` records spread over them, read from `source`): a directory reused for
+        another checkpoint of the same shapes would otherwise serve the old planes to every reload. The samples
+        alone miss planes that differ elsewhere."""
+        if identity is not None and self.identity != identity:
+            held = "unrecorded planes (a store written before stores recorded theirs)" if self.identity is None \
+                else f"planes {self.identity}"
+            raise ValueError(f"the page store at {self.path} holds {held}, not {source}'s planes {identity}: remove "
+                             "it (rm -r, or PageStore.destroy; engines that map it keep their pages) or give another "
+                             "directory")
         if {(r.block, r.what, r.idx): r.nbytes for r in records} != {k: n for k, (_, n) in self._entries.items()}:
             raise ValueError(f"the page store at {self.path} holds other blocks than {source} asks for: remove it "
                              "or give another directory")
@@ -115,7 +173,7 @@ class PageStore:
                                      "or give another directory")
 
     @staticmethod
-    def _write(path: Path, source: Path, records: list[Record]) -> None:
+    def _write(path: Path, source: Path, records: list[Record], identity: str | None) -> None:
         entries, pos = [], 0
         for r in records:
             if r.what not in WHAT:
@@ -125,7 +183,7 @@ class PageStore:
         if len({tuple(e[:3]) for e in entries}) != len(entries):
             raise ValueError("duplicate (block, what, idx) records")
         index = msgpack.packb({"version": FORMAT_VERSION, "align": ALIGN, "nbytes": pos, "source": str(source),
-                               "entries": entries})
+                               "identity": identity, "entries": entries})
         # no index: what a writer killed here, or a failed index write, left is incomplete and would count against
         # the free space below (every later create refused as full); readers that map an old file keep its pages
         leftovers = [path / name for name in ("pages.bin.tmp", "pages.bin", "index.msgpack.tmp")]
@@ -158,11 +216,19 @@ class PageStore:
 
     @staticmethod
     def destroy(path: str | os.PathLike) -> None:
-        """Remove the store (mappings that are still open keep their pages until they close)."""
+        """Remove the store (mappings that are still open keep their pages until they close).
+
+        Under the creators' lock: unlocked, it removed a store mid-write (the writer failed) and the lock file under
+        the writer, so that a second creator wrote beside it."""
         path = Path(path)
-        for name in ("index.msgpack", "pages.bin", "pages.bin.tmp", "index.msgpack.tmp", ".lock"):
-            (path / name).unlink(missing_ok=True)
-        path.rmdir()
+        with _lock(path, exclusive=True):
+            for name in ("index.msgpack", "pages.bin", "pages.bin.tmp", "index.msgpack.tmp", ".lock"):
+                (path / name).unlink(missing_ok=True)
+            try:
+                path.rmdir()
+            except OSError as exc:  # a creator came after the lock file went: the directory is its now
+                if exc.errno != errno.ENOTEMPTY or not (path / ".lock").exists():
+                    raise
 
     # ---- views ----
     def keys(self) -> list[tuple[int, str, int]]:

@@ -219,9 +219,11 @@ def run(args) -> int:
               f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
               f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
               f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
-    if (llm.page_store_dir is not None and args.page_store_dir is None and not args.keep_page_store
-            and llm.mover is not None and llm.mover.store.written):  # a store other engines of the node wrote stays
-        PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB); this process's map stays
+    # a store other engines of the node wrote stays
+    wrote = llm.page_store_dir is not None and llm.mover is not None and llm.mover.store.written
+    llm.close()  # this process's mapping of the store goes with it
+    if wrote and args.page_store_dir is None and not args.keep_page_store:
+        PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB)
     if args.summary_json:  # after the printed summary: a failed write loses nothing
         Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if all(o.finish_reason != "error" for o in done.values()) else 1

@@ -64,7 +64,7 @@ def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
         luts = {b: lut_bytes(e.n, b) for b in range(ap.seed_bits, ap.parent_bits + 1)}
         records += [Record(i, "lut", b, ap.lut_offset(i, b), n) for b, n in luts.items()]
         specs.append(BlockSpec(e.plane_bytes, luts))
-    store = PageStore.create(store_dir, ap.planes_file, records)
+    store = PageStore.create(store_dir, ap.planes_file, records, identity=planes_id(ap))
     knobs = PlannerKnobs.from_dict(ap.planner_knobs) if ap.planner_knobs else PlannerKnobs()
     return APWeights(specs, ap.seed_bits, ap.parent_bits, store, ap.sensitivity, ap.routing_mass, knobs,
                      ap.residual_heads)

@@ -400,6 +400,10 @@ class _StandInLLM:
     def __init__(self, step_s: float = 0.0, fail: bool = False, slow_add: str | None = None) -> None:
         self.step_s, self.fail, self.slow_add, self.requests = step_s, fail, slow_add, []
         self.num_tokens_computed = 0
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def add_request(self, prompt, params, request_id):
         if prompt == self.slow_add:
@@ -458,6 +462,7 @@ def test_a_request_added_while_the_step_loop_fails_is_answered():
         assert not engine._queues
     finally:
         engine.shutdown()
+    assert engine.llm.closed  # the stopped loop's engine let go of its page store mapping
 
 
 def test_request_latency_counts_the_wait_for_the_engine_lock():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -246,3 +247,153 @@ def test_one_mapping_per_process_outlives_a_closed_reader(store_dir):
     c = PageStore(path)  # the last close unmapped it: a new reader maps afresh
     assert bytes(c.view(r.block, r.what, r.idx)) == expected
     c.close()
+
+
+def _other_planes(src: Path, records: list[Record]) -> tuple[Path, Record]:
+    """A copy of `src` (another checkpoint of the same shapes) that differs in one record the sampled check skips."""
+    sampled = set(records[::max(1, len(records) // 8)])
+    r = next(r for r in records if r not in sampled)
+    data = bytearray(src.read_bytes())
+    data[r.offset] ^= 0xFF
+    other = src.parent / "other-planes.bin"
+    other.write_bytes(bytes(data))
+    return other, r
+
+
+def test_a_store_recorded_for_other_planes_is_refused(store_dir):
+    """A directory reused for another checkpoint of the same shapes whose planes differ outside the sampled bytes:
+    the identity recorded when writing refuses it (the samples alone served the old planes); a store that recorded
+    none cannot show what it holds and is refused as well."""
+    path, src, records = store_dir
+    other, r = _other_planes(src, records)
+    store = PageStore.create(path, src, records, identity="aaaa")
+    assert store.written and store.identity == "aaaa"
+    store.close()
+    with pytest.raises(ValueError, match=r"holds planes aaaa, not .*other-planes.bin's planes bbbb: remove it"):
+        PageStore.create(path, other, records, identity="bbbb")
+    same = PageStore.create(path, src, records, identity="aaaa")
+    assert not same.written
+    same.close()
+    PageStore.destroy(path)
+    PageStore.create(path, src, records).close()  # no identity given: none recorded (an old store's index)
+    with pytest.raises(ValueError, match="holds unrecorded planes .* remove it"):
+        PageStore.create(path, src, records, identity="aaaa")
+    unchecked = PageStore.create(path, other, records)  # without identities only the samples are compared
+    assert bytes(unchecked.view(r.block, r.what, r.idx)[:1]) != other.read_bytes()[r.offset:r.offset + 1]
+    unchecked.close()
+
+
+def _mapped(path: Path) -> list[str]:
+    """This process's mappings of `path`'s pages.bin ("... (deleted)" once it was removed)."""
+    return [line.split(None, 5)[5].strip() for line in Path("/proc/self/maps").read_text().splitlines()
+            if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(str(path / "pages.bin"))]
+
+
+def test_a_closed_engine_unmaps_its_store(ap_dir, tmp_path):
+    """LLM.close drops the engine's hold on the page store: with the last one the process unmaps it (it had no
+    close, and the process kept a destroyed store mapped, its tmpfs pages allocated, beside the re-created one). An
+    engine that fails to build drops it too."""
+    from pagedweight.engine import LLM
+    from pagedweight.sampling import SamplingParams
+
+    store = tmp_path / "store"
+    llm = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=str(store))
+    assert _mapped(store) == [str(store / "pages.bin")]
+    llm.close()
+    assert _mapped(store) == []
+    PageStore.destroy(store)
+    again = LLM(ap_dir, device="cpu", block_size=16, page_store_dir=str(store))  # a fresh store, mapped afresh
+    assert _mapped(store) == [str(store / "pages.bin")]
+    out = again.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out[0].completion_tokens == 2
+    again.close()
+    assert _mapped(store) == []
+    with pytest.raises(ValueError, match="outside the checkpoint's widths"):
+        LLM(ap_dir, device="cpu", block_size=16, page_store_dir=str(store), bits=1, activation_reserve=0)
+    assert _mapped(store) == []
+
+
+def test_a_complete_store_opens_without_write_access(tmp_path):
+    """A store directory this process may not write (another user's, a read-only mount) opens: only writing a store
+    takes the exclusive lock (it opened .lock for writing every time, and failed)."""
+    root = os.geteuid() == 0  # root writes anywhere: the reader drops to nobody (it must traverse /dev/shm then)
+    if root and not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no /dev/shm for a reader of another user")
+    base = (Path("/dev/shm") if root else tmp_path) / f"pw-test-ro-{uuid.uuid4().hex[:8]}"
+    base.mkdir(mode=0o755)
+    try:
+        sizes = [(3000 + 512 * i, {2: 64 * (i + 1)}) for i in range(3)]
+        records = write_planes_file(base / "planes.bin", sizes, parent_bits=2, seed=1)
+        os.chmod(base / "planes.bin", 0o644)
+        PageStore.create(base / "store", base / "planes.bin", records, identity="aaaa").close()
+        names = sorted(p.name for p in (base / "store").iterdir())
+        os.chmod(base / "store", 0o555)
+        want = (base / "planes.bin").read_bytes()[records[-1].offset:records[-1].offset + records[-1].nbytes]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the reader: no write access to the store's directory
+            code = 1
+            try:
+                os.close(r)
+                if root:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                s = PageStore.create(base / "store", base / "planes.bin", records, identity="aaaa")
+                ok = bytes(s.view(records[-1].block, records[-1].what, records[-1].idx)) == want and not s.written
+                s.close()
+                code = 0 if ok else 2
+            except BaseException as exc:
+                os.write(w, repr(exc).encode())
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as f:
+            error = f.read()
+        assert os.waitpid(pid, 0)[1] == 0, error
+        assert sorted(p.name for p in (base / "store").iterdir()) == names
+    finally:
+        if (base / "store").exists():
+            os.chmod(base / "store", 0o755)
+        shutil.rmtree(base)
+
+
+def test_destroy_and_a_second_creator_wait_for_a_writer(store_dir, monkeypatch):
+    """`destroy` takes the creators' lock: it removed a store mid-write (the writer failed) and the lock file under
+    the writer, so that a second creator took a new lock and wrote beside it. Either order after the writer leaves a
+    consistent state: the second creator's store reads the source."""
+    import threading
+
+    from pagedweight import page_store
+
+    path, src, records = store_dir
+    replace, results, waiting = os.replace, {}, []
+
+    def run(name, f):
+        try:
+            results[name] = f()
+        except BaseException as exc:
+            results[name] = exc
+
+    def mid_write(a, b):
+        if Path(b).name == "pages.bin" and not waiting:
+            for name, f in (("destroy", lambda: PageStore.destroy(path)),
+                            ("second", lambda: PageStore.create(path, src, records))):
+                t = threading.Thread(target=run, args=(name, f))
+                t.start()
+                t.join(0.5)
+                waiting.append((name, t.is_alive(), t))
+        return replace(a, b)
+
+    monkeypatch.setattr(page_store.os, "replace", mid_write)
+    first = PageStore.create(path, src, records)  # destroy removed its pages.bin.tmp: FileNotFoundError
+    monkeypatch.undo()
+    assert [(name, alive) for name, alive, _ in waiting] == [("destroy", True), ("second", True)]
+    for _, _, t in waiting:
+        t.join(30)
+    assert results["destroy"] is None and isinstance(results["second"], PageStore)
+    raw = src.read_bytes()
+    for store in (first, results["second"]):
+        for r in records:
+            assert bytes(store.view(r.block, r.what, r.idx)) == raw[r.offset:r.offset + r.nbytes]
+        store.close()
+    assert not path.exists() or (path / "index.msgpack").exists()  # destroyed last, or written again after it
