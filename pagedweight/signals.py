@@ -101,13 +101,21 @@ def bucket_block_signals(expert_bucket: np.ndarray, knobs: PlannerKnobs) -> tupl
 
 
 def batch_token_weights(tokens_per_request: list[int], kv_blocks_per_request: list[int]) -> torch.Tensor:
-    """Per-token weights so a batch's routing merges across requests weighted by KV blocks (not by token count)."""
+    """Per-token weights so a batch's routing merges across requests weighted by KV blocks (not by token count).
+    Exactly so only where each token's top-k weights sum to 1: otherwise a request weighs its KV blocks times its
+    tokens' mean top-k sum (Qwen1.5-MoE's norm_topk_prob=False), which an armed `RouterStats` corrects per layer."""
     tokens = np.asarray(tokens_per_request, dtype=np.int64)
     per_token = (np.asarray(kv_blocks_per_request, dtype=np.float64) / np.maximum(tokens, 1)).astype(np.float32)
     return torch.from_numpy(np.repeat(per_token, tokens))  # numpy: a few us on the step's critical path
 
 
 _KERNEL_DTYPES = (torch.float16, torch.float32)  # what layer_kernels.route_stats reads (Numba has no bf16 arrays)
+
+
+def _fused_fold(x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+    """Whether `RouterStats.observe_layers` folds with cuda/layer_kernels.route_stats (a test under the CUDA
+    simulator says yes on the CPU)."""
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES and topk_weights.dtype in _KERNEL_DTYPES
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -123,7 +131,8 @@ class RouterStats:
 
     The observer sees the expert input x, so both blocks of an expert get features of x (the down block's input
     is a function of it; residual heads are per block type and learn their own map). Set `token_weights` before a
-    batched forward to weight each token by its request's KV blocks (see `batch_token_weights`).
+    batched forward to weight each token by its request's KV blocks (see `batch_token_weights`); `arm` a batch of
+    several requests to merge their routing mass as DESIGN.md §2 defines it whatever the top-k weights sum to.
     Each call only queues a few device ops (no host read inside the layer loop); the first read of `mass`,
     `norm_sum`, `norm2_sum`, `norm_max`, `routing_mass()` or `features()` reduces everything queued with two
     scatters and one copy to the host. Calls without reads fold into a device accumulator every 4L calls.
@@ -145,7 +154,6 @@ class RouterStats:
         self._live: Callable[[], Iterable] | None = None
         self._rows: dict[int, tuple[int, object]] = {}  # id(request) -> (its row, the request: its id stays its own)
         self._free: list[int] = []
-        self._seen = np.zeros(0)  # tokens observed per row
         self._zero: list[int] = []  # rows handed out since the last fold: zeroed before the next
         self._req: torch.Tensor | None = None  # [4, (slots + 1) * L * E] on the device: the four sums per row
         self.reset()
@@ -161,7 +169,6 @@ class RouterStats:
             raise ValueError(f"track_requests needs max_requests >= 1, got {max_requests}")
         self._slots, self._live = max_requests, live
         self._rows, self._free, self._zero, self._req = {}, list(range(max_requests - 1, -1, -1)), [], None
-        self._seen = np.zeros(max_requests)
 
     def arm(self, tokens_per_request: list[int], kv_blocks_per_request: list[int], requests: list | None = None
             ) -> None:
@@ -179,12 +186,15 @@ class RouterStats:
             self._window = None
             self.reset()
             self.token_weights = batch_token_weights(tokens, blocks)
+            if sum(t > 0 for t in tokens) > 1:
+                self._requests = (torch.from_numpy(np.repeat(np.arange(len(tokens)), tokens)),
+                                  torch.tensor(blocks, dtype=torch.float32))
             if self._live is not None and requests is not None:
                 self._assign(requests, tokens, blocks)
 
     def _assign(self, requests: list, tokens: list[int], blocks: list[int]) -> None:
         """Rows of the window's requests (a new request takes a free row, zeroed before the next fold), each
-        token's row, and the merge weights: a request's KV blocks over its tokens observed so far."""
+        token's row, and their KV blocks, the merge weights (`_merged`)."""
         rows = np.empty(len(requests), dtype=np.int64)
         for i, req in enumerate(requests):
             got = self._rows.get(id(req))
@@ -194,17 +204,13 @@ class RouterStats:
                 row = self._free.pop() if self._free else self._slots  # none left: the untracked row
                 if row < self._slots:
                     self._rows[id(req)] = row, req
-                    self._seen[row] = 0
                     self._zero.append(row)
             else:
                 row = got[0]
             rows[i] = row
-        tokens = np.asarray(tokens, dtype=np.int64)
         tracked = rows < self._slots
-        self._seen[rows[tracked]] += tokens[tracked]
         self._token_rows = torch.from_numpy(np.repeat(rows, tokens))
-        weights = np.asarray(blocks, dtype=np.float64)[tracked] / np.maximum(self._seen[rows[tracked]], 1)
-        self._merge = rows[tracked], weights.astype(np.float32)
+        self._merge = rows[tracked], np.asarray(blocks, dtype=np.float32)[tracked]
 
     def _reclaim(self, batch: list) -> None:
         """When rows run out: those of requests no longer running (finished, aborted, preempted) go back. A preempted
@@ -230,7 +236,12 @@ class RouterStats:
         self._k: list[int] = []
         self._token_rows: torch.Tensor | None = None  # the window's row of each token [n] (track_requests)
         self._device_rows: torch.Tensor | None = None
-        self._merge: tuple[np.ndarray, np.ndarray] | None = None  # the window's tracked rows and merge weights
+        self._merge: tuple[np.ndarray, np.ndarray] | None = None  # the window's tracked rows and their KV blocks
+        # an armed window of several requests: each token's request [n] and each request's KV blocks [R] (host),
+        # and the same on the device of the last call (`_request_scale`)
+        self._requests: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._device_requests: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rw: list[torch.Tensor] = []  # per call of such a window: its routing weights times `_request_scale`
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
         self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
 
@@ -241,6 +252,9 @@ class RouterStats:
         self._begin()
         self._ids.append(topk_ids.reshape(-1) + layer * self.num_experts)
         self._r.append(topk_weights.float().reshape(-1))
+        scale = self._request_scale(topk_weights)
+        if scale is not None:
+            self._rw.append((topk_weights.float() * scale[:, None]).reshape(-1))
         self._norm.append(torch.linalg.vector_norm(x.float(), dim=-1))
         self._k.append(topk_ids.shape[1])
         if len(self._ids) >= 4 * self.num_layers:  # many forwards without a read: bound the queue
@@ -265,16 +279,29 @@ class RouterStats:
             self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
         offsets = self._offsets[1]
         tracked = self._token_rows is not None
-        if x.is_cuda and x.dtype in _KERNEL_DTYPES and topk_weights.dtype in _KERNEL_DTYPES:
+        scale = self._request_scale(topk_weights)  # [L', n], or None: the token weights [n] apply
+        if _fused_fold(x, topk_weights):
             # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
             from pagedweight.cuda import layer_kernels
-            layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, self._device_token_weights(x.device),
-                                      self._window_acc(x.device), self._rows_on(x.device) if tracked else None,
-                                      self._req_acc(x.device) if tracked else None)
+            rows, req = (self._rows_on(x.device), self._req_acc(x.device)) if tracked else (None, None)
+            if scale is None:
+                layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, self._device_token_weights(x.device),
+                                          self._window_acc(x.device), rows, req)
+                return
+            # the kernel weighs by token only: the window's sums from scaled weights, the requests' rows (unscaled)
+            # from a second launch, whose window sums go to scratch
+            scaled = (topk_weights.float() * scale[:, :, None]).to(topk_weights.dtype)
+            layer_kernels.route_stats(x, topk_ids, scaled, offsets, None, self._window_acc(x.device))
+            if tracked:
+                layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, None,
+                                          torch.empty(4, self._stride, device=x.device), rows, req)
             return
         r0 = topk_weights.float()
-        w = self._device_token_weights(x.device)
-        r = r0 if w is None else r0 * w[:, None]  # [L', n, k] times the token weights [n]
+        if scale is None:
+            w = self._device_token_weights(x.device)
+            r = r0 if w is None else r0 * w[:, None]  # [L', n, k] times the token weights [n]
+        else:
+            r = r0 * scale[:, :, None]  # times each (layer, token)'s weight [L', n]
         norm = torch.linalg.vector_norm(x.float(), dim=-1)[:, :, None].expand(topk_ids.shape).reshape(-1)
         flat = topk_ids + offsets[:, None, None]
         self._fold(self._window_acc(x.device), flat.reshape(-1), r.reshape(-1), norm)
@@ -289,6 +316,23 @@ class RouterStats:
         if self._device_weights is None or self._device_weights.device != device:
             self._device_weights = _to_device(self._token_weights.float(), device)
         return self._device_weights
+
+    def _request_scale(self, topk_weights: torch.Tensor) -> torch.Tensor | None:
+        """Each token's weight [..., n] in a window of several requests: its request's KV blocks over the request's
+        routing weight in that layer (topk_weights [..., n, k]). Each request's routing mass then adds up to its KV
+        blocks in every layer, DESIGN.md §2's merge of per-request mass (sum_t sum_k r over the request's sum_t sum_k
+        r), where `batch_token_weights` alone weighs it also by its tokens' mean top-k sum when that is not 1
+        (norm_topk_prob=False). None otherwise: one request's token weight is one factor per layer, which every
+        read divides out (`normalize_mass`, the features' means and shares)."""
+        if self._requests is None:
+            return None
+        device = topk_weights.device
+        if self._device_requests is None or self._device_requests[0].device != device:
+            self._device_requests = tuple(_to_device(t, device) for t in self._requests)
+        token_request, blocks = self._device_requests
+        per_token = topk_weights.float().sum(-1)
+        per_request = per_token.new_zeros(*per_token.shape[:-1], len(blocks)).index_add_(-1, token_request, per_token)
+        return (blocks / per_request.clamp_min(_TINY)).index_select(-1, token_request)
 
     def _rows_on(self, device: torch.device) -> torch.Tensor:
         """Each token's row of _req [n] (int64) on `device`, moved there once per window."""
@@ -330,10 +374,11 @@ class RouterStats:
             norm = torch.cat([n.repeat_interleave(k) for n, k in zip(self._norm, self._k)])
         ids, r0 = torch.cat(self._ids), torch.cat(self._r)
         w = self._device_token_weights(device)
-        self._fold(self._window_acc(device), ids, r0 if w is None else r0 * per_slot(w), norm)
+        r = torch.cat(self._rw) if self._rw else r0 if w is None else r0 * per_slot(w)
+        self._fold(self._window_acc(device), ids, r, norm)
         if self._token_rows is not None:
             self._fold(self._req_acc(device), ids + per_slot(self._rows_on(device)) * self._stride, r0, norm)
-        self._ids, self._r, self._norm, self._k = [], [], [], []
+        self._ids, self._r, self._norm, self._k, self._rw = [], [], [], [], []
 
     @staticmethod
     def _fold(acc: torch.Tensor, ids: torch.Tensor, r: torch.Tensor, norm: torch.Tensor) -> None:
@@ -344,16 +389,19 @@ class RouterStats:
         acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
 
     def _merged(self) -> torch.Tensor | None:
-        """[4, L*E] on the device: the sums of the window's tracked requests, each weighted by its KV blocks over
-        its observed tokens (the max: the largest); None without tracked requests."""
+        """[4, L*E] on the device: the sums of the window's tracked requests, each weighted per layer by its KV
+        blocks over its routing weight so far (as `_request_scale` weighs a window's; the max: the largest); None
+        without tracked requests."""
         if self._merge is None or not len(self._merge[0]) or self._req is None:
             return None
-        rows, weights = self._merge
+        rows, blocks = self._merge
         device = self._req.device
         req = self._req_acc(device).view(4, self._slots + 1, self._stride)[:, _to_device(torch.from_numpy(rows),
                                                                                            device)]
+        per_layer = req[0].view(len(rows), self.num_layers, self.num_experts).sum(-1)  # [b, L]
+        weights = _to_device(torch.from_numpy(blocks), device)[:, None] / per_layer.clamp_min(_TINY)
         out = torch.empty(4, self._stride, device=device)
-        out[:3] = torch.einsum("b,sbr->sr", _to_device(torch.from_numpy(weights), device), req[:3])
+        out[:3] = (req[:3] * weights.repeat_interleave(self.num_experts, dim=1)).sum(1)
         out[3] = req[3].amax(0)
         return out
 
@@ -414,7 +462,8 @@ class RouterStats:
 
     @property
     def mass(self) -> np.ndarray:
-        """[L, E] sum of routing weights."""
+        """[L, E] sum of routing weights, times the token weights (an armed window of several requests: each
+        request's scaled to add up to its KV blocks per layer, `_request_scale`)."""
         return self._stat(0)
 
     @property

@@ -1025,9 +1025,9 @@ def test_a_queued_release_is_not_taken_after_the_buckets_moved():
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
 def test_router_stats_features_of_each_requests_tokens_so_far(stacked):
     """With track_requests, features() describe every observed token of the window's requests (a prompt window,
-    then one-token decode windows), merged weighted by KV blocks over those tokens: the per-request sums of a
-    reference over all windows. A finished request's row goes to a new request zeroed; past the rows, a request's
-    tokens are left out of the features (never an error)."""
+    then one-token decode windows), merged weighted by KV blocks over the request's routing weight of each layer: the
+    per-request sums of a reference over all windows. A finished request's row goes to a new request zeroed; past
+    the rows, a request's tokens are left out of the features (never an error)."""
     torch.manual_seed(3)
     L, E, k, D = 2, 5, 2, 6
     running: list = []
@@ -1052,18 +1052,23 @@ def test_router_stats_features_of_each_requests_tokens_so_far(stacked):
                     seen.setdefault(id(owner[t]), []).append((layer, float(xs[layer, t].norm()), int(ids[layer, t, j]),
                                                                float(ws[layer, t, j])))
         stats.prefetch()
-        mass = np.zeros((L, E))  # the window's own routing mass: every token of it, weighted by blocks / tokens
-        tw = np.repeat(np.asarray(blocks) / np.asarray(tokens), tokens)
-        np.add.at(mass, (np.arange(L)[:, None, None], ids.numpy()), ws.numpy() * tw[None, :, None])
+        mass = np.zeros((L, E))  # the window's own routing mass: each request's, normalised per layer, times its blocks
+        request_of = np.repeat(np.arange(len(tokens)), tokens)
+        for q in range(len(tokens)):
+            sel, m = request_of == q, np.zeros((L, E))
+            np.add.at(m, (np.arange(L)[:, None, None], ids.numpy()[:, sel]), ws.numpy()[:, sel])
+            mass += blocks[q] * m / m.sum(1, keepdims=True)
         np.testing.assert_allclose(stats.mass, mass, rtol=1e-5)
 
     def want(reqs, blocks):
         s = np.zeros((4, L, E))
         for q, b in zip(reqs, blocks):
             rows = seen[id(q)]
-            w = b / (len(rows) / (L * k))  # KV blocks over observed tokens
+            routed = np.zeros(L)  # the request's routing weight per layer
+            for layer, _, _, r in rows:
+                routed[layer] += r
             for layer, nrm, e, r in rows:
-                s[:3, layer, e] += w * np.array([r, r * nrm, r * nrm * nrm])
+                s[:3, layer, e] += b / routed[layer] * np.array([r, r * nrm, r * nrm * nrm])
                 s[3, layer, e] = max(s[3, layer, e], nrm)
         denom = np.where(s[0] > 0, s[0], 1.0)
         phi = np.stack([s[1] / denom, np.sqrt(s[2] / denom), s[3], s[0] / s[0].sum(1, keepdims=True)], -1)
