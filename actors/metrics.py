@@ -70,7 +70,8 @@ class EngineMetrics:
             self._counters[key] = Counter(PREFIX + name, description=desc, tag_keys=("engine",))
             self._counters[key].set_default_tags(tags)
         self._width = Gauge(PREFIX + "committed_width_blocks",
-                            description="Expert linear blocks per layer at each committed bit width.",
+                            description="Expert linear blocks per layer at each committed bit width (the "
+                                        "checkpoint's seed width and up).",
                             tag_keys=("engine", "layer", "width"))
         self._width.set_default_tags(tags)
         self._latency = Histogram(PREFIX + "request_latency_seconds",
@@ -99,8 +100,8 @@ class EngineMetrics:
                 counter.inc(growth)
             self._last_totals[key] = total
         for layer, counts in enumerate(stats.get("committed_width_hist") or []):  # per layer, indexed by width
-            for width, count in enumerate(counts):
-                self._width.set(float(count), tags={"layer": str(layer), "width": str(width)})
+            for width in range(stats.get("seed_width") or 0, len(counts)):  # none holds a width below the seed
+                self._width.set(float(counts[width]), tags={"layer": str(layer), "width": str(width)})
 
     def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None,
                         work: str = "generate") -> None:

@@ -511,6 +511,7 @@ class LLM:
                                  f"is {weights.seed_bits}: convert with --seed-bits {MIN_WIDTH}, or give "
                                  "expert_impl='reference'")
         self.table = WeightPageTable(weights.specs, cfg.num_hidden_layers, cfg.num_experts, P, self.pool)
+        self.seed_width = weights.seed_bits  # no block goes below it (stats: the width histogram's first real entry)
         if self.device.type == "cuda" and hasattr(weights.store, "pin"):
             weights.store.pin()  # reloads copy from page-locked memory, without a second host copy
         pace = opts.reload_bytes_per_step
@@ -1083,6 +1084,7 @@ class LLM:
             out.update(
                 resident_weight_bytes=self.table.resident_weight_bytes(),
                 committed_width_hist=[np.bincount(q[l].ravel(), minlength=widths).tolist() for l in range(len(q))],
+                seed_width=self.seed_width,
                 bytes_offloaded=self.mover.stats.bytes_freed,
                 bytes_reloaded=self.mover.stats.bytes_copied - self._initial_bytes,
                 pages_in_flight=self.mover.in_flight_pages(),

@@ -21,7 +21,7 @@ SNAPSHOTS = [
     {"kv_free_blocks": 40, "kv_total_blocks": 64, "resident_weight_bytes": 123456, "pages_in_flight": 3,
      "planner_step_ms": 0.25, "plan_staleness_steps": 2, "num_running": 5, "num_waiting": 1,
      "bytes_offloaded": 1000, "bytes_reloaded": 0, "offload_triggers": 1, "reload_triggers": 0, "preemptions": 0,
-     "committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]],
+     "committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]], "seed_width": 3,
      "budget_bytes": 9000000, "device_reserved_bytes": 9500000, "device_peak_reserved_bytes": 9600000},
     {"kv_free_blocks": 60, "kv_total_blocks": 70, "resident_weight_bytes": 100000, "pages_in_flight": 0,
      "planner_step_ms": 0.5, "plan_staleness_steps": 0, "num_running": 0, "num_waiting": 0,
@@ -29,7 +29,7 @@ SNAPSHOTS = [
      "prefix_query_tokens": 300, "prefix_hit_tokens": 128, "kv_cached_blocks": 9, "kv_retained_blocks": 5,
      "kv_evicted_blocks": 4,
      "engine_steps": 50, "steps_in_flight": 12, "time_in_flight_s": 0.75,
-     "committed_width_hist": [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 4, 0, 0, 0, 12]]},
+     "committed_width_hist": [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 4, 0, 0, 0, 12]], "seed_width": 3},
     # the engine was rebuilt: its totals restart from zero, the exported counters keep growing
     {"kv_free_blocks": 70, "kv_total_blocks": 70, "bytes_offloaded": 200, "bytes_reloaded": 0,
      "offload_triggers": 1, "reload_triggers": 0, "preemptions": 0, "committed_width_hist": []},
@@ -123,6 +123,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("committed_width_blocks", layer="0", width="8") == 16
     assert probe_v("committed_width_blocks", layer="0", width="3") == 0
     assert probe_v("committed_width_blocks", layer="1", width="4") == 4
+    assert probe_v("committed_width_blocks", layer="0", width="2") is None  # below the seed width: not a series
     # request latency histogram
     assert probe_v("request_latency_seconds_count", finish_reason="length", work="generate") == 1
     assert probe_v("request_latency_seconds_count", finish_reason="length", work="score") == 1
@@ -142,11 +143,52 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     # a CPU engine has no caching allocator to measure: those gauges are left out, not exported as zero
     assert live["device_reserved_bytes"] is None and value(s, "ray_pagedweight_device_reserved_bytes",
                                                            engine=engine) is None
+    seed = live["seed_width"]
     for layer, counts in enumerate(live["committed_width_hist"]):  # every expert block of the layer, by width
         exported = [value(s, "ray_pagedweight_committed_width_blocks", engine=engine, layer=str(layer),
                           width=str(w)) for w in range(len(counts))]
-        assert exported == counts and sum(counts) > 0
+        assert exported == [None] * seed + counts[seed:] and sum(counts[seed:]) == sum(counts) > 0
     assert value(s, "ray_pagedweight_request_latency_seconds_count", engine=engine, finish_reason="length",
                  work="generate") >= 2
     assert value(s, "ray_pagedweight_request_latency_seconds_sum", engine=engine, finish_reason="length",
                  work="generate") > 0
+
+
+class FakeMetric:
+    """Stands in for ray.util.metrics' Gauge, Counter and Histogram: the last value set per tag set."""
+
+    def __init__(self, name: str, description: str = "", tag_keys: tuple = (), boundaries: list | None = None):
+        self.values: dict[tuple, float] = {}
+
+    def set_default_tags(self, tags: dict) -> None:
+        pass
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self.values[tuple(sorted((tags or {}).items()))] = value
+
+    inc = observe = set
+
+
+def test_committed_width_series_run_from_the_seed_width(monkeypatch):
+    """committed_width_blocks has a series per layer for each width from the checkpoint's seed to the parent: none
+    for the widths below the seed, which the snapshot's histogram counts (as 0) though no block can hold them; a
+    width the blocks left keeps its series at 0."""
+    import pagedweight.actors.metrics as metrics
+
+    for name in ("Gauge", "Counter", "Histogram"):
+        monkeypatch.setattr(metrics, name, FakeMetric)
+    m = metrics.EngineMetrics("unit")
+
+    def exported() -> dict[tuple[str, str], float]:
+        return {(tags["layer"], tags["width"]): v for tags, v in ((dict(k), v) for k, v in m._width.values.items())}
+
+    m.update({"committed_width_hist": []})  # no page table: nothing
+    assert exported() == {}
+    full = [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 0, 0, 0, 0, 16]]
+    m.update({"committed_width_hist": full, "seed_width": 3})
+    zeros = {(str(layer), str(w)): 0 for layer in (0, 1) for w in range(3, 9)}
+    assert exported() == {**zeros, ("0", "8"): 16, ("1", "8"): 16}
+    m.update({"committed_width_hist": [[0, 0, 0, 2, 0, 0, 0, 0, 14], [0, 0, 0, 0, 4, 0, 0, 0, 12]], "seed_width": 3})
+    assert exported() == {**zeros, ("0", "3"): 2, ("0", "8"): 14, ("1", "4"): 4, ("1", "8"): 12}
+    m.update({"committed_width_hist": full, "seed_width": 3})  # reloaded
+    assert exported() == {**zeros, ("0", "8"): 16, ("1", "8"): 16}
