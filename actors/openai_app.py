@@ -429,10 +429,21 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     return wire
 
 
+def _template_roles(tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages with OpenAI's `developer` role (o1 and later models' name for `system`) as `system`, unless the
+    checkpoint's template names the role: templates of older models render a role they do not know as a turn the
+    model never saw (ChatML, after a default system turn), skip it (Qwen3, OLMoE: the instructions vanish) or refuse
+    it, where OpenAI answers a developer message to a model without the role as a system message."""
+    source = tokenizer.chat_template.source or ""
+    if "'developer'" in source or '"developer"' in source:
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 def _chat_ids(tokenizer, messages: list[dict], template_kwargs: dict | None) -> list[int]:
     """Chat messages rendered by the checkpoint's template, tokenized; a template that refuses them is a 400."""
     try:
-        return tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(_template_roles(tokenizer, messages), **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise _bad(str(e), "messages") from None
 

@@ -425,6 +425,37 @@ def test_vllm_clients_parameters_are_taken():
     assert chat.jobs[0].messages == [{"role": "user", "content": "Read this:\nx = 1"}]
 
 
+# Qwen3's and OLMoE's templates' shape: the first system message, then user and assistant turns; other roles skipped
+SKIPS_UNKNOWN_ROLES = ("{% if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+                       "{% endif %}{% for m in messages %}"
+                       "{% if m.role in ('user', 'assistant') or (m.role == 'system' and not loop.first) %}"
+                       "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                       "<|im_start|>assistant\n")
+
+
+def test_developer_role_reaches_the_template_as_system(model_dir):
+    """OpenAI's `developer` message (o1 and later models' system message) reaches a template that does not name the
+    role as `system`: the bundled model's template renders it as the system turn, and one that skips roles it does
+    not know keeps the instructions (they were dropped); a template that names `developer` gets it as sent."""
+    from pagedweight.actors.openai_app import _chat_ids, validate_request
+    from pagedweight.chat import ChatTemplate
+    from pagedweight.tokenizer import TextTokenizer
+
+    def ids(tok, first_role: str) -> list[int]:
+        body = {"model": "m", "messages": [{"role": first_role, "content": "Answer in French."},
+                                           {"role": "user", "content": "hi"}]}
+        return _chat_ids(tok, validate_request(body, "chat", "m", 64).jobs[0].messages, None)
+
+    tok = TextTokenizer.from_dir(model_dir)
+    assert ids(tok, "developer") == ids(tok, "system") == tok.apply_chat_template(
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "hi"}])
+    tok.chat_template = ChatTemplate(SKIPS_UNKNOWN_ROLES)
+    assert ids(tok, "developer") == ids(tok, "system")
+    assert "Answer in French." in tok.decode(ids(tok, "developer"), skip_special_tokens=False)
+    tok.chat_template = ChatTemplate(SKIPS_UNKNOWN_ROLES.replace("'assistant')", "'assistant', 'developer')"))
+    assert "<|im_start|>developer\nAnswer in French." in tok.decode(ids(tok, "developer"), skip_special_tokens=False)
+
+
 def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes, int]]:
     def body(**kw) -> bytes:
         return json.dumps({"model": model, "prompt": "x = 1", **kw}).encode()
