@@ -671,6 +671,7 @@ class Planner:
             plan = self._release(low - free)
             if np.array_equal(plan.widths, self.desired):
                 return cancel
+            self._hold_overshoot(plan, low - free, kv.block_bytes)
             return self._write(plan)
         # free bytes were the window's peak need back (it is never below the need now), retained kept blocks aside
         budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks + kv.retained_blocks) * kv.block_bytes
@@ -707,11 +708,23 @@ class Planner:
                                                        _frozen(committed))
         return plan
 
+    def _hold_overshoot(self, plan: Plan, demand: float, block_bytes: int) -> None:
+        """Count the whole KV blocks a release frees beyond `demand` as needed in this step's entry of the reload
+        window, so no reload takes them back before the window has passed. A release under the class rule can free
+        far more than asked (a capped layer's last wide blocks at once), and the next step reloaded the excess into
+        other layers' dropped blocks: 73-192 block reversals against 0-2 on a ramp of rising KV need (a review's
+        planner simulation, 6 layers of 16 experts)."""
+        over = int((plan.delta_bytes - max(demand, 0.0)) // block_bytes)
+        if over > 0 and self._needs:
+            self._needs[-1] += over
+
     def _cancel_reloads(self, committed: np.ndarray, demand: float) -> Plan | None:
         """A release that takes back reloads not yet committed (desired above committed), those that avoid the least
         damage per byte first, until `demand` is covered; None if no reload is pending. Cheaper than any other
         release: no committed width drops and no copy runs, so a request arriving while widths climb back does not
-        lower blocks that have just come back (a reversal of the widths) while others are still on their way up."""
+        lower blocks that have just come back (a reversal of the widths) while others are still on their way up.
+        Under the class rule (`narrow_width`) a layer within the narrow class as committed keeps all of its pending
+        raises above the class or none: a cancel of some would leave it short of `narrow_min_share`."""
         pending = np.flatnonzero(self.desired > committed)
         if not pending.size:
             return None
@@ -726,11 +739,20 @@ class Planner:
         order = np.argsort(avoided / np.maximum(gain, 1.0), kind="stable")
         cum = np.cumsum(gain[order])
         n = min(int(np.searchsorted(cum, demand, "left")) + 1, len(order))
-        take = pending[order[:n]]
+        cancel = np.zeros(pending.size, dtype=bool)
+        cancel[order[:n]] = True
+        narrow, share = self.narrow_width, self.knobs.narrow_min_share
+        if narrow is not None and share > 0:  # the class rule: a layer narrow as committed is not left short of it
+            L = self.tables.num_layers
+            widths = self.desired.copy()
+            widths[pending[cancel]] = committed[pending[cancel]]
+            above = (widths.reshape(L, -1) > narrow).mean(axis=1)
+            short = (committed.reshape(L, -1).max(axis=1) <= narrow) & (above > 0) & (above < share)
+            cancel |= np.repeat(short, widths.size // L)[pending] & (up > narrow)  # its raises above the class go too
         widths = self.desired.copy()
-        widths[take] = committed[take]
-        freed = float(cum[n - 1])
-        return Plan("release", self.desired.copy(), widths, float(demand), freed, float(avoided[order[:n]].sum()),
+        widths[pending[cancel]] = committed[pending[cancel]]
+        freed = float(gain[cancel].sum())
+        return Plan("release", self.desired.copy(), widths, float(demand), freed, float(avoided[cancel].sum()),
                     freed >= demand, -1, 0.0)
 
     def _planned_on(self, dhat: np.ndarray, floors: np.ndarray) -> bool:

@@ -527,6 +527,56 @@ def test_the_engines_planner_releases_under_the_class_rule():
     assert ((plain > 0) & (plain < 0.5)).any() and ((ruled == 0) | (ruled >= 0.5)).all()
 
 
+def test_what_a_ruled_release_frees_beyond_the_demand_waits_out_the_reload_window():
+    """The engine's planner at home 6 under a KV need that rises by 3 blocks every 100 steps: a release the class
+    rule makes free 34 blocks for a demand of 3 (a layer's last wide blocks at once). That excess is not reloaded
+    before the reload window (reload_dwell_steps) has passed at the same need: the next step reloaded 27 of it into
+    other layers' dropped blocks."""
+    rng = np.random.default_rng(14)
+    L, E = 6, 16
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    home = np.full(n, 6)
+    pool = t.bytes_at(home).sum() + 10 * PAGE
+    span = int((t.bytes_at(home) - t.bytes_at(np.full(n, 4))).sum() // PAGE)
+    planner = Planner(t, PlannerKnobs(), home, narrow_width=4)
+    committed, need, events = home.copy(), int(0.76 * span), []
+    for step in range(700):
+        need += 3 if step and step % 100 == 0 else 0
+        free = int((pool - t.bytes_at(committed).sum()) // PAGE)
+        plan = planner.step(KVState(free_blocks=free, target_free_blocks=need, block_bytes=PAGE), committed)
+        if plan is not None:
+            events.append((step, plan.kind, plan.amount_bytes / PAGE, plan.delta_bytes / PAGE))
+        committed = planner.desired.copy()
+    big = [e for e in events if e[1] == "release" and e[3] > e[2] + 10]
+    assert big, events  # the case: a ruled release far beyond its demand
+    for step, *_ in big:
+        assert not [e for e in events if e[1] == "reload" and step < e[0] < step + planner.knobs.reload_dwell_steps]
+
+
+def test_a_cancelled_reload_keeps_a_narrow_layer_out_of_the_short_share():
+    """All blocks at 4 bits, home 6: a reload raises layers to half their blocks above 4, not yet committed; a small
+    demand then cancels some of those raises. A layer narrow as committed keeps all its raises above 4 or none (the
+    cancel left two layers at 0.469)."""
+    rng = np.random.default_rng(6)
+    L, E = 4, 16
+    t = make_tables(rng, L, E, 6)
+    n = t.n_blocks
+    start = np.full(n, 4)
+    planner = Planner(t, PlannerKnobs(reload_dwell_steps=1, hysteresis_blocks=0), start,
+                      home_widths=np.full(n, 6), narrow_width=4)
+    layer = float((t.bytes_at(np.full(n, 5)) - t.bytes_at(start)).reshape(L, -1).sum(1)[0])
+    free = int(layer * 0.8 // PAGE) + 4
+    plan = planner.step(KVState(free_blocks=free, target_free_blocks=0, block_bytes=PAGE), start)
+    assert plan is not None and plan.kind == "reload" and (_shares_above(plan.widths, L, 4) >= 0.5).any()
+    cancel = planner.step(KVState(free_blocks=free, target_free_blocks=3, block_bytes=PAGE), start)
+    assert cancel is not None and cancel.kind == "release" and cancel.met
+    assert (planner.desired <= plan.widths).all() and (planner.desired >= start).all()
+    shares = _shares_above(planner.desired, L, 4)
+    assert ((shares == 0) | (shares >= 0.5)).all(), shares
+    assert np.isclose(cancel.delta_bytes, (t.bytes_at(plan.widths) - t.bytes_at(planner.desired)).sum())
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), frac=st.floats(0.0, 1.2), min_share=st.floats(0.01, 1.0),
        holes=st.booleans())
