@@ -134,6 +134,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self.num_aborted = 0  # requests aborted because their caller went away
         self._stop = False
+        self._closed = False  # shutdown closed the LLM: nothing may call it after
         self._last_stats = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine_id}", daemon=True)
         self._thread.start()
@@ -229,10 +230,12 @@ class AsyncEngine:
         """fn(llm, *args) between engine steps (under the lock): benchmarks and diagnostics that need the
         engine's own process (its pinned store mapping, its device, its mover) without a step racing them."""
         with self._lock:
+            self._check_open()
             return fn(self.llm, *args)
 
     def stats(self) -> dict:
         with self._lock:
+            self._check_open()
             stats = dict(self.llm.stats())
         stats["in_flight"] = len(self._queues)
         stats["aborted_by_caller"] = self.num_aborted
@@ -242,17 +245,24 @@ class AsyncEngine:
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine {self.engine_id} step loop failed: {self._dead!r}")
+        self._check_open()
         if not self._thread.is_alive() and not self._stop:
             raise EngineDeadError(f"engine {self.engine_id} step loop is not running")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError(f"engine {self.engine_id} was shut down")
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if not self._thread.is_alive():  # the loop no longer steps: the engine and its page store mapping can go
-            self.llm.close()
-        if self._planner is not None:  # a retired engine's table leaves the cluster's merge
+        if self._planner is not None:  # a retired engine's table leaves the cluster's merge (first: close may raise)
             self._planner.forget.remote(self.engine_id)
+        if not self._thread.is_alive():  # the loop no longer steps: the engine and its page store mapping can go
+            with self._lock:  # after any stats / call / add under way; those that come later find it closed
+                self._closed = True
+                self.llm.close()
 
     # ---- step loop (background thread) ----
     def _run(self) -> None:
@@ -335,6 +345,7 @@ class AsyncEngine:
 
         self._last_sync = time.monotonic()
         with self._lock:  # also orders a push of the step loop against one of `sync_routing`
+            self._check_open()
             mass, done = self.llm.routing_mass(), self.llm.num_tokens_computed
             tokens, self._synced_tokens = done - self._synced_tokens, done
         return self._planner.push.remote(encode_table(self.engine_id, mass, tokens)), mass, tokens
@@ -342,6 +353,7 @@ class AsyncEngine:
     def _adopt(self, reply: dict) -> np.ndarray:
         """Take the planner's merged mass unless a newer merge was taken already; returns the mass now held."""
         with self._lock:
+            self._check_open()
             if reply["version"] >= self._adopted_version:
                 self.llm.set_routing_mass(reply["mass"])
                 self._adopted_version = reply["version"]

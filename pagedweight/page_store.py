@@ -155,7 +155,10 @@ class PageStore:
         bytes (the first `nbytes` of `samples` records spread over them, read from `source`): a directory reused for
         another checkpoint of the same shapes would otherwise serve the old planes to every reload. The samples
         alone miss planes that differ elsewhere."""
-        if identity is not None and self.identity != identity:
+        # a store written before stores recorded their planes, under the default name that already says which
+        # (`pagedweight-<planes id>`): trusted, so that a node's store does not stop every engine after an upgrade
+        legacy = self.identity is None and identity is not None and self.path.name.endswith(f"-{identity}")
+        if identity is not None and self.identity != identity and not legacy:
             held = "unrecorded planes (a store written before stores recorded theirs)" if self.identity is None \
                 else f"planes {self.identity}"
             raise ValueError(f"the page store at {self.path} holds {held}, not {source}'s planes {identity}: remove "

@@ -463,6 +463,10 @@ def test_a_request_added_while_the_step_loop_fails_is_answered():
     finally:
         engine.shutdown()
     assert engine.llm.closed  # the stopped loop's engine let go of its page store mapping
+    with pytest.raises(EngineDeadError, match="shut down"):  # nothing reaches the closed engine
+        engine.stats()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.call(lambda llm: llm)
 
 
 def test_request_latency_counts_the_wait_for_the_engine_lock():
@@ -575,7 +579,9 @@ def test_the_periodic_routing_sync_does_not_wait_in_the_step_loop():
     ready = {"now": False}
     handle = SimpleNamespace(**{m: SimpleNamespace(remote=getattr(planner, m)) for m in ("push", "merged", "forget")})
     engine = AsyncEngine(llm, "async-sync", planner=handle, routing_sync_s=3600.0)
-    engine.shutdown()  # its loop stopped: the passes below are this test's alone
+    engine._stop = True  # its loop stopped (not shut down: that closes the engine): the passes below are this test's
+    engine._wake.set()
+    engine._thread.join(timeout=10)
     get, wait = engine_actor.ray.get, engine_actor.ray.wait
     engine_actor.ray.get = lambda ref, timeout=None: ref
     engine_actor.ray.wait = lambda refs, timeout=None: (refs, []) if ready["now"] else ([], refs)

@@ -263,7 +263,8 @@ def _other_planes(src: Path, records: list[Record]) -> tuple[Path, Record]:
 def test_a_store_recorded_for_other_planes_is_refused(store_dir):
     """A directory reused for another checkpoint of the same shapes whose planes differ outside the sampled bytes:
     the identity recorded when writing refuses it (the samples alone served the old planes); a store that recorded
-    none cannot show what it holds and is refused as well."""
+    none cannot show what it holds and is refused as well, unless its directory has the default name, which is the
+    planes' id."""
     path, src, records = store_dir
     other, r = _other_planes(src, records)
     store = PageStore.create(path, src, records, identity="aaaa")
@@ -281,6 +282,13 @@ def test_a_store_recorded_for_other_planes_is_refused(store_dir):
     unchecked = PageStore.create(path, other, records)  # without identities only the samples are compared
     assert bytes(unchecked.view(r.block, r.what, r.idx)[:1]) != other.read_bytes()[r.offset:r.offset + 1]
     unchecked.close()
+    # an unrecorded store under the default name, which is its planes id (written by an older version): trusted
+    default = path.parent / "pagedweight-aaaa"
+    PageStore.create(default, src, records).close()
+    PageStore.create(default, src, records, identity="aaaa").close()
+    with pytest.raises(ValueError, match="holds unrecorded planes"):
+        PageStore.create(default, src, records, identity="bbbb")
+    PageStore.destroy(default)
 
 
 def _mapped(path: Path) -> list[str]:
