@@ -17,6 +17,7 @@ import cProfile
 import dataclasses
 import gc
 import io
+import json
 import pstats
 import re
 import sys
@@ -598,6 +599,8 @@ def engine_options(kind: str, b: int, home: int | None, args: argparse.Namespace
         options["compact_every_steps"] = args.compact_every
     if args.observe_every is not None:
         options["observe_every"] = args.observe_every
+    if args.planner_knobs:
+        options["planner_knobs"] = json.loads(args.planner_knobs)
     return options
 
 
@@ -635,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="suffix of the result file name (a second run the same day)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each timed batch to FILE (host-time breakdown)")
+    p.add_argument("--planner-knobs", default=None, metavar="JSON",
+                   help='PagedWeight planner knob overrides, e.g. \'{"release_min_share": 0.5}\' (pagedweight/knobs.py)')
     p.add_argument("--paged-home", default="parent",
                    help="home widths of the PagedWeight configurations, comma-separated ('parent', 'match': the "
                         "uniform width whose memory it gets, or bits): the width blocks return to when memory allows "
@@ -680,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
              "max_speedup_vs_fp16_by_bytes_computed": {k: per_token["fp16"] / v for k, v in per_token.items()},
              "lut_bytes_parent_gate_up": lut_bytes(2 * cfg.moe_intermediate_size, args.parent_bits),
              "residual_heads": "random" if args.heads else None, "time_budget_s": args.time_budget_s,
-             "sampling": sampling_of(args) or "greedy"}
+             "sampling": sampling_of(args) or "greedy",
+             "planner_knobs": json.loads(args.planner_knobs) if args.planner_knobs else None}
 
     def ap_budget(b: int, batch: int) -> int:
         """The memory of uniform b bits: weights outside the pool, the experts at b bits, the batch's KV cache."""

@@ -12,8 +12,8 @@ Variants (each an ablation of one signal):
                      search's best bucketed setting when it chose one bucket: "bucket_rows_knobs" in the JSON)
   online-buckets     + routing buckets from each evaluation window's own routing mass (per-window plan)
   online+residual    the chosen knobs on each window's routing mass and residual heads (per-window plan)
-  ..., narrow rule   online+residual under the engine's class rule (planner.plan_release_narrow): a layer wholly
-                     at 4 bits or less, or above 4 for at least narrow_min_share of its blocks (the kernels' speed)
+  ..., narrow rule   online+residual under the release's class rule (planner.plan_release_narrow): a layer wholly
+                     at 4 bits or less, or above 4 for at least half its blocks (release_min_share 0.5)
   ..., stages X      the same with the other depth-stage setting: one stage (3,) when the chosen knobs have stages,
                      stages (5, 3) when they have one (at a footprint equal to a stage floor, stages force uniform)
   measured, one stage  damage table = measured single-block NLL increase on calibration windows (no Fisher proxy)
@@ -192,12 +192,12 @@ def planned(tables, knobs: PlannerKnobs, budget: float, mass=None, heads=None, p
     demand = float(tables.bytes_at(top).sum() - budget)
     if narrow is not None:
         return plan_release_narrow(tables, top, demand, dhat, floors, knobs.stage_floors, narrow,
-                                   knobs.narrow_min_share).widths
+                                   0.5).widths
     return plan_release(tables, top, demand, dhat, floors, knobs.stage_floors).widths
 
 
 _UNIT = {}
-NARROW_LABEL = "online+residual, narrow rule"  # the engine's release: layers wholly in the kernels' narrow class or not
+NARROW_LABEL = "online+residual, narrow rule"  # layers wholly in the kernels' narrow class or not (release_min_share)
 
 
 def replace_sens(tables: BlockTables) -> BlockTables:

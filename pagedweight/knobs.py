@@ -38,9 +38,14 @@ class PlannerKnobs:
     # a reload takes a layer whose blocks all sit in the kernels' narrow class (4 bits or less) above it only for at
     # least this share of its blocks (planner.plan_reload): Qwen3 at 4-bit memory, home 6, batch 1, PagedWeight
     # decoded at 0.963 of uniform 4 bits with 138 blocks at 5 bits spread over 46 layers
-    # (engine_bench-nvidia-h200-20261202-s31-qwen3-paired-parent.json). A release that leaves a layer above the
-    # class for less than this share takes the whole layer into it (planner.plan_release_narrow). 0 turns both off.
+    # (engine_bench-nvidia-h200-20261202-s31-qwen3-paired-parent.json). 0 turns the rule off.
     narrow_min_share: float = 0.5
+    # a release that would leave a layer above the narrow class for less than this share of its blocks takes the whole
+    # layer into it (planner.plan_release_narrow), for the kernels' speed on mixed layers (0.895 / 0.929 of uniform
+    # 4 bits at batch 32 / 8 with the parent home, engine_bench-nvidia-h100-80gb-hbm3-20261205-s44-paired-b328.json).
+    # Off (0) until measured: on engine_bench's tables it caps 21-22 of 24 layers there and predicts 1.44-1.58x the
+    # unruled release's damage, near uniform 4 bits' 1.50-1.69x (class-rule-cpu-2c-20261205-s45.json, computed)
+    release_min_share: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_multipliers", tuple(float(m) for m in self.bucket_multipliers))
@@ -64,8 +69,8 @@ class PlannerKnobs:
             raise ValueError("eps must be positive and block counts non-negative")
         if self.queue_len < 1:
             raise ValueError("queue_len must be >= 1")
-        if not 0.0 <= self.narrow_min_share <= 1.0:
-            raise ValueError("narrow_min_share must lie in [0, 1]")
+        if not 0.0 <= self.narrow_min_share <= 1.0 or not 0.0 <= self.release_min_share <= 1.0:
+            raise ValueError("narrow_min_share and release_min_share must lie in [0, 1]")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -524,8 +524,8 @@ class Planner:
     (Counting from the last release instead let a request's end reload everything the next arrival then released
     again: 15 reloads for 16 releases on the H200 workload, kv_pressure-nvidia-h200-20261129-s6-final.json.)
     With `narrow_width` (the engine passes the kernels' narrow class bound) a reload follows `plan_reload`'s class
-    rule and a release `plan_release_narrow`'s, both at `knobs.narrow_min_share`: a layer sits wholly in the narrow
-    class or above it for at least that share of its blocks.
+    rule at `knobs.narrow_min_share` and a release `plan_release_narrow`'s at `knobs.release_min_share` (off by
+    default): a layer sits wholly in the narrow class or above it for at least that share of its blocks.
     `refresh` (every step, may overlap the GPU step) keeps the plan queue fresh; it recomputes the standing plan
     only when its inputs changed, so a step where nothing changed costs a few array compares.
     """
@@ -767,7 +767,8 @@ class Planner:
         """Newest queued plan cut to `demand` when it is current (same widths' version, and planned on the d_hat and
         bucket floors the signals give now: routing that moved an expert to a hotter bucket since must not be
         released below its new floor) and was planned at the right stage; then, with `narrow_width`, the class rule
-        (`plan_release_narrow`: the queue's plans are unruled, a prefix of the greedy order)."""
+        (`plan_release_narrow` at `knobs.release_min_share`: the queue's plans are unruled, a prefix of the greedy
+        order)."""
         dhat, floors = self.signals()
         k = self.knobs
         plan = None
@@ -780,7 +781,7 @@ class Planner:
         if plan is None:
             self.counters["queue_miss"] += 1
             plan = plan_release(self.tables, self.desired, demand, dhat, floors, k.stage_floors)
-        if self.narrow_width is None:
+        if self.narrow_width is None or k.release_min_share <= 0:
             return plan
         return plan_release_narrow(self.tables, self.desired, demand, dhat, floors, k.stage_floors, self.narrow_width,
-                                   k.narrow_min_share, plan)
+                                   k.release_min_share, plan)

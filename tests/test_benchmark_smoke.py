@@ -313,11 +313,38 @@ def test_engine_bench_observe_every_reaches_pagedweight_only():
 
     from benchmarks import engine_bench
 
-    args = SimpleNamespace(compact_every=None, observe_every=16)
+    args = SimpleNamespace(compact_every=None, observe_every=16, planner_knobs=None)
     assert engine_bench.engine_options("paged", 4, 4, args)["observe_every"] == 16
     assert "observe_every" not in engine_bench.engine_options("uniform", 4, None, args)
-    assert "observe_every" not in engine_bench.engine_options("paged", 4, 4, SimpleNamespace(compact_every=None,
-                                                                                           observe_every=None))
+    assert "observe_every" not in engine_bench.engine_options("paged", 4, 4, SimpleNamespace(
+        compact_every=None, observe_every=None, planner_knobs=None))
+    # --planner-knobs reaches PagedWeight's planner only
+    args = SimpleNamespace(compact_every=None, observe_every=None, planner_knobs='{"release_min_share": 0.5}')
+    assert engine_bench.engine_options("paged", 4, 6, args)["planner_knobs"] == {"release_min_share": 0.5}
+    assert "planner_knobs" not in engine_bench.engine_options("uniform", 4, None, args)
+
+
+def test_class_rule_plans_both_runs(tmp_path, monkeypatch):
+    """benchmarks/class_rule.py: per run the unruled release, the ruled one (no layer short of the share, the same
+    demand met) and uniform 4 bits."""
+    import json
+    import sys
+
+    from benchmarks import class_rule
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["class_rule.py", "--label", "t"])
+    assert class_rule.main() == 0
+    rows = json.loads(next(tmp_path.glob("class-rule-*.json")).read_text())["rows"]
+    assert [(r["run"], r["variant"]) for r in rows] == [(run, v) for run, *_ in class_rule.CASES
+                                                         for v in ("unruled", "class rule", "uniform 4 bits")]
+    for r in rows:
+        shares = r["wide_layers_share_above_narrow"]
+        if r["variant"] == "class rule":
+            assert all(s >= class_rule.SHARE for s in shares) and r["layers_narrow"] > 0, r
+        if r["variant"] == "unruled":
+            assert any(s < class_rule.SHARE for s in shares), r  # the case the rule is for
+        assert r["variant"] == "uniform 4 bits" or r["freed_bytes"] >= r["demand_bytes"]
 
 
 def test_benchmark_checkpoints_carry_residual_heads_unless_told_not_to():

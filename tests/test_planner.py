@@ -508,22 +508,24 @@ def test_release_leaves_a_layer_above_the_narrow_class_only_for_a_share_of_it():
 
 
 def test_the_engines_planner_releases_under_the_class_rule():
-    """The planner with the kernels' narrow bound: a release under KV pressure leaves no layer short of the share;
-    without the bound it releases as plan_release does."""
+    """The planner with the kernels' narrow bound and knobs.release_min_share: a release under KV pressure leaves no
+    layer short of the share; without the bound, or with the knob at its default 0, it releases as plan_release
+    does."""
     rng = np.random.default_rng(12)
     L, E = 6, 16
     t = make_tables(rng, L, E, 6)
     n = t.n_blocks
-    knobs = PlannerKnobs()
     need = int((t.bytes_at(np.full(n, 6)) - t.bytes_at(np.full(n, 4))).sum() * 0.9 // PAGE)
     kv = KVState(free_blocks=0, target_free_blocks=need, block_bytes=PAGE)
     plans = {}
-    for narrow in (None, 4):
-        planner = Planner(t, knobs, np.full(n, 6), narrow_width=narrow)
-        plans[narrow] = planner.step(kv, np.full(n, 6))
-        assert plans[narrow].kind == "release" and plans[narrow].met
-    plain = _shares_above(plans[None].widths, L, 4)
-    ruled = _shares_above(plans[4].widths, L, 4)
+    for narrow, share in ((None, 0.5), (4, 0.0), (4, 0.5)):
+        planner = Planner(t, PlannerKnobs(release_min_share=share), np.full(n, 6), narrow_width=narrow)
+        plans[narrow, share] = planner.step(kv, np.full(n, 6))
+        assert plans[narrow, share].kind == "release" and plans[narrow, share].met
+    assert PlannerKnobs().release_min_share == 0.0
+    assert np.array_equal(plans[4, 0.0].widths, plans[None, 0.5].widths)
+    plain = _shares_above(plans[None, 0.5].widths, L, 4)
+    ruled = _shares_above(plans[4, 0.5].widths, L, 4)
     assert ((plain > 0) & (plain < 0.5)).any() and ((ruled == 0) | (ruled >= 0.5)).all()
 
 
@@ -539,7 +541,7 @@ def test_what_a_ruled_release_frees_beyond_the_demand_waits_out_the_reload_windo
     home = np.full(n, 6)
     pool = t.bytes_at(home).sum() + 10 * PAGE
     span = int((t.bytes_at(home) - t.bytes_at(np.full(n, 4))).sum() // PAGE)
-    planner = Planner(t, PlannerKnobs(), home, narrow_width=4)
+    planner = Planner(t, PlannerKnobs(release_min_share=0.5), home, narrow_width=4)
     committed, need, events = home.copy(), int(0.76 * span), []
     for step in range(700):
         need += 3 if step and step % 100 == 0 else 0
