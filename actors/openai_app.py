@@ -240,6 +240,11 @@ def _template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    # the template's messages are the request's: these reached the replica's apply_chat_template as a second value
+    # of its own arguments, a TypeError there (answered 503, which the OpenAI client retries)
+    for name in ("messages", "self"):
+        if name in kwargs:
+            raise _bad(f"'chat_template_kwargs' must not set '{name}'", "chat_template_kwargs")
     return kwargs
 
 
@@ -275,6 +280,13 @@ def _model(body: dict, served_model: str, required: bool = True) -> str:
     return model
 
 
+def _seed(body: dict) -> int | None:
+    """The API's seed: any int64, as OpenAI and vLLM take it (clients send -1); the engine's generators take
+    [0, 2**64), so a negative seed is its two's complement."""
+    seed = _integer(body, "seed", None, -(1 << 63), (1 << 63) - 1)
+    return None if seed is None else seed % (1 << 64)
+
+
 def _flag(body: dict, name: str, default: bool) -> bool:
     """A boolean parameter; null is its default (as every other parameter's)."""
     value = body.get(name)
@@ -294,6 +306,10 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         value = body.get(name)
         if value is not None and value != neutral and value not in ({}, []):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    for name in ("tool_choice", "function_call"):  # "none" and "auto" ask for no call: a plain answer is theirs
+        if body.get(name) not in (None, "none", "auto"):
+            raise _bad(f"'{name}' asks for a tool call; this server does not support tools", name,
+                       "unsupported_parameter")
     stream = _flag(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
@@ -335,7 +351,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(0, _integer(body, "top_k", 0, -1, 1 << 20)),  # vLLM's -1: off, as 0
-        seed=_integer(body, "seed", None, 0, (1 << 63) - 1 - MAX_PROMPTS),
+        seed=_seed(body),
         stop=stop, ignore_eos=ignore_eos,
         request_id=request_id, logprobs=logprobs, echo=echo,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -349,7 +365,7 @@ def validate_request(body: dict, kind: str, served_model: str, max_model_len: in
     # the j-th sample of a seeded request draws with seed + j: n different samples, each reproducible
     jobs = [job] if len(prompts) * n == 1 else \
         [replace(job, prompt=prompt, request_id=f"{request_id}-{i * n + j}",
-                 seed=None if job.seed is None else job.seed + j)
+                 seed=None if job.seed is None else (job.seed + j) % (1 << 64))
          for i, prompt in enumerate(prompts) for j in range(n)]
     return ParsedRequest(kind, model, stream, bool(options.get("include_usage", False)), request_id, jobs, n)
 
@@ -509,7 +525,8 @@ class EngineReplica:
         room = llm.max_model_len - len(prompt_ids)
         if room < 1:
             yield _bad(f"This model's maximum context length is {llm.max_model_len} tokens; the prompt "
-                       f"has {len(prompt_ids)} tokens", "prompt", "context_length_exceeded").body()
+                       f"has {len(prompt_ids)} tokens", "prompt" if job.messages is None else "messages",
+                       "context_length_exceeded").body()
             return
         if job.max_tokens is not None and job.max_tokens > room:
             yield _bad(f"This model's maximum context length is {llm.max_model_len} tokens; "
@@ -570,6 +587,11 @@ def _status(chunk: dict) -> int:
     return 500 if err["type"] == "server_error" else 400
 
 
+def _unavailable(exc: Exception) -> APIError:
+    return APIError(503, f"engine unavailable: {type(exc).__name__}: {exc}"[:1000], type="server_error",
+                    code="engine_unavailable")
+
+
 async def _guarded(chunks):
     """The replica's chunks; a replica that fails or dies mid-request ends the stream with an error chunk
     (503) instead of an exception, so the client always gets an answer."""
@@ -577,8 +599,7 @@ async def _guarded(chunks):
         async for chunk in chunks:
             yield chunk
     except Exception as exc:  # noqa: BLE001 - RayActorError, an error raised in the replica, ...
-        yield APIError(503, f"engine unavailable: {type(exc).__name__}: {exc}"[:1000], type="server_error",
-                       code="engine_unavailable").body()
+        yield _unavailable(exc).body()
 
 
 def _usage(req: ParsedRequest, heads: list[dict], completion_tokens: int) -> dict:
@@ -670,8 +691,8 @@ async def _merged(streams: list):
 
 async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
     """Server-Sent Events: the echoed prompts (completions with `echo`), one chunk per engine step of each prompt
-    (choice `index`), a usage chunk when asked (`"usage": null` in the others then), then [DONE]. An error ends the
-    stream and `cancel`s the other prompts' calls."""
+    (choice `index`), a usage chunk when asked (`"usage": null` in the others then), then [DONE]. An error event
+    ends the stream (then [DONE], no usage chunk) and `cancel`s the other prompts' calls."""
     chat = req.kind == "chat"
     base = {"id": req.request_id, "created": int(time.time()), "model": req.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -688,12 +709,13 @@ async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
             yield _event({**base, "choices": [{"index": i, "text": head["echo"],
                                                "logprobs": _logprobs_body(req, echoed), "finish_reason": None}]})
             offsets[i] = sum(len(e["token"]) for e in echoed or ())
-    chunks = _merged(streams)
+    chunks, failed = _merged(streams), False
     try:
         async for i, chunk in chunks:
             if "error" in chunk:
                 cancel()
                 yield _event(chunk)
+                failed = True
                 break
             completion_tokens[i] = chunk["completion_tokens"]
             logprobs = _logprobs_body(req, chunk.get("logprobs"), offsets[i])
@@ -707,7 +729,7 @@ async def _sse(req: ParsedRequest, heads: list[dict], streams: list, cancel):
             yield _event({**base, "choices": [choice]})
     finally:
         await chunks.aclose()
-    if req.include_usage:
+    if req.include_usage and not failed:  # as vLLM: the error, then [DONE]
         usage = _usage(req, heads, sum(completion_tokens))
         yield _event({**base, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
@@ -760,7 +782,10 @@ class OpenAIIngress:
 
     async def _model_info(self) -> dict:
         if self._info is None:
-            self._info = await self.engine.info.remote()
+            try:
+                self._info = await self.engine.info.remote()
+            except Exception as exc:  # noqa: BLE001 - no replica answers (as _guarded's)
+                raise _unavailable(exc) from None
         return self._info
 
     def _authorize(self, request: Request) -> None:
@@ -772,15 +797,28 @@ class OpenAIIngress:
             raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    async def _model_card(self, request: Request) -> dict:
+        self._authorize(request)
+        info = await self._model_info()
+        return {"id": info["model_name"], "object": "model", "created": 0, "owned_by": "pagedweight",
+                "max_model_len": info["max_model_len"]}
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         try:
-            self._authorize(request)
+            return {"object": "list", "data": [await self._model_card(request)]}
         except APIError as exc:
             return exc.response()
-        info = await self._model_info()
-        return {"object": "list", "data": [{"id": info["model_name"], "object": "model", "created": 0,
-                                            "owned_by": "pagedweight", "max_model_len": info["max_model_len"]}]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, request: Request, model: str):
+        """OpenAI's model retrieval (`client.models.retrieve`; tools such as Copilot ask it)."""
+        try:
+            card = await self._model_card(request)
+            _model({"model": model}, card["id"])
+        except APIError as exc:
+            return exc.response()
+        return card
 
     @app.get("/health")
     async def health(self):
@@ -804,9 +842,12 @@ class OpenAIIngress:
         try:
             self._authorize(request)
             job = validate(parse_body(await request.body()), (await self._model_info())["model_name"])
+            try:
+                out = await getattr(self.engine, method).remote(job)
+            except Exception as exc:  # noqa: BLE001
+                raise _unavailable(exc) from None
         except APIError as exc:
             return exc.response()
-        out = await getattr(self.engine, method).remote(job)
         return JSONResponse(out, status_code=_status(out) if "error" in out else 200)
 
     @app.post("/v1/completions")

@@ -78,6 +78,10 @@ def test_models_lists_the_bundled_model(client, serve_app, offline):
     models = client.models.list().data
     assert [m.id for m in models] == [serve_app.model]
     assert models[0].model_extra["max_model_len"] == offline.max_model_len
+    assert client.models.retrieve(serve_app.model) == models[0]  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_completion_matches_offline_engine(client, serve_app, offline, n_tokens):
@@ -425,6 +429,157 @@ def test_vllm_clients_parameters_are_taken():
     assert chat.jobs[0].messages == [{"role": "user", "content": "Read this:\nx = 1"}]
 
 
+def test_openai_clients_parameters_are_taken():
+    """The API's seed is any int64 (OpenAI's and vLLM's range; clients send -1): a negative one reaches the engine's
+    generators, which take [0, 2**64), as its two's complement, and the j-th of n samples draws with seed + j there.
+    tool_choice / function_call "none" and "auto" ask for no tool call and get a plain answer; one that asks for a
+    call is refused (400), not answered with text as if no tool had been asked for."""
+    from pagedweight.actors.openai_app import APIError, _sampling_params, validate_request
+
+    def jobs(**kw) -> list:
+        return validate_request({"model": "m", "prompt": "x", **kw}, "completion", "m", 64).jobs
+
+    assert [j.seed for j in jobs(seed=-1)] == [(1 << 64) - 1]
+    assert [j.seed for j in jobs(seed=-1, n=3)] == [(1 << 64) - 1, 0, 1]
+    assert [j.seed for j in jobs(seed=(1 << 63) - 1, n=2)] == [(1 << 63) - 1, 1 << 63]
+    assert [j.seed for j in jobs(seed=-(1 << 63))] == [1 << 63]
+    for job in jobs(seed=-5, n=8) + jobs(seed=(1 << 63) - 1, n=8):
+        assert _sampling_params(job, 4).seed == job.seed  # the engine takes it
+    for bad in (1 << 63, -(1 << 63) - 1, 1.5, "7"):
+        with pytest.raises(APIError) as info:
+            jobs(seed=bad)
+        assert info.value.status == 400 and info.value.param == "seed"
+
+    msgs = [{"role": "user", "content": "hi"}]
+    # chat_template_kwargs that would set apply_chat_template's own arguments: a 400 (they were a TypeError in the
+    # replica, answered 503, which the OpenAI client retries)
+    for kwargs in ({"messages": []}, {"self": 1}):
+        with pytest.raises(APIError) as info:
+            validate_request({"model": "m", "messages": msgs, "chat_template_kwargs": kwargs}, "chat", "m", 64)
+        assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+    for name, value in [("tool_choice", "none"), ("tool_choice", "auto"), ("function_call", "none"),
+                        ("function_call", "auto"), ("tool_choice", None)]:
+        validate_request({"model": "m", "messages": msgs, name: value}, "chat", "m", 64)
+    for name, value in [("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+                        ("function_call", {"name": "f"})]:
+        with pytest.raises(APIError) as info:
+            validate_request({"model": "m", "messages": msgs, name: value}, "chat", "m", 64)
+        err = info.value.body()["error"]
+        assert info.value.status == 400 and err["param"] == name and err["code"] == "unsupported_parameter"
+
+
+def test_stream_error_ends_with_done_and_no_usage():
+    """An error mid-stream is the last data event before [DONE]: no usage chunk after it (as vLLM's), whose counts
+    would describe an answer that was not given; the other prompts' calls are cancelled."""
+    import asyncio
+
+    from pagedweight.actors.openai_app import APIError, _sse, validate_request
+
+    req = validate_request({"model": "m", "prompt": ["x", "y"], "stream": True,
+                            "stream_options": {"include_usage": True}}, "completion", "m", 64)
+    heads = [{"prompt_tokens": 1, "cached_tokens": 0}] * 2
+
+    async def fails():
+        yield {"delta": "a", "completion_tokens": 1, "finish_reason": None}
+        yield APIError(500, "engine error", type="server_error").body()
+
+    async def fine():
+        yield {"delta": "b", "completion_tokens": 1, "finish_reason": "length"}
+
+    async def events(streams) -> tuple[list[str], list]:
+        cancels = []
+        return [e async for e in _sse(req, heads, streams, lambda: cancels.append(True))], cancels
+
+    out, cancels = asyncio.run(events([fails(), fine()]))
+    data = [e.removeprefix("data: ").rstrip("\n") for e in out]
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["message"] == "engine error"
+    assert cancels == [True] and not any(json.loads(d).get("usage") for d in data[:-1])
+    out, cancels = asyncio.run(events([fine(), fine()]))  # no error: the usage chunk before [DONE]
+    assert json.loads(out[-2][6:])["usage"]["completion_tokens"] == 2 and not cancels
+
+
+def _ingress(engine, api_key: str | None = None):
+    """The ingress class as written (without Serve's wrapper), on a stand-in engine handle."""
+    from pagedweight.actors.openai_app import OpenAIIngress
+
+    return OpenAIIngress.func_or_class.__mro__[1](engine, api_key)
+
+
+def _request(method: str, path: str, body: dict | None = None, key: str | None = None):
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode() if body is not None else b""
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    return Request({"type": "http", "method": method, "path": path, "headers": headers}, receive)
+
+
+def test_model_retrieval_and_no_replica_answers_503():
+    """GET /v1/models/{model} (the OpenAI client's models.retrieve) answers the served model's card, 404
+    model_not_found for another name, 401 without the key. An engine handle that fails outside a generation stream
+    (no replica answers the first request's model info, or a tokenize call) is a 503 with an OpenAI-style body,
+    not an exception that the server turns into a bare 500."""
+    import asyncio
+    import types
+
+    async def info():
+        return {"model_name": "org/m", "max_model_len": 64}
+
+    async def gone(*_):
+        raise ConnectionError("no replica")
+
+    def engine(info_fn, tokenize_fn=gone):
+        return types.SimpleNamespace(info=types.SimpleNamespace(remote=info_fn),
+                                     tokenize=types.SimpleNamespace(remote=tokenize_fn))
+
+    up = _ingress(engine(info), "k")
+    card = asyncio.run(up.model(_request("GET", "/v1/models/org/m", key="k"), "org/m"))
+    assert card == asyncio.run(up.models(_request("GET", "/v1/models", key="k")))["data"][0]
+    assert card["id"] == "org/m" and card["object"] == "model"
+    other = asyncio.run(up.model(_request("GET", "/v1/models/gpt-4o", key="k"), "gpt-4o"))
+    assert other.status_code == 404 and json.loads(other.body)["error"]["code"] == "model_not_found"
+    assert asyncio.run(up.model(_request("GET", "/v1/models/org/m"), "org/m")).status_code == 401
+
+    down = _ingress(engine(gone))
+    body = {"model": "org/m", "prompt": "x"}
+    for response in (asyncio.run(down._handle(_request("POST", "/v1/completions", body), "completion")),
+                     asyncio.run(down.models(_request("GET", "/v1/models"))),
+                     asyncio.run(down.model(_request("GET", "/v1/models/org/m"), "org/m")),
+                     asyncio.run(_ingress(engine(info)).tokenize(_request("POST", "/tokenize", body)))):
+        err = json.loads(response.body)["error"]
+        assert response.status_code == 503 and err["code"] == "engine_unavailable", err
+        assert err["type"] == "server_error" and "no replica" in err["message"]
+
+
+def test_context_length_error_names_the_field_that_is_too_long(model_dir):
+    """A prompt past the context is a 400 context_length_exceeded whose param is what the client sent: 'prompt' for a
+    completion, 'messages' for a chat completion (OpenAI's)."""
+    import asyncio
+
+    from pagedweight.actors.engine_actor import AsyncEngine, EngineConfig, build_llm
+    from pagedweight.actors.openai_app import EngineReplica, _status, validate_request
+
+    replica = object.__new__(EngineReplica.func_or_class)  # outside Serve: no replica context to ask for an id
+    replica.engine = AsyncEngine(build_llm(EngineConfig(str(model_dir), device="cpu", use_page_store=False,
+                                                        engine_options=ENGINE_OPTIONS)), "r")
+    long_text = "x = 1\n" * replica.engine.llm.max_model_len
+
+    async def first(body: dict, kind: str) -> dict:
+        (job,) = validate_request({"model": "m", **body}, kind, "m", replica.engine.llm.max_model_len).jobs
+        return [c async for c in replica.generate(job)][0]
+
+    try:
+        chat = asyncio.run(first({"messages": [{"role": "user", "content": long_text}]}, "chat"))
+        completion = asyncio.run(first({"prompt": long_text}, "completion"))
+    finally:
+        replica.engine.shutdown()
+    for chunk, param in ((chat, "messages"), (completion, "prompt")):
+        assert _status(chunk) == 400 and chunk["error"]["code"] == "context_length_exceeded"
+        assert chunk["error"]["param"] == param
+
+
 # Qwen3's and OLMoE's templates' shape: the first system message, then user and assistant turns; other roles skipped
 SKIPS_UNKNOWN_ROLES = ("{% if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
                        "{% endif %}{% for m in messages %}"
@@ -496,7 +651,7 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
         ("negative min_tokens", "/v1/completions", body(min_tokens=-1), 400),
         ("repetition_penalty zero", "/v1/completions", body(repetition_penalty=0), 400),
         ("min_tokens above max_tokens", "/v1/completions", body(min_tokens=5, max_tokens=2), 400),
-        ("negative seed", "/v1/completions", body(seed=-1), 400),
+        ("seed beyond int64", "/v1/completions", body(seed=1 << 63), 400),
         ("too many stops", "/v1/completions", body(stop=[f"s{i}" for i in range(65)]), 400),
         ("n=0", "/v1/completions", body(n=0), 400),
         ("prompts x n above 256", "/v1/completions", body(prompt=["x", "y"], n=200), 400),
@@ -518,6 +673,13 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
          chat(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}), 400),
         ("chat tools", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"}],
                                                     tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+        ("tool_choice required", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], tool_choice="required"), 400),
+        ("a named tool_choice", "/v1/chat/completions", chat(
+            messages=[{"role": "user", "content": "hi"}], tool_choice={"type": "function", "function": {"name": "f"}}),
+         400),
+        ("chat messages longer than context", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": long_prompt}]), 400),
         ("suffix", "/v1/completions", body(suffix="x"), 400),
         ("best_of 2", "/v1/completions", body(best_of=2), 400),
         ("guided_json", "/v1/completions", body(guided_json={"type": "object"}), 400),
@@ -527,6 +689,8 @@ def _bad_requests(model: str, max_model_len: int) -> list[tuple[str, str, bytes,
          chat(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False), 400),
         ("chat_template_kwargs not an object", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=[1]), 400),
+        ("chat_template_kwargs setting messages", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []}), 400),
     ]
 
 
