@@ -152,6 +152,10 @@ class Move:
 
 @dataclass
 class MoverStats:
+    """`bytes_copied`: bytes of every copy issued (loads, reloads and offloads' LUTs, cancelled ones included).
+    `bytes_freed`: pool bytes given back that a committed width held (what commits retired: planes and LUTs a drop
+    gives up, the old LUT a raise replaces), not the pages of a cancelled or failed move."""
+
     committed: int = 0
     failed: int = 0
     cancelled: int = 0
@@ -179,6 +183,7 @@ class PageMover:
         self.launched = 0  # steps launched so far; step ids are 0..launched-1
         self.completed = -1  # every step with id <= completed has finished
         self.step_reload_bytes = 0  # paced reload bytes issued in this step (renewed by end_step or an idle boundary)
+        self._backlog: dict[int, None] = {}  # blocks whose paced reload has pieces not yet issued (insertion order)
         self._last_end: float | None = None
         self._launched_at_boundary = 0  # `launched` at the previous boundary
         # Pages only offload LUT copies may use, so an offload can start even when KV filled the pool: at least
@@ -245,6 +250,12 @@ class PageMover:
             room = self.pool.free_pages + self.pool.reclaimable_pages - self.pool.reserve_pages
             if grow > room or (keep_free_pages > 0 and peak > room - keep_free_pages):
                 return False
+            # `room` counted the reclaimable KV pages: reclaim what the footprint after commit needs beyond the free
+            # pages outside the reserve now. `alloc_run(use_reserve=True)` reclaims only once every free page, the
+            # reserve's included, is taken, so the reload would keep reserve pages for good while kept KV blocks
+            # (counted as its room) stayed: the reserve would not come back, and once requests hold those blocks
+            # again no offload could copy its LUT.
+            self.pool.reclaim(grow - (self.pool.free_pages - self.pool.reserve_pages))
         try:
             for n, key in enumerate(fresh):
                 s = self.table.slot(i, *key)
@@ -260,7 +271,11 @@ class PageMover:
                     pages=sum(self.table.slot_pages(i, *k) for k in fresh + reused))
         self._moves[i] = move
         row.d = b
-        self._issue(i, move)
+        if move.paced and move.todo and self._backlog:  # older reloads have pieces to issue: `boundary` issues
+            self._backlog[i] = None  # oldest first (the engine requests before its boundary: issued here, it took
+            # their step's cap)
+        else:
+            self._issue(i, move)
         return True
 
     def cancel(self, i: int) -> None:
@@ -272,6 +287,7 @@ class PageMover:
             return
         move.cancelled = True
         move.todo.clear()  # pieces never issued are never written
+        self._backlog.pop(i, None)
         self.stats.cancelled += 1
         for key in move.reused:
             self._retire(i, key)
@@ -372,6 +388,11 @@ class PageMover:
                 move.todo.popleft()
             else:
                 move.todo[0][1] = done + n
+        if move.paced:
+            if move.todo:
+                self._backlog[i] = None
+            else:
+                self._backlog.pop(i, None)
         if not pairs:
             return
         try:
@@ -383,6 +404,7 @@ class PageMover:
             move.failed = True
             move.fences.append(self.backend.copy([]))
             move.todo.clear()
+            self._backlog.pop(i, None)
 
     def _nbytes(self, i: int, key: SlotKey) -> int:
         spec = self.table.rows[i].spec
@@ -404,9 +426,11 @@ class PageMover:
         self._retiring[(i, *key)] = self.launched - 1
 
     def _drop_fresh(self, i: int, move: Move) -> None:
-        """Free the slots a cancelled/failed move copied: never committed, so no step can read them."""
+        """Free the slots a cancelled/failed move copied: never committed, so no step can read them. Not counted in
+        `bytes_freed`: they only undo the move's own allocation (as a refused request's rollback does); no committed
+        width gave them up."""
         for key in move.fresh:
-            self._free_slot(i, key)
+            self._free_slot(i, key, count=False)
         del self._moves[i]
 
     def _fail(self, i: int, move: Move) -> None:

@@ -208,6 +208,11 @@ class PagePool:
         fewer). A weight run short of free pages has them reclaimed first: such pages count as free for weights."""
         self._reclaimer = (pages, reclaim)
 
+    def reclaim(self, npages: int) -> None:
+        """Have the KV owner free at least `npages` reclaimable pages (fewer if it holds fewer; none without one)."""
+        if npages > 0 and self._reclaimer is not None and self._reclaimer[0]() > 0:
+            self._reclaimer[1](min(npages, self._reclaimer[0]()))
+
     def bytes_of(self, npages: int) -> int:
         return npages * self.page_bytes
 

@@ -81,6 +81,7 @@ class DeferredBackend:
         self.steps: list[ManualFence] = []
         self.raise_next = False
         self.on_copy = on_copy  # sees every issued pair list (the test's own byte count)
+        self.issued = 0  # bytes of the copies issued without an error (what the mover's bytes_copied counts)
 
     def copy(self, pairs):
         if pairs and self.on_copy is not None:
@@ -89,6 +90,7 @@ class DeferredBackend:
             self.raise_next = False
             pairs[0][0].fill_(POISON)
             raise RuntimeError("injected copy-issue failure")
+        self.issued += sum(dst.numel() for dst, _ in pairs)
         fence = ManualFence()
         for dst, _ in pairs:
             dst.fill_(POISON)  # what an unfinished copy leaves
@@ -132,6 +134,7 @@ class MoverMachine(RuleBasedStateMachine):
         self.table = WeightPageTable(SPECS, L, E, P, self.pool)
         self.backend = DeferredBackend(on_copy=self._on_copy)
         self.to_fail: set[int] = set()
+        self.failing: list[tuple[int, int]] = []  # (block, q) of copies the hook failed in this boundary
         self.cap = pace
         self.mover = PageMover(self.table, self.store, backend=self.backend, fault_hook=self._fault_hook,
                                pace=None if pace is None else ReloadPace(bytes_per_step=pace))
@@ -157,6 +160,7 @@ class MoverMachine(RuleBasedStateMachine):
         """The next copy of block i to complete fails (once)."""
         if i in self.to_fail:
             self.to_fail.discard(i)
+            self.failing.append((i, self.table.rows[i].q))
             return True
         return False
 
@@ -204,6 +208,9 @@ class MoverMachine(RuleBasedStateMachine):
             self.paced_bytes = 0
         self.stepped = False
         self.mover.boundary()
+        for i, q in self.failing:  # a failed copy leaves q_i where it was
+            assert self.table.rows[i].q == q and not self.mover.pending(i), f"block {i}: a failed move committed"
+        self.failing.clear()
 
     def _drain(self) -> None:
         """Finish every copy and step, running boundaries until nothing is pending (paced reloads need many)."""
@@ -243,13 +250,23 @@ class MoverMachine(RuleBasedStateMachine):
         self.backend.steps.pop(0).finished = True
 
     # ---- rules ----
-    @rule(i=st.integers(0, len(SPECS) - 1), b=st.integers(S, P))
-    def plan(self, i, b):
+    @rule(i=st.integers(0, len(SPECS) - 1), b=st.integers(S, P), keep=st.sampled_from([0, 0, 3, 20]),
+          relocate=st.sampled_from([True, True, False]))
+    def plan(self, i, b, keep=0, relocate=True):
+        """`keep` and `relocate` as the engine passes them while requests run (KV room to leave, compaction
+        rationed)."""
         row = self.table.rows[i]
         before = (row.q, row.d, self.pool.weight_pages)
-        ok = self.mover.request(i, b)
+        compactions = self.pool.relocations
+        reload = b > row.q and not self.mover.pending(i)
+        ok = self.mover.request(i, b, keep_free_pages=keep, relocate=relocate)
+        if not relocate:
+            assert self.pool.relocations == compactions, "a request with relocate=False compacted the pool"
         if ok:
             assert row.d == b
+            if reload and keep:  # its peak left the pages asked for (free or reclaimable, outside the reserve)
+                pool = self.pool
+                assert pool.free_pages + pool.reclaimable_pages - pool.reserve_pages >= keep
         else:
             assert (row.q, row.d, self.pool.weight_pages) == before
 
@@ -363,6 +380,16 @@ class MoverMachine(RuleBasedStateMachine):
         for b in gone:
             del self.kv[b]
 
+    @rule(frac=st.sampled_from([1, 2, 3]))
+    def kv_fill_and_keep(self, frac):
+        """KV takes every free page and the sequences end, keeping 1/frac of their blocks (prefix blocks nobody
+        holds): a reload now finds fewer free pages than it needs outside the reserve, and the kept blocks it
+        counts as room must be reclaimed, not the reserve taken."""
+        got = self.pool.alloc_kv_blocks(self.pool.kv_capacity())
+        self._kv_write(got)
+        for b in sorted(got)[::frac]:
+            self.kept[b] = None
+
     @rule(b=st.integers(S + 1, P))
     def reload_all(self, b):
         """Ask every block for width b (mostly reloads: the runs that fragmentation refuses without compaction)."""
@@ -449,8 +476,16 @@ class MoverMachine(RuleBasedStateMachine):
         assert pool.reclaimable_pages == len(self.kept)
         for blk, tag in self.kv.items():  # KV contents survive every relocation
             assert torch.equal(pool.kv_block_view(blk), kv_pattern(tag)), f"KV page {blk} lost its contents"
+        for i, row in enumerate(self.table.rows):  # d_i is the pending move's target, else q_i
+            move = self.mover._moves.get(i)
+            assert row.d == (move.target if move is not None and not move.cancelled else row.q), f"block {i}: d"
+        if self.mover.idle():  # every move settled: the offloads' reserve is back, whole
+            assert pool.free_pages >= pool.reserve_pages, f"{pool.free_pages} free pages, reserve {pool.reserve_pages}"
+        assert self.mover.stats.bytes_copied == self.backend.issued
         if self.cap is not None:
             assert self.paced_bytes <= self.cap, f"{self.paced_bytes} paced bytes in one step, cap {self.cap}"
+        # the paced reloads with pieces to issue are exactly the backlog a new request waits behind
+        assert set(self.mover._backlog) == {i for i, m in self.mover._moves.items() if m.paced and m.todo}
         for i, move in self.mover._moves.items():  # in-flight copies only ever target pages the move owns
             for key in move.fresh:
                 assert self.table.slot(i, *key).state is PageState.IN_TRANSFER
@@ -529,3 +564,67 @@ def test_reload_keeps_the_free_pages_asked_for(store):
     mover.boundary()  # commit; the old LUT retires and, the step being done, is freed
     assert table.rows[0].q == P and mover.idle() and mover.transit_bytes() == 0
     assert pool.free_pages - pool.reserve_pages == room - peak + table.slot_pages(0, "lut", S)
+
+
+def test_reload_reclaims_kept_blocks_not_the_reserve(store):
+    """A reload counts kept KV blocks as its room: it must reclaim them, not keep the offloads' reserve (it did:
+    `alloc_run(use_reserve=True)` reclaims only once the reserve too is taken, and after the commit the pool had
+    fewer free pages than the reserve, for good once requests hold those blocks again)."""
+    pool = PagePool(200 * PAGE, PAGE)
+    table = WeightPageTable(SPECS, L, E, P, pool)
+    mover = PageMover(table, store, pace=None)
+    assert all(mover.request(i, S) for i in range(len(SPECS)))
+    mover.boundary()
+    kept = dict.fromkeys(pool.alloc_kv_blocks(pool.kv_capacity()))  # KV filled the pool; its sequences ended
+
+    def reclaim(n):
+        gone = list(kept)[:n]
+        pool.free_kv_blocks(gone)
+        for b in gone:
+            del kept[b]
+
+    pool.set_kv_reclaimer(lambda: len(kept), reclaim)
+    assert pool.free_pages == pool.reserve_pages > 0
+    before = len(kept)
+    grow = (table.memory(0, P) - table.memory(0, S)) // PAGE
+    assert mover.request(0, P)
+    mover.end_step()
+    mover.boundary()
+    assert table.rows[0].q == P and mover.idle()
+    assert pool.free_pages == pool.reserve_pages  # the reserve is whole again ...
+    assert before - len(kept) == grow  # ... and the kept blocks paid for the reload's growth, exactly
+    table.check()
+
+
+def test_bytes_freed_counts_only_what_committed_widths_gave_up(store):
+    """A cancelled or failed reload hands its pages back, but no committed width gave them up: `bytes_freed` (the
+    engine's bytes_offloaded) must not grow (it grew by every such move's pages); a drop's retired pages count."""
+    pool = PagePool(200 * PAGE, PAGE)
+    table = WeightPageTable(SPECS, L, E, P, pool)
+    fail = set()
+    mover = PageMover(table, store, pace=None, fault_hook=lambda i, b: i in fail)
+    assert all(mover.request(i, S) for i in range(len(SPECS)))
+    mover.boundary()
+    weight = pool.weight_pages
+    assert mover.request(0, P)
+    mover.cancel(0)  # copies done (CPU): its pages go back at once
+    fail.add(1)
+    assert mover.request(1, P)
+    mover.end_step()
+    mover.boundary()  # block 1's copy fails: q stays, pages go back
+    assert mover.idle() and pool.weight_pages == weight and [r.q for r in table.rows[:2]] == [S, S]
+    assert mover.stats.cancelled == 1 and mover.stats.failed == 1
+    assert mover.stats.bytes_freed == 0
+    fail.clear()
+    assert mover.request(2, P)
+    mover.end_step()
+    mover.boundary()  # the raise commits: the old LUT is retired and freed
+    assert table.rows[2].q == P and mover.stats.bytes_freed == pool.bytes_of(table.slot_pages(2, "lut", S))
+    mover.stats.bytes_freed = 0
+    assert mover.request(2, S)
+    mover.end_step()
+    mover.boundary()  # a drop: planes S..P-1 and LUT_P given up
+    assert table.rows[2].q == S and mover.idle()
+    assert mover.stats.bytes_freed == table.memory(2, P) - table.memory(2, S) + pool.bytes_of(
+        table.slot_pages(2, "lut", S))
+    table.check()

@@ -101,6 +101,35 @@ def test_offloads_are_not_paced_and_cancel_frees_a_half_issued_reload():
         rig.close()
 
 
+def test_paced_reloads_finish_oldest_first_when_requested_before_the_boundary():
+    """The engine requests a boundary's moves before `boundary()` issues the paced bytes: a new reload must not take
+    the step's cap ahead of the reloads already under way (it did: the first of four reloads, started one a step,
+    committed three steps late, each later request having taken a whole step's cap first)."""
+    cap = 4096
+    rig = make_rig("cpu", 1 << 20, 1024, **SHAPE, pace=ReloadPace(bytes_per_step=cap))
+    try:
+        table, mover = rig.table, rig.mover
+        n = len(table.rows)
+        drive(mover, {i: 2 for i in range(n)})
+        sizes = [2 * r.spec.plane_bytes + r.spec.lut_bytes[4] for r in table.rows]
+        assert all(s > cap for s in sizes)
+        done: dict[int, int] = {}
+        for step in range(10 * sum(sizes) // cap):
+            if step < n:
+                assert mover.request(step, 4)  # one new reload a step, requested before the boundary
+            mover.boundary()
+            done.update({i: step for i, r in enumerate(table.rows) if r.q == 4 and i not in done})
+            mover.end_step()
+            if len(done) == n:
+                break
+        # a cap a step in age order (two in step 0: its boundary is an idle one after drive's, a new budget)
+        want = {i: -(-sum(sizes[:i + 1]) // cap) - 2 for i in range(n)}
+        assert done == want
+        table.check()
+    finally:
+        rig.close()
+
+
 def test_engine_option_reaches_the_mover_and_paced_widths_return(ap_dir):
     from pagedweight.engine import LLM
 
