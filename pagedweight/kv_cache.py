@@ -32,9 +32,9 @@ whole blocks recomputes its last one, whose logits are needed; two requests of o
 the request's next blocks continue the key's block instead, and the request holds that block (a pin) until the step
 that wrote the copy is done (`fold_copies`, at the end of the engine's step): then the key's block replaces the copy
 in its block table (equal keys, equal K/V) and the copy goes back to the pool. So no continuation outlives the block
-it continues, and a copy costs a block for one step (a request scoring its prompt keeps its copies, and its pins,
-to its end: its scores must not depend on other requests). Before, the chain stopped at the copy: a repeated
-prompt's answer was never published.
+it continues, and a copy costs a block for one step (a request scoring its prompt keeps reading its copies, its
+scores must not depend on other requests: the key's block takes the copy's pages once no block table names it).
+Before, the chain stopped at the copy: a repeated prompt's answer was never published.
 
 A decode step can also run at static shapes (what a CUDA graph captures, runner.DecodeGraphs): one row per
 sequence, padded to a bucket of rows, each row's block table padded to a bucket of blocks; `decode_layout`
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -351,19 +351,38 @@ class PagedKVCache:
 
     def fold_copies(self, running: list[Sequence]) -> None:
         """Between steps (the step that wrote them is done): each copy `publish` found leaves its request's block
-        table for the block it copies, which the request already holds (its pin), and goes back to the pool. Not a
-        request scoring its prompt (prompt_logprobs): its scores must not depend on other requests' K/V."""
+        table for the block it copies, which the request already holds (its pin), and goes back to the pool. A
+        request scoring its prompt (prompt_logprobs) reads its own K/V, not another request's (its scores must not
+        depend on them): once no request reads the original (none names it in its block table; pins do not read),
+        the original takes the copy's pages instead (equal keys, equal K/V) and gives its own back; while one
+        reads it, the pin waits. Before, a scoring request held every pinned original to its end beside its
+        copies: a prompt whose blocks an earlier request had left kept took twice its blocks, and one of 9 blocks
+        failed in a cache of 14."""
         if not self._pins:
             return
-        gone = []
+        gone, L = [], self.num_layers
+        pinned = Counter(b for pins in self._pins.values() for b in pins.values())
         for seq in running:
-            if seq.request_id not in self._pins or seq.params.prompt_logprobs is not None:
-                continue  # scoring reads its own K/V, not another request's: its pins wait for its end
-            for j, original in self._pins.pop(seq.request_id).items():
-                gone.append(seq.block_table[j])  # never published, so held by this request alone
-                del self._refs[seq.block_table[j]]
+            pins = self._pins.get(seq.request_id)
+            if pins is None:
+                continue
+            scoring, folded = seq.params.prompt_logprobs is not None, len(gone)
+            for j, original in list(pins.items()):
+                copy = seq.block_table[j]  # never published, so held by this request alone
+                if scoring:
+                    if self._refs[original] > pinned[original]:
+                        continue  # a request's block table names the original (it reads its pages): the pin waits
+                    pages = self.block_pages[copy]
+                    self.block_pages[copy], self.block_pages[original] = self.block_pages[original], pages
+                    self._owner[pages] = np.arange(original * L, (original + 1) * L)  # the copy's pages, its own K/V
+                gone.append(copy)  # with the pages nobody reads any more
+                del self._refs[copy], pins[j]
                 seq.block_table[j] = original
-            self._tables.pop(seq.request_id, None)  # a new array: decode graphs see a change by identity
+                pinned[original] -= 1  # its pin is a block table's reference now
+            if not pins:
+                del self._pins[seq.request_id]
+            if len(gone) > folded:
+                self._tables.pop(seq.request_id, None)  # a new array: decode graphs see a change by identity
         self._drop(gone)
 
     def _relocated(self, moves: dict[int, int]) -> None:

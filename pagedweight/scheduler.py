@@ -70,8 +70,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
-        self.prefix_query_tokens = 0  # tokens of the requests that started after looking for a shared prefix
-        self.prefix_hit_tokens = 0  # of those, tokens found computed
+        # prompt tokens of the requests that started after looking for a shared prefix, each counted once as it first
+        # started (a recompute after preemption finding its own kept blocks counted its generated tokens and again)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0  # of those, tokens found computed (the sum of their num_cached_tokens)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -198,6 +200,8 @@ class Scheduler:
             found = self.kv.share_prefix(seq) if seq.num_computed_tokens == 0 else None
             n = self._fit(seq, self._chunk(seq, budget))
             if n == 0:
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = 0  # it did not start: it used nothing it found
                 if self.running:
                     self.kv.free(seq)  # a waiting request holds no block
                     seq.num_computed_tokens = 0
@@ -206,9 +210,9 @@ class Scheduler:
                 self._fail(seq, batch)
                 continue
             self.waiting.popleft()
-            if found is not None:
-                self.prefix_query_tokens += seq.num_tokens
-                self.prefix_hit_tokens += found
+            if found is not None and not seq.num_preemptions:
+                self.prefix_query_tokens += seq.num_prompt_tokens
+                self.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

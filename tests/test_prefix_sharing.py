@@ -56,6 +56,8 @@ def run_step(kv: PagedKVCache, sched: Scheduler, fold: bool = True) -> None:
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             assert seq.block_table[pos // BS] not in kv._key  # a published block is never written again
             kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0] = stand_in(seq.token_ids, pos)
+            if seq.params.prompt_logprobs is not None:  # where it wrote: the pages its scores must read
+                seq.__dict__.setdefault("wrote", {})[pos] = pages(kv, seq, pos)
         seq.num_computed_tokens += n
     kv.publish(batch.seqs)
     for seq in batch.seqs:
@@ -78,6 +80,9 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
         for pos in range(seq.num_computed_tokens):
             assert kv.view[pages(kv, seq, pos), 0, pos % BS, 0, 0].tolist() == [stand_in(seq.token_ids, pos)] * LAYERS
     assert all(not seq.block_table for seq in sched.waiting)
+    for seq in sched.running:  # a request scoring its prompt reads the K/V it computed, not another request's
+        if seq.params.prompt_logprobs is not None:
+            assert all(pages(kv, seq, pos) == seq.wrote[pos] for pos in range(seq.num_computed_tokens))
     for seq in sched.running:  # a cached block table is the one its blocks give now (folds and relocations drop it)
         if seq.request_id in kv._tables:
             assert kv._tables[seq.request_id].tolist() == [list(col) for col in zip(*(kv.block_pages[b]
@@ -107,13 +112,14 @@ def check(kv: PagedKVCache, sched: Scheduler) -> None:
 @given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(3, 60), max_size=6),
                                     st.integers(1, 8)),
                           st.tuples(st.just("step"), st.booleans()), st.tuples(st.just("step"), st.booleans()),
-                          st.tuples(st.just("repeat"), st.integers(0, 20), st.integers(1, 8)),
+                          st.tuples(st.just("repeat"), st.integers(0, 20), st.integers(1, 8), st.booleans()),
                           st.tuples(st.just("abort"), st.integers(0, 20)),
                           st.tuples(st.just("weights"), st.integers(1, 3 * LAYERS))), max_size=40),
        st.integers(3, 12), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
 def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retention):
-    """Random arrivals of prompts with common prefixes (and earlier prompts again: copies of published blocks, pins),
-    steps, aborts and weight runs in a cache short enough to preempt: every request reads only its own tokens, blocks live while held or kept, kept blocks are
+    """Random arrivals of prompts with common prefixes (and earlier prompts again, some scoring their prompt: copies of
+    published blocks, pins), steps, aborts and weight runs in a cache short enough to preempt: every request reads
+    only its own tokens (a scoring one its own K/V), blocks live while held or kept, kept blocks are
     evicted when KV needs them, weight runs reclaim only those past their retention (one step a second), and all
     come back."""
     now = [0.0]
@@ -138,10 +144,11 @@ def test_shared_blocks_hold_each_request_s_own_tokens(ops, budget, seats, retent
             seq = Sequence(str(len(added)), prompt, SamplingParams(max_tokens=op[3]))
             added.append(seq)
             sched.add(seq)
-        elif op[0] == "repeat" and added:  # an earlier prompt again, answered further (copies, pins)
+        elif op[0] == "repeat" and added:  # an earlier prompt again, answered further (copies, pins), or scored
             earlier = added[op[1] % len(added)]
             seq = Sequence(str(len(added)), earlier.prompt_token_ids,
-                           SamplingParams(max_tokens=earlier.params.max_tokens + BS + op[2]))
+                           SamplingParams(max_tokens=earlier.params.max_tokens + BS + op[2],
+                                          prompt_logprobs=0 if op[3] else None))
             added.append(seq)
             sched.add(seq)
         elif op[0] == "abort" and op[1] < len(added):
@@ -300,3 +307,122 @@ def test_free_blocks_are_what_an_allocation_gets_when_an_offload_borrowed_the_re
     assert kv.num_free_blocks == 0 and kv.reserve_borrowed_bytes == (2 * LAYERS - 1) * pool.page_bytes
     pool.free_run(deep)
     assert kv.reserve_borrowed_bytes == 0 and pool.free_pages - pool.reserve_pages == kv.num_free_blocks * LAYERS
+
+
+def test_a_request_scoring_a_kept_prompt_holds_its_own_blocks_only():
+    """A request scoring its prompt (prompt_logprobs) computes every block itself, also those an earlier request left
+    kept: its copies. It keeps reading its own K/V, and once no block table names an original, the original takes
+    the copy's pages (its own go back). Before, it held every original beside its copy to its end: a prompt of 9
+    blocks, kept, did not fit in 14 ("error") though it does in a cold cache."""
+    kv, sched = make(budget=16, seats=4)
+    prompt = list(range(3, 3 + 9 * BS))
+    first = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    kept = set(kv._cached)
+    assert len(kept) == 9 and kv.num_free_blocks == BLOCKS
+    scoring = Sequence("s", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
+    sched.add(scoring)
+    while scoring.num_computed_tokens < len(prompt):
+        run_step(kv, sched)
+        check(kv, sched)  # its positions are in the pages it wrote
+        assert kv.num_used_blocks == len(scoring.block_table) and not kv._pins
+    assert set(scoring.block_table) <= kept  # the originals, holding its own K/V
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    assert scoring.finish_reason == "length" and kv.num_free_blocks == BLOCKS
+    check(kv, sched)
+
+
+def test_a_scoring_request_s_pin_waits_while_another_request_holds_the_original():
+    """Two requests of one prompt at once, the second scoring it: its copies are pinned while the first holds the
+    originals (the first reads their pages); once the pins are their only holders, the originals take the copies'
+    pages."""
+    kv, sched = make(budget=32, seats=4)
+    prompt = list(range(3, 3 + 3 * BS))
+    plain, scoring = (Sequence("a", prompt, SamplingParams(max_tokens=3)),
+                      Sequence("s", prompt, SamplingParams(max_tokens=8, prompt_logprobs=0)))
+    sched.add(plain)
+    sched.add(scoring)
+    run_step(kv, sched)
+    own, originals = scoring.block_table[:3], plain.block_table[:3]
+    own_pages = [kv.block_pages[b] for b in own]
+    assert kv._pins["s"] == dict(enumerate(originals)) and not set(own) & set(originals)
+    run_step(kv, sched)  # the pins wait: the first still holds the originals
+    assert scoring.block_table[:3] == own and kv._pins["s"] == dict(enumerate(originals))
+    check(kv, sched)
+    while not plain.is_finished:
+        run_step(kv, sched)
+    check(kv, sched)
+    assert "s" not in kv._pins and scoring.block_table[:3] == originals
+    assert [kv.block_pages[b] for b in originals] == own_pages and kv.num_used_blocks == len(scoring.block_table)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    assert kv.num_used_blocks == 0 and set(originals) <= set(kv._cached)
+
+
+
+def test_two_requests_scoring_a_kept_prompt_at_once_hold_their_own_blocks_and_no_third_set():
+    """Two requests score a prompt an earlier request left kept, in one step: both pin the kept originals, which
+    no block table names, so the first's copies become the originals and the second's pins wait while the first
+    reads them: their own blocks and nothing more are held (three sets before: the originals stayed pinned)."""
+    kv, sched = make(budget=32, seats=4)
+    prompt = list(range(3, 3 + 3 * BS))
+    first = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    kept = set(kv._cached)
+    one, two = (Sequence(r, prompt, SamplingParams(max_tokens=m, prompt_logprobs=0)) for r, m in (("s", 3), ("t", 6)))
+    sched.add(one)
+    sched.add(two)
+    run_step(kv, sched)
+    check(kv, sched)  # each reads the pages it wrote
+    assert set(one.block_table[:3]) == kept and kv._pins == {"t": dict(enumerate(one.block_table[:3]))}
+    assert kv.num_used_blocks == len(one.block_table) + len(two.block_table)
+    while not one.is_finished:
+        run_step(kv, sched)
+    check(kv, sched)
+    assert not kv._pins and set(two.block_table[:3]) == kept  # the originals, now holding its own K/V
+    assert kv.num_used_blocks == len(two.block_table)
+
+def test_prefix_counts_take_each_request_once_as_it_first_starts():
+    """The prefix counts are prompt tokens of the requests that started after a lookup and, of those, the tokens
+    found (their num_cached_tokens): a recompute after preemption that finds its own kept blocks is not a second
+    query, nor are its generated tokens (before, two prompts with no common block reported 24 tokens hit and 69 of
+    44 prompt tokens queried)."""
+    kv, sched = make(budget=64, seats=4)
+    a = Sequence("a", list(range(3, 3 + 4 * 6)), SamplingParams(max_tokens=6))
+    b = Sequence("b", list(range(100, 100 + 4 * 5)), SamplingParams(max_tokens=30))
+    sched.add(a)
+    sched.add(b)
+    found = []
+    share = kv.share_prefix
+    kv.share_prefix = lambda seq: found.append((seq.request_id, share(seq))) or found[-1][1]
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    assert b.num_preemptions == 1 and ("b", 24) in found  # its recompute found its own kept blocks
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+    assert sched.prefix_query_tokens == a.num_prompt_tokens + b.num_prompt_tokens and sched.prefix_hit_tokens == 0
+
+
+def test_a_request_that_looked_its_prefix_up_but_never_started_reports_none_cached():
+    """A waiting request finds a kept prefix but no room for its own tokens: it gives the blocks back and waits;
+    aborted there, it used nothing it found (before, its output reported the found tokens as cached)."""
+    kv, sched = make(budget=64, seats=4)
+    first = Sequence("a", FAMILIES[0] + [40, 41], SamplingParams(max_tokens=1))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    hog = Sequence("hog", list(range(3, 3 + 4 * (BLOCKS - 3))), SamplingParams(max_tokens=20))
+    sched.add(hog)
+    run_step(kv, sched)
+    late = Sequence("c", FAMILIES[0] + [40, 41, 50, 51, 52, 53, 54], SamplingParams(max_tokens=2))
+    sched.add(late)
+    run_step(kv, sched)
+    assert late in sched.waiting and not late.block_table and kv.shared_blocks(late) == 0
+    assert late.num_cached_tokens == 0 and sched.prefix_query_tokens == first.num_prompt_tokens + hog.num_prompt_tokens
+    sched.abort("c")
+    assert late.num_cached_tokens == 0 and late.finish_reason == "abort"
+    check(kv, sched)
