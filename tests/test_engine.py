@@ -1645,3 +1645,16 @@ def test_decode_rows_are_bounded_by_the_served_length(hf_dir):
     llm = LLM(hf_dir[0], max_model_len=64, block_size=16)
     assert llm.kv.max_keys == 64 + 16
     assert LLM(hf_dir[0], block_size=16).kv.max_keys == llm.config.max_position_embeddings + 16
+
+
+def test_a_prompt_scored_again_fits_where_it_fit_the_first_time():
+    """A perplexity window scored twice in a cache of 12 blocks (the window needs 9): the second pass found the
+    first's blocks kept, computed copies beside them (a scoring request reads its own K/V) and held both to its
+    end, and failed with 33 of 36 prompt scores. Both passes now finish with every score, and equal ones."""
+    llm = LLM(BUNDLED, block_size=4, kv_cache_bytes=12 * 4 * 4096, max_num_batched_tokens=16, detokenize=False)
+    window = [(7 * i + 11) % 500 + 3 for i in range(36)]  # 9 blocks
+    params = sampling.SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    outs = [llm.generate([window], params, use_tqdm=False)[0] for _ in range(2)]
+    for out in outs:
+        assert out.finish_reason == "length" and out.error is None and len(out.prompt_logprobs) == 36
+    assert outs[0].prompt_logprobs == outs[1].prompt_logprobs
