@@ -309,6 +309,14 @@ def test_free_blocks_are_what_an_allocation_gets_when_an_offload_borrowed_the_re
     assert kv.reserve_borrowed_bytes == 0 and pool.free_pages - pool.reserve_pages == kv.num_free_blocks * LAYERS
 
 
+def _kept(kv, sched, prompt: list[int]) -> set[int]:
+    """Run a request of `prompt` to its end; the blocks it left kept."""
+    sched.add(Sequence("a", prompt, SamplingParams(max_tokens=1)))
+    while sched.has_unfinished():
+        run_step(kv, sched)
+    return set(kv._cached)
+
+
 def test_a_request_scoring_a_kept_prompt_holds_its_own_blocks_only():
     """A request scoring its prompt (prompt_logprobs) computes every block itself, also those an earlier request left
     kept: its copies. It keeps reading its own K/V, and once no block table names an original, the original takes
@@ -316,11 +324,7 @@ def test_a_request_scoring_a_kept_prompt_holds_its_own_blocks_only():
     blocks, kept, did not fit in 14 ("error") though it does in a cold cache."""
     kv, sched = make(budget=16, seats=4)
     prompt = list(range(3, 3 + 9 * BS))
-    first = Sequence("a", prompt, SamplingParams(max_tokens=1))
-    sched.add(first)
-    while sched.has_unfinished():
-        run_step(kv, sched)
-    kept = set(kv._cached)
+    kept = _kept(kv, sched, prompt)
     assert len(kept) == 9 and kv.num_free_blocks == BLOCKS
     scoring = Sequence("s", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
     sched.add(scoring)
@@ -362,18 +366,13 @@ def test_a_scoring_request_s_pin_waits_while_another_request_holds_the_original(
     assert kv.num_used_blocks == 0 and set(originals) <= set(kv._cached)
 
 
-
 def test_two_requests_scoring_a_kept_prompt_at_once_hold_their_own_blocks_and_no_third_set():
     """Two requests score a prompt an earlier request left kept, in one step: both pin the kept originals, which
     no block table names, so the first's copies become the originals and the second's pins wait while the first
     reads them: their own blocks and nothing more are held (three sets before: the originals stayed pinned)."""
     kv, sched = make(budget=32, seats=4)
     prompt = list(range(3, 3 + 3 * BS))
-    first = Sequence("a", prompt, SamplingParams(max_tokens=1))
-    sched.add(first)
-    while sched.has_unfinished():
-        run_step(kv, sched)
-    kept = set(kv._cached)
+    kept = _kept(kv, sched, prompt)
     one, two = (Sequence(r, prompt, SamplingParams(max_tokens=m, prompt_logprobs=0)) for r, m in (("s", 3), ("t", 6)))
     sched.add(one)
     sched.add(two)
