@@ -665,7 +665,8 @@ class Planner:
             cancel = self._cancel_reloads(committed, low - free)
             if cancel is not None:
                 self._write(cancel)
-                if cancel.met:
+                if cancel.met:  # the class rule may take more raises back than the demand asks
+                    self._hold_overshoot(cancel, low - free, kv.block_bytes)
                     return cancel
                 free += cancel.delta_bytes
             plan = self._release(low - free)
@@ -711,8 +712,8 @@ class Planner:
     def _hold_overshoot(self, plan: Plan, demand: float, block_bytes: int) -> None:
         """Count the whole KV blocks a release frees beyond `demand` as needed in this step's entry of the reload
         window, so no reload takes them back before the window has passed. A release under the class rule can free
-        far more than asked (a capped layer's last wide blocks at once), and the next step reloaded the excess into
-        other layers' dropped blocks: 73-192 block reversals against 0-2 on a ramp of rising KV need (a review's
+        far more than asked (a capped layer's last wide blocks at once, or all of a narrow layer's pending raises),
+        and the next step reloaded the excess into other layers' dropped blocks: 73-192 block reversals against 0-2 on a ramp of rising KV need (a review's
         planner simulation, 6 layers of 16 experts)."""
         over = int((plan.delta_bytes - max(demand, 0.0)) // block_bytes)
         if over > 0 and self._needs:
