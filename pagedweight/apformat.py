@@ -70,6 +70,16 @@ def _blake2b_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _fsync(path: Path) -> None:
+    """Flush a written file (or a directory's entries) to the disk: a manifest renamed into place must not outlive,
+    after a crash or power cut, the data it vouches for (sizes would match; the engine verifies no checksums)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def block_bytes(plane_nbytes: int, lut_nbytes: int, b: int, page_bytes: int = 1) -> int:
     """M_i^b as allocated: b whole-page plane runs plus one LUT_b run (page_bytes=1 gives raw bytes)."""
     def pages(nbytes: int) -> int:
@@ -155,6 +165,8 @@ class APWriter:
         self._file.write(tail)
         self._hash.update(tail)
         self._pos += len(tail)
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         files = [{"name": PLANES, "size": self._pos, "blake2b": self._hash.hexdigest()}]
 
@@ -172,6 +184,7 @@ class APWriter:
         for name in (DENSE, *COPIED):
             if (self.dir / name).exists():
                 path = self.dir / name
+                _fsync(path)
                 files.append({"name": name, "size": path.stat().st_size, "blake2b": _blake2b_file(path)})
 
         entries = [e for e in self.entries if e is not None]
@@ -196,7 +209,12 @@ class APWriter:
                 "blake2b": hashlib.blake2b(packed, digest_size=32).hexdigest()}
         path, tmp = self.dir / MANIFEST, self.dir / (MANIFEST + ".tmp")
         tmp.write_bytes(msgpack.packb(head, use_bin_type=True))
+        _fsync(tmp)
         os.replace(tmp, path)  # last: a directory with a manifest is a whole checkpoint
+        try:
+            _fsync(self.dir)  # the rename itself
+        except OSError:  # some file systems (network, FUSE) cannot sync a directory: the files are synced
+            pass
         return path
 
 
@@ -295,7 +313,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         head = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
     except FileNotFoundError:
         raise APFormatError(path, "missing") from None
-    except (ValueError, msgpack.UnpackException, msgpack.ExtraData) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as exc:  # TypeError: a map key
+        # that cannot be hashed (a damaged byte can make an array or map of one)
         raise APFormatError(path, f"not a valid msgpack manifest (corrupted or truncated: {exc})") from exc
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise APFormatError(path, f"not a {FORMAT} manifest")
@@ -336,14 +355,18 @@ def load_ap(ap_dir: str | Path, verify: bool = True) -> APCheckpoint:
     """Open an AP checkpoint; sizes are always checked, blake2b checksums too when `verify`."""
     ap_dir = Path(ap_dir)
     man = read_manifest(ap_dir / MANIFEST)
-    for f in man["files"]:
-        path = ap_dir / f["name"]
+    try:
+        listed = [(str(f["name"]), int(f["size"]), f["blake2b"]) for f in man["files"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise APFormatError(ap_dir / MANIFEST, f"bad manifest body ({type(exc).__name__}: {exc})") from exc
+    for name, expect, digest in listed:
+        path = ap_dir / name
         if not path.exists():
             raise APFormatError(path, "missing")
         size = path.stat().st_size
-        if size != f["size"]:
-            raise APFormatError(path, f"size {size} bytes, manifest says {f['size']} (truncated or replaced)")
-        if verify and _blake2b_file(path) != f["blake2b"]:
+        if size != expect:
+            raise APFormatError(path, f"size {size} bytes, manifest says {expect} (truncated or replaced)")
+        if verify and _blake2b_file(path) != digest:
             raise APFormatError(path, "checksum mismatch (blake2b differs from the manifest)")
     planes_path = ap_dir / PLANES
     try:

@@ -152,6 +152,15 @@ class TensorFiles:
             raise CheckpointError(f"{self.file_of(name)}: cannot read tensor '{name}' ({e})") from None
 
 
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The files a checkpoint's weights load from: model.safetensors, or the index and the shards it names (not
+    every *.safetensors of the directory: a Mistral repository's consolidated*.safetensors hold the weights again)."""
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX).is_file():
+        return [model_dir / INDEX, *(model_dir / f for f in sorted(set(TensorFiles(model_dir).where.values())))]
+    return [model_dir / SINGLE]
+
+
 def hf_names(family: Family, name: str) -> list[str]:
     """Candidate checkpoint names of one of our non-expert parameters (MoE prefix may vary, e.g. Mixtral)."""
     if name.startswith("lm_head."):
@@ -164,8 +173,8 @@ def hf_names(family: Family, name: str) -> list[str]:
 
 def _check_shape(files: TensorFiles, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The tensor if it has the shape config.json implies and a float dtype (fp8 or integer weights are a quantized
-    checkpoint's, whose scales a plain cast would drop)."""
-    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    checkpoint's, whose scales a plain cast would drop; float64 casts like the others)."""
+    if tensor.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         raise CheckpointError(f"{files.file_of(name)}: tensor '{name}' is {str(tensor.dtype).removeprefix('torch.')}"
                               ": a quantized checkpoint; convert its bf16/fp16 original")
     if tuple(tensor.shape) != tuple(shape):

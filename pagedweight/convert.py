@@ -46,8 +46,12 @@ def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: to
         for start in range(0, n_exp, per_batch):
             ids = range(start, min(start + per_batch, n_exp))
             t0 = time.perf_counter()
-            blocks = quantize_blocks([weights[e].detach().float() for e in ids], [sensitivity(e, kind) for e in ids],
-                                     writer.seed_bits, writer.parent_bits, device=device)
+            try:
+                blocks = quantize_blocks([weights[e].detach().float() for e in ids],
+                                         [sensitivity(e, kind) for e in ids], writer.seed_bits, writer.parent_bits,
+                                         device=device)
+            except ValueError as exc:  # weights beyond float16, NaN: say which blocks
+                raise ValueError(f"layer {layer} {kind} of experts {ids.start}-{ids.stop - 1}: {exc}") from exc
             t1 = time.perf_counter()
             for e, blk in zip(ids, blocks):
                 if on_block is not None:
@@ -67,24 +71,38 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     prompt residual heads are fitted on min(`heads_seqs`, `num_seqs`) sequences spread the same way (0: none; the
     planner then runs on the global estimate).
     """
-    from pagedweight.checkpoint import INDEX, TOKENIZER, read_config
+    from pagedweight.checkpoint import TOKENIZER, read_config, weight_files
     from pagedweight.knobs import PlannerKnobs
     from pagedweight.models import load_model
     from pagedweight.tokenizer import TextTokenizer
 
     src, out = Path(src), Path(out)
+    # bad input is refused before the model loads and calibrates (minutes for a large one), not after
+    if not 1 <= seed_bits <= parent_bits <= 8:
+        raise ValueError(f"need 1 <= seed_bits <= parent_bits <= 8, got {seed_bits}, {parent_bits}")
+    if sensitivity not in KINDS:
+        raise ValueError(f"sensitivity must be one of {KINDS}, got {sensitivity!r}")
+    if not Path(calib).is_file():
+        raise FileNotFoundError(f"{calib}: calibration text not found")
+    if (src / MANIFEST).is_file():
+        raise ValueError(f"{src}: already an AP checkpoint (it has a {MANIFEST}); convert its HF source")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"{out}: the output directory is the source directory; give the AP checkpoint its own")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     cfg = read_config(src)
+    tok = TextTokenizer.from_dir(src)
     model = load_model(src, dtype=torch.float32, device=device)
     timings["load_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    # the calibration text's token ids come from tokenizer.json: another tokenizer, other statistics
-    files = [src / "config.json", src / TOKENIZER, *sorted(src.glob("*.safetensors")),
-             *[p for p in (src / INDEX,) if p.exists()]]
-    tok = TextTokenizer.from_dir(src)
+    # the calibration text's token ids come from tokenizer.json: another tokenizer, other statistics. Only the
+    # weight files the model came from are hashed: not a Mistral repository's consolidated*.safetensors (the same
+    # weights again, ~93 GB for Mixtral-8x7B) nor any other stray safetensors file beside them
+    files = [src / "config.json", src / TOKENIZER, *weight_files(src)]
     stats = cached_calibrate(model, files, calib, out, sensitivity, num_seqs, seq_len, tok.encode)
     timings["calibrate_s"] = time.perf_counter() - t0
 

@@ -111,6 +111,9 @@ def quantize_rows(w: torch.Tensor, h: torch.Tensor | None = None, seed_bits: int
     if not 1 <= seed_bits <= parent_bits <= 8:
         raise ValueError(f"need 1 <= seed_bits <= parent_bits <= 8, got {seed_bits}, {parent_bits}")
     n, k = w.shape
+    if not torch.isfinite(w).all():  # else the k-means runs on NaN and the fp16 check below blames the range
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"{bad} of the {w.numel()} weights are NaN or infinite: a damaged checkpoint")
     w64 = w.to(torch.float64)
     h64 = torch.ones_like(w64) if h is None else h.to(device=w.device, dtype=torch.float64).expand(n, k)
     mean_h = h64.mean(1, keepdim=True)

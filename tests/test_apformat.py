@@ -165,6 +165,15 @@ def test_truncated_manifest_names_file(damaged, cut):
         load_ap(damaged)
 
 
+@pytest.mark.parametrize("data", [b"\x81\x81\x00\x00\x00", b"\x81\x91\x00\x00"])
+def test_manifest_with_unhashable_map_key_names_file(damaged, data):
+    """A damaged manifest that decodes to a map keyed by a map or an array (msgpack raises TypeError) is an
+    APFormatError naming the file like any other damage, not a bare TypeError (found by mutating manifest bytes)."""
+    (damaged / "manifest.msgpack").write_bytes(data)
+    with pytest.raises(APFormatError, match=r"manifest\.msgpack: not a valid msgpack manifest"):
+        load_ap(damaged)
+
+
 def test_manifest_body_corruption_names_file(damaged):
     path = damaged / "manifest.msgpack"
     head = msgpack.unpackb(path.read_bytes())
@@ -182,6 +191,8 @@ def test_manifest_body_corruption_names_file(damaged):
     (lambda m: m["blocks"][3]["plane_offsets"].__setitem__(0, 1 << 40), r"block 3: planes or LUTs beyond planes\.bin"),
     (lambda m: m["blocks"][1].pop("lut_offsets"), r"KeyError: 'lut_offsets'"),
     (lambda m: m["tables"].__setitem__("routing_mass", m["tables"]["sensitivity"]), r"table routing_mass of shape"),
+    (lambda m: m.pop("files"), r"KeyError: 'files'"),
+    (lambda m: m["files"][0].pop("size"), r"KeyError: 'size'"),
 ])
 def test_a_manifest_of_another_layout_is_refused_by_name(damaged, edit, reason):
     """A manifest body with a valid checksum but blocks, offsets or tables that do not fit the checkpoint (another
@@ -270,3 +281,103 @@ def test_reconverting_into_a_used_directory_leaves_nothing_of_the_old_one(conver
     assert "tokenizer_config.json" not in {f["name"] for f in load_ap(reused, verify=True).manifest["files"]}
     again, first = CalibStats.load(cache), CalibStats.load(next(ap_dir.glob("calib-activation-*.safetensors")))
     assert again.tokens == first.tokens and torch.equal(again.gate_up, first.gate_up)
+
+
+def test_bad_convert_input_is_refused_before_the_model_loads(converted, tmp_path, monkeypatch):
+    """Input that cannot convert fails before the model loads and calibrates (minutes for a large one), as a ValueError
+    / CheckpointError / FileNotFoundError the CLI reports in one line. Before: an output directory equal to the source
+    converted the whole model into it (planes.bin, dense.safetensors and the calibration cache beside the HF weights,
+    its config.json rewritten) and then died in a SameFileError; an output path that is a file died in a
+    FileExistsError after calibration; a missing tokenizer.json showed only after the model loaded."""
+    from pagedweight.checkpoint import CheckpointError
+
+    src, ap_dir, calib = converted
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model loaded although the input is bad")
+
+    monkeypatch.setattr("pagedweight.models.load_model", refuse)
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    with pytest.raises(ValueError, match="output directory is the source directory"):
+        convert(copy, tmp_path / "x" / ".." / "src", calib, sensitivity="activation", device="cpu")
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing written into the source
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="a_file: exists and is not a directory"):
+        convert(src, tmp_path / "a_file", calib, sensitivity="activation", device="cpu")
+    with pytest.raises(ValueError, match="already an AP checkpoint"):
+        convert(ap_dir, tmp_path / "out", calib, sensitivity="activation", device="cpu")
+    with pytest.raises(FileNotFoundError, match="calibration text"):
+        convert(src, tmp_path / "out", tmp_path / "no.txt", sensitivity="activation", device="cpu")
+    with pytest.raises(ValueError, match="seed_bits <= parent_bits"):
+        convert(src, tmp_path / "out", calib, seed_bits=5, parent_bits=4, sensitivity="activation", device="cpu")
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: file not found"):
+        convert(copy, tmp_path / "out", calib, sensitivity="activation", device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_key_ignores_stray_safetensors(converted, tmp_path, monkeypatch):
+    """The calibration cache is keyed by the weight files the model loads from, not every *.safetensors beside them:
+    a Mistral repository's consolidated*.safetensors (the same weights again, ~93 GB for Mixtral-8x7B) were hashed
+    on every conversion, and a stray file changed the key."""
+    src, ap_dir, calib = converted
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    (copy / "consolidated.safetensors").write_bytes(b"\0" * 64)  # not even readable: it must not be opened
+    out = tmp_path / "out"
+    out.mkdir()
+    cache = next(ap_dir.glob("calib-activation-*.safetensors"))
+    shutil.copy(cache, out / cache.name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibration ran although cached statistics exist")
+
+    monkeypatch.setattr("pagedweight.calibrate.calibrate", refuse)
+    convert(copy, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
+    assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
+
+
+def test_writer_syncs_every_file_before_the_manifest_vouches_for_them(tmp_path, monkeypatch):
+    """The manifest renamed into place last makes a directory a checkpoint: planes.bin, the dense weights, the copied
+    files and the manifest's own bytes reach the disk before that rename (and the rename after it). Without the
+    syncs a crash or power cut could leave a manifest over planes of the right size but unwritten contents, which
+    the engine (no checksums by default) would serve."""
+    import os
+
+    synced: set[int] = set()
+    real_fsync, real_replace = os.fsync, os.replace
+    at_rename: dict[str, bool] = {}
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    def replace(a, b):
+        at_rename.update({p.name: p.stat().st_ino in synced for p in Path(a).parent.iterdir()})
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    g = torch.Generator().manual_seed(0)
+    writer = APWriter(tmp_path, {"model_type": "qwen2_moe"}, "qwen2_moe", 1, 1, 3, 4)
+    for kind, (n, k) in (("gate_up", (8, 40)), ("down", (5, 4))):
+        writer.add_block(0, 0, kind, quantize_blocks([torch.randn(n, k, generator=g)], [None], 3, 4)[0], k)
+    writer.finish(np.ones((1, 1)), {"norm.weight": torch.ones(5)}, None)
+    assert at_rename == {name: True for name in ("planes.bin", "dense.safetensors", "config.json",
+                                                 "generation_config.json", "manifest.msgpack.tmp")}
+    assert os.stat(tmp_path).st_ino in synced  # the directory, after the rename
+    ap = load_ap(tmp_path)
+    assert ap.planes(1).shape == (4, 1, 5)
+
+
+def test_a_block_that_cannot_quantize_is_named(tmp_path):
+    """Weights beyond float16 (or NaN) stop the conversion with the layer, kind and experts they are in."""
+    from pagedweight.convert import quantize_layer
+
+    writer = APWriter(tmp_path, {}, "qwen2_moe", 2, 2, 3, 4)
+    gate_up, down = torch.randn(2, 8, 6), torch.randn(2, 6, 4)
+    down[1, 2, 3] = 9e4
+    with pytest.raises(ValueError, match=r"layer 1 down of experts 0-1: a 3-bit centroid is beyond float16's range"):
+        quantize_layer(writer, 1, gate_up, down, lambda e, kind: None, torch.device("cpu"))

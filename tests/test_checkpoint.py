@@ -46,6 +46,16 @@ def test_sharded_roundtrip_is_exact(model, sharded):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+def test_weight_files_are_the_index_and_its_shards(model, sharded, tmp_path):
+    from pagedweight.checkpoint import weight_files
+
+    (sharded / "consolidated.safetensors").write_bytes(b"junk")  # Mistral's own format beside the HF one
+    shards = sorted(set(index_of(sharded)["weight_map"].values()))
+    assert weight_files(sharded) == [sharded / "model.safetensors.index.json", *(sharded / s for s in shards)]
+    save_hf(model, tmp_path / "single")
+    assert weight_files(tmp_path / "single") == [tmp_path / "single" / "model.safetensors"]
+
+
 def test_save_over_a_sharded_dir_removes_old_shards(model, sharded):
     save_hf(model, sharded)
     assert sorted(p.name for p in sharded.glob("model*")) == ["model.safetensors"]
@@ -148,6 +158,14 @@ def test_fp8_weights_are_refused_not_cast(sharded):
     shard = _rewrite_shard_of(sharded, name, lambda t: t.__setitem__(name, t[name].to(torch.float8_e4m3fn)))
     with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' is float8_e4m3fn: a quantized checkpoint"):
         load_model(sharded)
+
+
+def test_float64_weights_load_as_floats(model, sharded):
+    """A float64 tensor is a float like the others (cast to the load dtype), not 'a quantized checkpoint'."""
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    _rewrite_shard_of(sharded, name, lambda t: t.__setitem__(name, t[name].double()))
+    loaded = load_model(sharded)
+    assert torch.equal(loaded.layers[0].mlp.experts.down[1], model.layers[0].mlp.experts.down[1])
 
 
 def test_expert_shape_mismatch(sharded):

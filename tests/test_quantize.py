@@ -104,3 +104,13 @@ def test_weights_beyond_float16_are_refused():
     w[0, :8] = 9e4
     with pytest.raises(ValueError, match=r"beyond float16's range \(weights up to 9e\+04"):
         quantize_rows(w, seed_bits=2, parent_bits=3)
+
+
+def test_non_finite_weights_are_refused_as_such():
+    """A NaN or infinite weight (a damaged checkpoint) is named as one; it was reported as a centroid beyond float16's
+    range 'with weights up to nan in magnitude'."""
+    w = torch.randn(3, 40)
+    w[1, 5] = float("nan")
+    w[2, 0] = float("inf")
+    with pytest.raises(ValueError, match="2 of the 120 weights are NaN or infinite"):
+        quantize_rows(w)
