@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+from pagedweight.cli import HelpFormatter
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -19,13 +21,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Start (or join, with --address) a Ray cluster and run the OpenAI-compatible app: "
                     "/v1/models, /v1/completions, /v1/chat/completions (streaming and not), /tokenize, /detokenize, "
                     "/health. Blocks until Ctrl-C.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("model_dir", metavar="MODEL", help="AP checkpoint or HF checkpoint directory, or a Hugging Face Hub "
                                                       "repository id (fetched into the Hub's cache)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the name requests give as \"model\" (default: the repository id, or the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port of the HTTP server")
     p.add_argument("--api-key", default=None,  # not the environment's key as a default: --help would print it
                    help="require 'Authorization: Bearer KEY' (default: $PAGEDWEIGHT_API_KEY; none = open)")
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
@@ -58,6 +60,25 @@ def replicas_short(replicas: int, actor_options: dict, total: dict) -> list[str]
             if need and replicas * need > total.get(name, 0.0) + 1e-9]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port this machine cannot listen on at `host` (in use, or an address it does not have), as Serve's
+    proxy binds it (SO_REUSEADDR, as uvicorn: a closed connection's TIME_WAIT does not count)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ValueError(f"--port {port}: {host}:{port} {why}") from None
+
+
 def run(args) -> int:
     import ray
     import torch
@@ -76,6 +97,9 @@ def run(args) -> int:
         raise ValueError("--num-replicas must be >= 1")
     if args.gpus_per_replica is not None and not 0 <= args.gpus_per_replica <= 1:
         raise ValueError("--gpus-per-replica must be in [0, 1] (an engine runs on one device)")
+    own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
+    if own_cluster:  # Serve's proxy binds it on this machine: refused now, not after a conversion and Ray's start
+        check_port_free(args.host, args.port)
     options = engine_options_json(args.engine_options)
     api_key = args.api_key or os.environ.get("PAGEDWEIGHT_API_KEY")
     budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
@@ -84,7 +108,6 @@ def run(args) -> int:
     model_dir, name = resolve_model(args.model_dir), args.served_model_name or model_name(args.model_dir)
     if not args.dense:
         model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), "cuda" if torch.cuda.is_available() else "cpu")
-    own_cluster = args.address is None and not os.environ.get("RAY_ADDRESS")
     ray.init(address=args.address, namespace="pagedweight")
     replicas = args.num_replicas or max(1, int(ray.cluster_resources().get("GPU", 0)))
     app_args = AppArgs(model_dir=str(model_dir.resolve()), num_replicas=replicas, gpu_memory_budget=budget,

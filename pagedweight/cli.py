@@ -2,8 +2,9 @@
 
 A module joins by being listed in COMMAND_MODULES and exposing
 `add_parser(subparsers) -> ArgumentParser` and `run(args) -> int`. Bad input (ValueError, CheckpointError,
-missing files, a page store's tmpfs too small) ends with exit status 2 and one line on stderr; other exceptions are
-bugs and keep their traceback.
+missing files, a directory or a file where the other is wanted, no permission, a page store's tmpfs too small) ends
+with exit status 2 and one line on stderr; other exceptions are bugs and keep their traceback. Ctrl-C ends with
+status 130 and one line, after the command's own clean-up.
 """
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from loguru import logger
 COMMAND_MODULES: tuple[str, ...] = ("pagedweight.generate", "pagedweight.train", "pagedweight.run", "pagedweight.convert",
                                      "pagedweight.actors.serve_cli")
 EXIT_BAD_INPUT = 2
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Says an option's default where its help does not already say it (and not for a switch or a None default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and ("default" in action.help or action.default is None or isinstance(action.default, bool)):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args._run(args))
-    except (ValueError, CheckpointError, FileNotFoundError, PageStoreFull) as e:
+    except (ValueError, CheckpointError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+            PageStoreFull) as e:
         reason = " ".join(str(e).split())  # one line, whatever the exception text holds
         print(f"pagedweight {args.command}: error: {reason}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the command has cleaned up on its way out (page store, partial output)
+        print(f"pagedweight {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -42,7 +42,7 @@ from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted, release_cached,
                               resolve_budget)
 from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, PromptRows, ap_weights, build_ap_model,
-                                install_ap_experts, planes_id)
+                                default_store_dir, install_ap_experts, planes_id)
 from pagedweight.sampling import MAX_LOGPROBS, Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
@@ -236,7 +236,8 @@ class LLM:
             ap = load_ap(self.model_dir, verify=self.options.verify_checkpoint)
             model = build_ap_model(ap, self.dtype, self.device)
             self.planes_id = planes_id(ap)
-            self.page_store_dir = Path(self.options.page_store_dir or f"/dev/shm/pagedweight-{self.planes_id}")
+            self.page_store_dir = Path(self.options.page_store_dir) if self.options.page_store_dir \
+                else default_store_dir(ap)
             weights = self._ap_weights = ap_weights(ap, self.page_store_dir)
         else:
             model = load_model(self.model_dir, dtype=self.dtype, device=self.device)

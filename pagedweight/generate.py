@@ -89,9 +89,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Validate the options (ValueError = bad input), serve the prompt with the engine, print the completion."""
     from pagedweight.checkpoint import read_config, resolve_model
-    from pagedweight.engine import LLM, round_up
+    from pagedweight.engine import round_up
     from pagedweight.kv_cache import kv_layer_block_bytes
     from pagedweight.pool import PAGE_ALIGN
+    from pagedweight.run import engine
     from pagedweight.tokenizer import TextTokenizer
 
     args.model = resolve_model(args.model)
@@ -121,14 +122,16 @@ def run(args: argparse.Namespace) -> int:
     block = 16  # KV cache sized to this one request (plus a block of slack), the only one served
     page = round_up(kv_layer_block_bytes(cfg, block, dtype), PAGE_ALIGN)
     kv_bytes = (-(-total // block) + 1) * page * cfg.num_hidden_layers
-    llm = LLM(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), block_size=block,
-              max_num_seqs=1, max_model_len=total, kv_cache_bytes=kv_bytes)
-    start = time.perf_counter()
-    out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - start
+    # an AP checkpoint's planes go through the node page store: one this run wrote is removed at the end
+    with engine(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), block_size=block,
+                max_num_seqs=1, max_model_len=total, kv_cache_bytes=kv_bytes) as llm:
+        start = time.perf_counter()
+        out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - start
+        text = llm.tokenizer.decode(out.token_ids)
     if out.finish_reason == "error":
         raise ValueError(out.error)
     logger.info("{} prompt tokens, {} new tokens in {:.2f} s ({:.1f} tokens/s)", len(prompt_ids),
                 out.completion_tokens, elapsed, out.completion_tokens / elapsed if elapsed > 0 else 0.0)
-    sys.stdout.write(llm.tokenizer.decode(out.token_ids) + "\n")
+    sys.stdout.write(text + "\n")
     return 0

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -17,6 +20,7 @@ from tqdm import tqdm
 
 from pagedweight.apformat import MANIFEST
 from pagedweight.checkpoint import model_name, resolve_model
+from pagedweight.cli import HelpFormatter
 from pagedweight.convert import ap_checkpoint_for
 from pagedweight.engine import LLM, RequestOutput, check_device, serving_reserve
 from pagedweight.page_store import PageStore
@@ -29,8 +33,14 @@ def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
     with a string "prompt" is that prompt, any other line the prompt as written (code that begins with `{` too). In a
     .jsonl file every line must be such an object, and one that is not is refused by its file and line."""
     if path:
+        if not Path(path).is_file():
+            raise ValueError(f"--prompts {path}: " + ("not a file" if Path(path).exists() else "no such file"))
+        try:
+            lines = Path(path).read_text().splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         prompts = []
-        for i, ln in enumerate(Path(path).read_text().splitlines(), 1):
+        for i, ln in enumerate(lines, 1):
             if not ln.strip():
                 continue
             try:
@@ -43,6 +53,8 @@ def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
                 raise ValueError(f"{path}:{i}: not a JSON object with a non-empty string \"prompt\"")
             else:
                 prompts.append(ln)
+        if not prompts:
+            raise ValueError(f"--prompts {path}: no prompt in it (every line is empty)")
         return prompts
     from pagedweight.corpus import load_slice
 
@@ -52,13 +64,71 @@ def load_prompts(path: str | None, num_prompts: int | None) -> list[str]:
     return [text[s:s + 400].rstrip() for s in starts]
 
 
+def write_json(path: str | Path, obj) -> None:
+    """`obj` as JSON in `path`, whole or not at all: written beside it, then renamed over it (a full disk or a Ctrl-C
+    midway leaves an earlier file as it was, not a truncated one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not mkstemp's: its file is private (0600)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse an output file that could not be written, before the work whose results it would hold."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+    if not p.resolve().parent.is_dir():
+        raise ValueError(f"{flag} {path}: no such directory")
+    if not os.access(p.resolve().parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: its directory is not writable")
+
+
+def default_page_store(model_dir: Path) -> Path | None:
+    """Where an engine over `model_dir` maps the node page store when given no directory
+    (runner.default_store_dir); None for a dense checkpoint."""
+    if not (model_dir / MANIFEST).is_file():
+        return None
+    from pagedweight.apformat import load_ap
+    from pagedweight.runner import default_store_dir
+
+    return default_store_dir(load_ap(model_dir, verify=False))
+
+
+@contextmanager
+def engine(model_dir: Path, *, keep_page_store: bool = False, **llm_args) -> Iterator[LLM]:
+    """LLM(model_dir, **llm_args), closed at the end; the default page store it wrote (the checkpoint's planes in
+    /dev/shm, which is RAM) is removed then unless `keep_page_store`, also when the build is refused or the work is
+    interrupted. A store it found (other engines of the node may map it) and a given directory stay."""
+    store = None if keep_page_store or llm_args.get("page_store_dir") else default_page_store(model_dir)
+    found = store is not None and store.exists()
+    try:
+        llm = LLM(model_dir, **llm_args)
+    except BaseException:  # LLM closes what it opened; the store it wrote stays unless removed here
+        if store is not None and not found and store.exists():
+            PageStore.destroy(store)
+        raise
+    wrote = llm.page_store_dir is not None and llm.mover is not None and llm.mover.store.written
+    try:
+        yield llm
+    finally:
+        llm.close()  # this process's mapping of the store goes with it
+        if wrote and store is not None:
+            PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "run", help="serve a batch of prompts with dynamic weight paging under a GPU memory budget",
         description="Serve prompts with continuous batching; expert precision moves with KV pressure inside the "
                     "budget (weights + KV cache). A HF checkpoint is converted to any-precision planes first "
                     "(cached). Prints a summary: tokens/s, widths moved, KV blocks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR|ORG/NAME",
                    help="AP checkpoint or HF checkpoint directory, or a Hugging Face Hub repository id")
     p.add_argument("--gpu-memory-budget", default=None, metavar="BYTES",
@@ -75,16 +145,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--num-prompts", type=int, metavar="N", help="N prompts cut from the bundled eval text")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens whose probability reaches P, in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only; 0 = off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed of sampling, makes sampled output repeatable (default: unseeded)")
     p.add_argument("--bits", type=int, default=None, help="home width (default: the checkpoint's parent width)")
     p.add_argument("--static", action="store_true", help="no paging: every block stays at --bits")
     p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device of the engine, e.g. cuda, cuda:1, cpu")
     p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: fp16 on CUDA, fp32 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="most tokens computed in one step (prefill chunks and decodes together)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
@@ -105,41 +179,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    if not args.prefix_retention_s >= 0.0:
-        raise ValueError(f"--prefix-retention-s {args.prefix_retention_s}: must be >= 0 seconds")
-    if args.bits is not None and args.bits < 1:
-        raise ValueError(f"--bits {args.bits}: a width of at least 1 bit")
-    if args.dense and (args.bits is not None or args.static):
-        raise ValueError("--dense serves the dense weights: --bits and --static are for any-precision planes")
-    if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():
-        raise ValueError(f"--summary-json {args.summary_json}: no such directory")  # not after the whole run
-    prompts = load_prompts(args.prompts, args.num_prompts)  # a bad file before a conversion (minutes for a model)
-    check_device(args.device)  # refused before a conversion that would run on it
-    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
-    if args.activation_reserve is None:
-        reserve = serving_reserve(budget, args.device)
-    elif args.activation_reserve == "auto":
-        reserve = "auto"
-    else:
-        reserve = parse_budget(args.activation_reserve, "--activation-reserve", allow_zero=True)
-    if isinstance(reserve, float):
-        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
-                         "fraction")
-    model_dir = resolve_model(args.model)
-    if args.dense and (model_dir / MANIFEST).is_file():
-        raise ValueError(f"--dense: {model_dir} is an any-precision checkpoint (its experts are planes)")
-    if not args.dense:
-        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
-    llm = LLM(model_dir, budget, args.device, dtype=args.dtype, bits=args.bits, paging=not args.static,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, page_store_dir=args.page_store_dir, activation_reserve=reserve,
-              prefix_caching=args.prefix_caching, prefix_retention_s=args.prefix_retention_s,
-              served_model_name=model_name(args.model))
+def serve_prompts(llm: LLM, prompts: list[str], params: SamplingParams, show: int, budget: int | float | None,
+                  reserve: int | str) -> dict:
+    """Serve `prompts` to the end on `llm`, then let it reload as a server does once idle; print the first `show`
+    completions and the summary, and return the summary's figures."""
 
     def mean_width(hist: list[list[int]]) -> float:
         counts = np.asarray(hist).sum(axis=0)
@@ -170,7 +213,7 @@ def run(args) -> int:
     reasons: dict[str, int] = {}
     for o in done.values():
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
-    for rid in map(str, range(min(args.show, len(prompts)))):
+    for rid in map(str, range(min(show, len(prompts)))):
         print(f"--- request {rid} ({done[rid].finish_reason}) ---\n{done[rid].text}")
     errors = {rid: o.error for rid, o in done.items() if o.finish_reason == "error"}
     for rid, why in errors.items():
@@ -219,11 +262,45 @@ def run(args) -> int:
               f"{summary['mean_width_idle']:.2f} once idle; offload triggers {st['offload_triggers']}, reload "
               f"triggers {st['reload_triggers']}; moved {st['bytes_offloaded'] / MiB:.1f} MiB out, "
               f"{st['bytes_reloaded'] / MiB:.1f} MiB in")
-    # a store other engines of the node wrote stays
-    wrote = llm.page_store_dir is not None and llm.mover is not None and llm.mover.store.written
-    llm.close()  # this process's mapping of the store goes with it
-    if wrote and args.page_store_dir is None and not args.keep_page_store:
-        PageStore.destroy(llm.page_store_dir)  # tmpfs is RAM (a Mixtral's planes: ~54 GB)
+    return summary
+
+
+def run(args) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, output_kind="final_only").validate()  # keeps finished only
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if not args.prefix_retention_s >= 0.0:
+        raise ValueError(f"--prefix-retention-s {args.prefix_retention_s}: must be >= 0 seconds")
+    if args.bits is not None and args.bits < 1:
+        raise ValueError(f"--bits {args.bits}: a width of at least 1 bit")
+    if args.dense and (args.bits is not None or args.static):
+        raise ValueError("--dense serves the dense weights: --bits and --static are for any-precision planes")
+    if args.summary_json:
+        check_output_file(args.summary_json, "--summary-json")  # not after the whole run
+    prompts = load_prompts(args.prompts, args.num_prompts)  # a bad file before a conversion (minutes for a model)
+    check_device(args.device)  # refused before a conversion that would run on it
+    budget = parse_budget(args.gpu_memory_budget) if args.gpu_memory_budget else None
+    if args.activation_reserve is None:
+        reserve = serving_reserve(budget, args.device)
+    elif args.activation_reserve == "auto":
+        reserve = "auto"
+    else:
+        reserve = parse_budget(args.activation_reserve, "--activation-reserve", allow_zero=True)
+    if isinstance(reserve, float):
+        raise ValueError(f"--activation-reserve {args.activation_reserve!r}: give bytes (1GiB) or auto, not a "
+                         "fraction")
+    model_dir = resolve_model(args.model)
+    if args.dense and (model_dir / MANIFEST).is_file():
+        raise ValueError(f"--dense: {model_dir} is an any-precision checkpoint (its experts are planes)")
+    if not args.dense:
+        model_dir = ap_checkpoint_for(model_dir, Path(args.cache_dir), args.device)
+    with engine(model_dir, keep_page_store=args.keep_page_store, gpu_memory_budget=budget, device=args.device,
+                dtype=args.dtype, bits=args.bits, paging=not args.static, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                page_store_dir=args.page_store_dir, activation_reserve=reserve, prefix_caching=args.prefix_caching,
+                prefix_retention_s=args.prefix_retention_s, served_model_name=model_name(args.model)) as llm:
+        summary = serve_prompts(llm, prompts, params, args.show, budget, reserve)
     if args.summary_json:  # after the printed summary: a failed write loses nothing
-        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
-    return 0 if all(o.finish_reason != "error" for o in done.values()) else 1
+        write_json(args.summary_json, summary)
+    return 0 if not summary["errors"] else 1

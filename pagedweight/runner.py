@@ -70,6 +70,12 @@ def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
                      ap.residual_heads)
 
 
+def default_store_dir(ap: APCheckpoint) -> Path:
+    """The node page store an engine maps when given no directory: /dev/shm (tmpfs, shared by the node's processes),
+    named by the planes' content id."""
+    return Path(f"/dev/shm/pagedweight-{planes_id(ap)}")
+
+
 def planes_id(ap: APCheckpoint) -> str:
     """Content id of the checkpoint's planes (its manifest checksum), naming the node's page store."""
     entry = next(f for f in ap.manifest["files"] if f["name"] == ap.planes_file.name)

@@ -1,6 +1,8 @@
-"""`pagedweight generate`: help text, a real run on a tiny checkpoint, and one-line errors on bad input."""
+"""The command line: help text, real runs on a tiny checkpoint, one-line errors on bad input, clean-up on failure."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,7 +239,10 @@ def test_serve_refuses_replicas_its_own_cluster_cannot_place(model_dir, monkeypa
         raise Started
 
     monkeypatch.setattr(serve, "start", start)
-    assert main(["serve", str(model_dir), "--dense", "--num-replicas", "3"]) == EXIT_BAD_INPUT
+    from conftest import free_port
+
+    port = str(free_port())  # its own cluster's port must be free here (8000 may not be)
+    assert main(["serve", str(model_dir), "--dense", "--num-replicas", "3", "--port", port]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("pagedweight serve: error: --num-replicas 3: the engine replicas need 3 x 1 CPU > 2")
     ended = []
@@ -255,7 +260,7 @@ def test_serve_refuses_replicas_its_own_cluster_cannot_place(model_dir, monkeypa
     with pytest.raises(Started):  # GPU replicas asked of a cluster whose GPU nodes are at zero: it may scale up
         main(["serve", str(model_dir), "--dense", "--gpus-per-replica", "1", "--address", "ray://elsewhere:10001"])
     assert "1 engine replicas need 1 x 1 GPU > 0: the deploy waits" in capsys.readouterr().err
-    assert main(["serve", str(model_dir), "--dense", "--gpus-per-replica", "2"]) == EXIT_BAD_INPUT
+    assert main(["serve", str(model_dir), "--dense", "--gpus-per-replica", "2", "--port", port]) == EXIT_BAD_INPUT
 
 
 def test_hub_fetch_takes_the_hf_format_alone():
@@ -273,3 +278,167 @@ def test_hub_fetch_takes_the_hf_format_alone():
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
         "model.safetensors.index.json", "model-00001-of-00019.safetensors", "model-00019-of-00019.safetensors",
         "params.json"]
+
+
+# ---------------------------------------------------------------- review: run / generate clean-up and bad input
+@pytest.fixture(scope="module")
+def ap_dir(model_dir, tmp_path_factory) -> Path:
+    """The tiny checkpoint converted to any precision (a quick calibration): engines over it map a page store."""
+    from pagedweight.convert import convert
+    from pagedweight.corpus import DATA_DIR
+
+    out = tmp_path_factory.mktemp("tiny-ap") / "tiny-ap"
+    convert(model_dir, out, DATA_DIR / "calib.txt", sensitivity="activation", num_seqs=2, seq_len=16, heads_seqs=0,
+            device="cpu")
+    return out
+
+
+@pytest.fixture
+def default_store(ap_dir) -> Path:
+    """The node page store an engine over `ap_dir` writes by default; absent before the test (what an earlier failed
+    run left is removed) and removed after it."""
+    from pagedweight.apformat import load_ap
+    from pagedweight.page_store import PageStore
+    from pagedweight.runner import planes_id
+
+    store = Path(f"/dev/shm/pagedweight-{planes_id(load_ap(ap_dir, verify=False))}")
+    if store.exists():
+        PageStore.destroy(store)
+    yield store
+    if store.exists():
+        PageStore.destroy(store)
+
+
+def test_run_removes_the_page_store_it_wrote_when_it_fails_or_is_interrupted(ap_dir, default_store, tmp_path,
+                                                                               monkeypatch, capsys):
+    """The default store (the planes in /dev/shm: RAM, ~54 GB for Mixtral) goes with the run that wrote it also when
+    the engine is refused (a budget too small) or the run is interrupted (Ctrl-C): both left it in /dev/shm. An
+    interrupted run writes no summary."""
+    from pagedweight.engine import LLM
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w17 w5\nw1 w2\n")
+    base = ["run", "--model", str(ap_dir), "--prompts", str(prompts), "--max-tokens", "2", "--device", "cpu"]
+    assert main([*base, "--gpu-memory-budget", "40KiB"]) == EXIT_BAD_INPUT
+    assert "not even one KV block" in capsys.readouterr().err
+    assert not default_store.exists()
+
+    def interrupted(self):
+        assert default_store.exists()  # written by this run, in use
+        raise KeyboardInterrupt
+
+    summary = tmp_path / "summary.json"
+    with monkeypatch.context() as m:
+        m.setattr(LLM, "step", interrupted)
+        assert main([*base, "--summary-json", str(summary)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not default_store.exists() and not summary.exists()
+    assert main([*base, "--summary-json", str(summary)]) == 0  # and a whole run still removes it
+    assert not default_store.exists() and json.loads(summary.read_text())["requests"] == 2
+    assert main([*base, "--keep-page-store"]) == 0  # unless asked to keep it
+    assert default_store.exists()
+
+
+def test_generate_removes_the_page_store_it_wrote(ap_dir, default_store, capsys):
+    """`generate` over an AP checkpoint maps a page store like `run`: it left the one it wrote in /dev/shm."""
+    assert main(["generate", "--model", str(ap_dir), "--prompt", "w3 w17", "--max-tokens", "3",
+                 "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert not default_store.exists()
+
+
+def test_summary_json_is_written_whole_or_not_at_all(model_dir, tmp_path, monkeypatch):
+    """A write that fails midway (a full disk) leaves the previous summary as it was and no temporary file: the
+    summary was truncated and half written in place."""
+    import builtins
+    import io
+
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"old": true}\n')
+    real_open = io.open
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        name = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else file
+        if "w" in mode and Path(name).parent == tmp_path:
+            write = f.write
+
+            def half(text):
+                write(text[:len(text) // 2])
+                f.flush()
+                raise OSError(28, "No space left on device")
+
+            f.write = half
+        return f
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w17 w5\n")
+    monkeypatch.setattr(io, "open", full_disk_open)
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    with pytest.raises(OSError, match="No space"):
+        main(["run", "--model", str(model_dir), "--dense", "--prompts", str(prompts), "--max-tokens", "2",
+              "--device", "cpu", "--summary-json", str(summary)])
+    monkeypatch.undo()
+    assert summary.read_text() == '{"old": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "summary.json"]
+    assert main(["run", "--model", str(model_dir), "--dense", "--prompts", str(prompts), "--max-tokens", "2",
+                 "--device", "cpu", "--summary-json", str(summary)]) == 0
+    assert json.loads(summary.read_text())["requests"] == 1
+    assert summary.stat().st_mode & 0o777 == prompts.stat().st_mode & 0o777  # as any file it writes, not private
+
+
+def test_run_refuses_unusable_prompt_and_summary_paths(model_dir, tmp_path, capsys):
+    """A directory given as --prompts or --summary-json, an empty prompt file: one line and exit 2 before the model
+    loads (a directory was a traceback, the summary's only after the whole run; an empty file ran nothing and
+    exited 0)."""
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00")
+    base = ["run", "--model", str(model_dir), "--dense", "--device", "cpu"]
+    cases = [(["--prompts", str(tmp_path / "adir")], f"--prompts {tmp_path / 'adir'}: not a file"),
+             (["--prompts", str(tmp_path / "empty.txt")], f"--prompts {tmp_path / 'empty.txt'}: no prompt in it"),
+             (["--prompts", str(tmp_path / "bin.txt")], f"--prompts {tmp_path / 'bin.txt'}: not UTF-8 text"),
+             (["--num-prompts", "1", "--summary-json", str(tmp_path / "adir")],
+              f"--summary-json {tmp_path / 'adir'}: is a directory")]
+    for extra, reason in cases:
+        assert main([*base, *extra]) == EXIT_BAD_INPUT, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("pagedweight run: error: ") and reason in err[-1], err
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "generate"])
+def test_every_option_of_run_and_serve_is_explained_once(command, capsys):
+    """README: each subcommand's --help explains every option. Defaults are said once (run's said them twice:
+    "(default: ...) (default: None)"), and an off switch does not read "(default: True)"."""
+    from pagedweight.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    missing = [a.option_strings[-1] for a in sub._actions if a.dest != "help" and a.option_strings and not a.help]
+    assert not missing
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
+    formatter = sub._get_formatter()
+    twice = [a.dest for a in sub._actions if a.help and formatter._expand_help(a).count("default") > 1]
+    assert not twice
+
+
+def test_serve_refuses_a_port_in_use_before_starting_ray(model_dir, monkeypatch, capsys):
+    """On its own cluster `serve` binds the port on this machine: one in use is refused in one line before Ray and
+    Serve start (it failed after them, in Serve's proxy, with a 60-line traceback)."""
+    import socket
+
+    import ray
+
+    from conftest import free_port
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("Ray started"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port()))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(model_dir), "--dense", "--port", str(port)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"pagedweight serve: error: --port {port}: 127.0.0.1:{port} is in use")

@@ -192,3 +192,80 @@ def test_serve_schema_rejects_broken_copy():
     config["applications"].append(copy.deepcopy(config["applications"][0]))
     with pytest.raises(ValidationError):  # duplicate application name and route prefix
         ServeDeploySchema.model_validate(config)
+
+
+# ---------------------------------------------------------------- the commands the cluster files document
+def _documented_commands(name: str) -> list[list[str]]:
+    """The `ray ...` commands in a cluster file's header comments, continuation lines joined, as argv lists."""
+    import shlex
+
+    lines = [ln[1:].strip() for ln in (CLUSTERS / name).read_text().splitlines() if ln.startswith("#")]
+    joined, cur = [], ""
+    for ln in lines:
+        cur = f"{cur} {ln}".strip() if cur else ln
+        if cur.endswith("\\"):
+            cur = cur[:-1].strip()
+            continue
+        joined.append(cur)
+        cur = ""
+    return [shlex.split(c) for c in joined if c.startswith(("ray submit", "ray job submit", "ray exec"))]
+
+
+def test_aws_cluster_commands_run_what_the_code_takes():
+    """Each command in ray-cluster-aws.yaml's header names a script or module that exists, with arguments its parser
+    takes and a model at the path the setup commands sync it to; the Serve app it starts names a model the cluster
+    has (it ran clusters/serve.yaml, whose model_dir is the bundled models/pw-tiny-moe: not on the cluster)."""
+    from ray.scripts.scripts import exec as ray_exec, submit as ray_submit
+    from ray.serve.scripts import run as serve_run
+
+    from pagedweight.actors.jobs.evaluate import build_parser
+    from pagedweight.actors.openai_app import AppArgs
+
+    config = _load("ray-cluster-aws.yaml")
+    synced = [c.split()[-1] for c in config["setup_commands"] if c.startswith("aws s3 sync")]
+    assert synced == ["/home/ray/models"]
+    commands = _documented_commands("ray-cluster-aws.yaml")
+    assert [c[1] for c in commands] == ["submit", "job", "exec"]
+    evaluations = []
+    for argv in commands:
+        if argv[1] == "submit":
+            params = ray_submit.make_context("submit", argv[2:]).params
+            assert (ROOT / params["script"]).is_file() and params["script"] == "actors/jobs/evaluate.py"
+            evaluations.append(list(params["script_args"]))
+        elif argv[1] == "job":
+            cmd = argv[argv.index("--") + 1:]
+            assert cmd[:3] == ["python", "-m", "pagedweight.actors.jobs.evaluate"]
+            evaluations.append(cmd[3:])
+        else:
+            params = ray_exec.make_context("exec", argv[2:]).params
+            assert (ROOT / params["cluster_config_file"]).resolve() == (CLUSTERS / "ray-cluster-aws.yaml").resolve()
+            serve_argv = params["cmd"].split()
+            assert serve_argv[:2] == ["serve", "run"]
+            serve = serve_run.make_context("run", serve_argv[2:]).params
+            target = serve["config_or_import_path"]
+            if target.endswith(".yaml"):  # a Serve config that the file mounts bring
+                mounted = {f"{dst}/": f"{src}/" for dst, src in config["file_mounts"].items()}
+                local = next(src + target[len(dst):] for dst, src in mounted.items() if target.startswith(dst))
+                (app,) = yaml.safe_load((ROOT / local).read_text())["applications"]
+                target, args = app["import_path"], app["args"]
+            else:  # an import path and the builder's arguments
+                args = dict(a.split("=", 1) for a in serve["arguments"])
+            module, attr = target.split(":")
+            assert callable(getattr(importlib.import_module(module), attr))
+            app = AppArgs.model_validate(args)
+            assert app.model_dir.startswith("/home/ray/models/"), app.model_dir  # where the setup syncs models
+            assert app.num_gpus_per_replica == 1
+    for args in evaluations:
+        job = build_parser().parse_args(args)
+        assert job.model_dir.startswith("/home/ray/models/") and job.device == "cuda" and job.num_engines
+
+
+def test_cluster_files_install_the_wheel_this_project_builds():
+    """Every wheel the cluster files install (setup commands, runtime envs, comments) is the one `python -m build`
+    makes of this version: a version bump in pyproject.toml must not leave them fetching a name that is not built."""
+    version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    want = f"pagedweight-{version}-py3-none-any.whl"  # (tomllib is 3.11's: the project runs on 3.10 too)
+    for path in CLUSTERS.glob("*.yaml"):
+        wheels = set(re.findall(r"pagedweight-[^\s/'\"\]]+\.whl", path.read_text()))
+        assert wheels <= {want}, (path.name, wheels)
+    assert want in (CLUSTERS / "ray-cluster-aws.yaml").read_text()

@@ -8,13 +8,16 @@
 The driver tokenizes the text into fixed windows (perplexity) or cuts prompts (generation), deals
 them out to the engines in small shards and collects them as they finish (tqdm shows progress), then
 writes one results JSON. Perplexity = exp(total NLL / total scored tokens) over all windows, the
-same number whatever the number of engines.
+same number whatever the number of engines. A failed engine call ends the job with status 1 and a
+line naming the engine and its items (no results file); generations that ended with an error are
+listed in the results' "errors" and end it with status 1 too.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,10 +48,17 @@ def prompts_from(text: str, num_prompts: int, chars: int) -> list[str]:
     return [text[i * step:i * step + chars] for i in range(num_prompts)]
 
 
-def run_sharded(engines: list, method: str, items: list, shard: int, desc: str) -> tuple[list, list[int]]:
+class ShardFailed(RuntimeError):
+    """An engine's call on a shard failed (the engine died, its step loop failed, a window could not be scored): the
+    message names the engine and the items."""
+
+
+def run_sharded(engines: list, method: str, items: list, shard: int, desc: str,
+                names: list[str] | None = None) -> tuple[list, list[int]]:
     """Call engine.<method>(shard) over `items`, keeping every engine busy.
 
-    Returns the per-shard results in item order and how many items each engine handled."""
+    Returns the per-shard results in item order and how many items each engine handled. A call that fails raises
+    ShardFailed naming the engine (`names`, else its index) and its items: nothing of a failed call is counted."""
     shards = [(i, items[i:i + shard]) for i in range(0, len(items), shard)]
     results: list = [None] * len(shards)
     handled = [0] * len(engines)
@@ -60,11 +70,42 @@ def run_sharded(engines: list, method: str, items: list, shard: int, desc: str) 
                 pending[getattr(engines[engine], method).remote(chunk)] = (engine, start, len(chunk))
             done, _ = ray.wait(list(pending), num_returns=1)
             engine, start, n = pending.pop(done[0])
-            results[start // shard] = ray.get(done[0])
+            try:
+                results[start // shard] = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 - a Ray error of any kind: which engine, which items
+                name = names[engine] if names else f"#{engine}"
+                raise ShardFailed(f"engine {name} failed on {desc} items {start}-{start + n - 1} (of {len(items)}): "
+                                  f"{e}") from e
             handled[engine] += n
             idle.append(engine)
             bar.update(n)
     return results, handled
+
+
+def gather(refs: list, desc: str) -> list:
+    """ray.get(refs) in their order, with a progress bar as they finish (engines take minutes to start on a large
+    model: its page store, weights, kernels' compile and graphs' capture)."""
+    results, index = [None] * len(refs), {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    with tqdm(total=len(refs), desc=desc, unit="call", file=sys.stdout) as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            results[index[done[0]]] = ray.get(done[0])
+            bar.update(1)
+    return results
+
+
+def write_json(path: str | Path, obj) -> None:
+    """`obj` as JSON in `path`, whole or not at all (written beside it, then renamed over it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not mkstemp's: its file is private (0600)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
@@ -80,7 +121,11 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
         engines = start_engines(cfg, args.num_engines, cpus_per_engine=args.engine_cpus,
                                 gpus_per_engine=args.gpus_per_engine)
     try:
-        infos = ray.get([e.info.remote() for e in engines])
+        try:
+            infos = gather([e.info.remote() for e in engines], "engines starting")
+        except ray.exceptions.RayError as e:  # an engine that could not be built (a budget too small, no model)
+            raise ShardFailed(f"an engine failed to start: {e}") from e
+        names = [i["engine_id"] for i in infos]
         result: dict = {"model": model_dir.name, "model_dir": str(model_dir), "data": str(args.data),
                         "engines": [{k: i[k] for k in ("engine_id", "node_id", "device", "gpu_ids")} for i in infos]}
         # One call of each kind on every engine before the clock starts (the first window; a shard of 2-token
@@ -92,12 +137,15 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
         windows = token_windows(model_dir, text, args.ctx, args.windows) if args.mode in ("ppl", "all") else None
         warm = SamplingParams(max_tokens=2).validate()
         first = [(text[:args.prompt_chars], warm)] * args.shard
-        ray.get([c for e in engines for c in (e.score.remote(windows[:1] if windows else [[1, 2, 3, 4]]),
-                                              e.generate_batch.remote(first))])
+        try:
+            gather([c for e in engines for c in (e.score.remote(windows[:1] if windows else [[1, 2, 3, 4]]),
+                                                 e.generate_batch.remote(first))], "warm-up")
+        except ray.exceptions.RayError as e:
+            raise ShardFailed(f"an engine failed its warm-up calls: {e}") from e
         result["warmup_s"] = time.perf_counter() - tw
         t0 = time.perf_counter()
         if args.mode in ("ppl", "all"):
-            parts, handled = run_sharded(engines, "score", windows, args.shard, "perplexity")
+            parts, handled = run_sharded(engines, "score", windows, args.shard, "perplexity", names)
             nll, tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
             result["perplexity"] = {"ctx": args.ctx, "windows": len(windows), "tokens": tokens, "nll": nll,
                                     "ppl": math.exp(nll / tokens), "windows_per_engine": handled,
@@ -107,7 +155,7 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
             params = SamplingParams(max_tokens=args.max_tokens).validate()
             prompts = prompts_from(text, args.num_prompts, args.prompt_chars)
             parts, handled = run_sharded(engines, "generate_batch", [(p, params) for p in prompts], args.shard,
-                                         "generate")
+                                         "generate", names)
             outs = [o for part in parts for o in part]
             elapsed = time.perf_counter() - t1
             generated = sum(o.completion_tokens for o in outs)
@@ -117,12 +165,16 @@ def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
                 "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0, "elapsed_s": elapsed,
                 "finish_reasons": {r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}},
                 "samples": [{"prompt": p, "text": o.text} for p, o in zip(prompts, outs)],
+                # requests that ended with an error (their engine's step loop failed): the job reports them and fails
+                "errors": [{"prompt": i, "error": o.error} for i, o in enumerate(outs) if o.finish_reason == "error"],
             }
         result["engine_stats"] = ray.get([e.stats.remote() for e in engines])
     finally:  # engines this job started end with it, also when it fails
         if own:
             try:
                 ray.get([e.shutdown.remote() for e in engines], timeout=30)  # out of the planner's merge
+            except Exception as e:  # noqa: BLE001 - a dead or hung engine is killed below; the job's own error, if
+                print(f"engine shutdown: {type(e).__name__}: {e}", file=sys.stderr)  # any, stays the one raised
             finally:
                 for e in engines:
                     ray.kill(e, no_restart=True)
@@ -133,13 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pagedweight.actors.jobs.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", help="AP checkpoint or HF model directory (on every node)")
-    p.add_argument("--mode", choices=("ppl", "generate", "all"), default="all")
+    p.add_argument("--mode", choices=("ppl", "generate", "all"), default="all",
+                   help="ppl: perplexity over token windows; generate: greedy completions of prompts; all: both")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="evaluation text")
     p.add_argument("--ctx", type=int, default=512, help="perplexity window (tokens predicted per window)")
     p.add_argument("--windows", type=int, default=32, help="perplexity windows")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--prompt-chars", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=16, help="generation prompts, cut evenly from the text")
+    p.add_argument("--prompt-chars", type=int, default=200, help="characters of each generation prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per generation prompt")
     p.add_argument("--shard", type=int, default=2, help="items per engine call")
     p.add_argument("--num-engines", type=int, default=None,
                    help="engines (default: as many as --gpus-per-engine lets the cluster's GPUs hold; 1 without GPUs)")
@@ -155,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per engine: bytes with unit (40GiB) or a fraction of device memory")
     p.add_argument("--engine-options", default="{}", help="JSON dict of LLM engine options")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster)")
-    p.add_argument("--out", default="eval-results.json")
+    p.add_argument("--out", default="eval-results.json", help="results JSON (written once the job has ended)")
     return p
 
 
@@ -175,6 +228,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--gpu-memory-budget: {e}")
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
+    if args.mode != "generate" and not Path(args.model_dir).is_dir():  # the driver tokenizes the windows with it
+        parser.error(f"{args.model_dir}: no such model directory (the driver reads its tokenizer)")
+    out = Path(args.out)  # checked now, not after hours of evaluation
+    if out.is_dir():
+        parser.error(f"--out {args.out}: is a directory")
+    if not out.resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: no such directory")
+    if not os.access(out.resolve().parent, os.W_OK):
+        parser.error(f"--out {args.out}: its directory is not writable")
     try:
         engine_options_json(args.engine_options)
     except ValueError as e:
@@ -190,12 +252,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    ray.init(address=args.address or "auto", namespace="pagedweight", log_to_driver=False)
-    result = evaluate(args)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        ray.init(address=args.address or "auto", namespace="pagedweight", log_to_driver=False)
+    except ConnectionError as e:
+        parser.error(f"no Ray cluster to join: {e} (start one with `ray start --head`, or give --address / "
+                     "RAY_ADDRESS)")
+    try:
+        result = evaluate(args)
+    except ValueError as e:  # engines the cluster cannot hold, a device it lacks, a text too short for one window
+        parser.error(str(e))
+    except ShardFailed as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the engines it started are gone (evaluate's finally); no results file
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    write_json(args.out, result)
     summary = {k: result[k][m] for k, m in (("perplexity", "ppl"), ("generation", "tokens_per_s")) if k in result}
     print(f"results -> {args.out}: {summary}")
-    return 0
+    errors = result.get("generation", {}).get("errors", [])
+    for e in errors:
+        print(f"generation of prompt {e['prompt']} failed: {e['error']}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
