@@ -236,17 +236,22 @@ def test_missing_file_names_it(damaged):
         load_ap(damaged)
 
 
-def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
-    src, ap_dir, calib = converted
-    out = tmp_path / "again"
-    cache = next(ap_dir.glob("calib-activation-*.safetensors"))
+def _with_cached_calibration(ap_dir: Path, out: Path, monkeypatch) -> None:
+    """`out` holds `ap_dir`'s calibration statistics, and a calibration run fails: a convert must take the cache."""
     out.mkdir()
+    cache = next(ap_dir.glob("calib-activation-*.safetensors"))
     shutil.copy(cache, out / cache.name)
 
     def refuse(*args, **kwargs):
         raise AssertionError("calibration ran although cached statistics exist")
 
     monkeypatch.setattr("pagedweight.calibrate.calibrate", refuse)
+
+
+def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
+    src, ap_dir, calib = converted
+    out = tmp_path / "again"
+    _with_cached_calibration(ap_dir, out, monkeypatch)
     convert(src, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
     assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
     with pytest.raises(AssertionError, match="calibration ran"):  # other settings: a different key
@@ -327,14 +332,7 @@ def test_calibration_key_ignores_stray_safetensors(converted, tmp_path, monkeypa
     shutil.copytree(src, copy)
     (copy / "consolidated.safetensors").write_bytes(b"\0" * 64)  # not even readable: it must not be opened
     out = tmp_path / "out"
-    out.mkdir()
-    cache = next(ap_dir.glob("calib-activation-*.safetensors"))
-    shutil.copy(cache, out / cache.name)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("calibration ran although cached statistics exist")
-
-    monkeypatch.setattr("pagedweight.calibrate.calibrate", refuse)
+    _with_cached_calibration(ap_dir, out, monkeypatch)
     convert(copy, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
     assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
 

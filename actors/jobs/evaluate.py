@@ -28,6 +28,7 @@ from tqdm import tqdm
 from pagedweight.actors.engine_actor import EngineConfig, engine_options_json, start_engines
 from pagedweight.corpus import DATA_DIR
 from pagedweight.pool import parse_budget
+from pagedweight.run import write_json
 
 DEFAULT_DATA = DATA_DIR / "eval.txt"  # installed with the package: `ray submit` copies this script alone
 
@@ -93,19 +94,6 @@ def gather(refs: list, desc: str) -> list:
             results[index[done[0]]] = ray.get(done[0])
             bar.update(1)
     return results
-
-
-def write_json(path: str | Path, obj) -> None:
-    """`obj` as JSON in `path`, whole or not at all (written beside it, then renamed over it)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not mkstemp's: its file is private (0600)
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=1) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def evaluate(args: argparse.Namespace, engines: list | None = None) -> dict:
