@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from loguru import logger
 
 from pagedweight import corpus
+from pagedweight.cli import HelpFormatter
 
 EOS = "<|endoftext|>"
 # No trailing newline: the byte-level pre-tokenizer merges "\n" with the next line's indentation, so a
@@ -462,20 +463,23 @@ def evaluate(model, tok, label: str, device: str, max_eval_bytes: int | None = N
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """`pagedweight train`: train a named config, write an HF dir and a result JSON."""
     p = subparsers.add_parser("train", help="train the bundled tokenizer + Qwen2-MoE model on the Python corpus",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+                              description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
+                   help="named model and training settings (CONFIGS in pagedweight/train.py; tiny: the bundled model)")
     p.add_argument("--out", type=Path, default=None, help="HF model directory to write (omit: do not write one)")
     p.add_argument("--work-dir", type=Path, default=Path("runs/train"),
                    help="tokenizer, token cache, checkpoints and log (reused by --resume)")
     p.add_argument("--results-dir", type=Path, default=None, help="result JSON folder ($OUT or benchmarks/results)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to train on, e.g. cuda, cpu")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
     p.add_argument("--ckpt-every", type=int, default=500, help="checkpoint period in steps (0: never)")
     p.add_argument("--max-steps", type=int, default=None, help="override the config's step cap")
     p.add_argument("--time-budget-s", type=float, default=None, help="override the config's training time budget")
     p.add_argument("--max-eval-bytes", type=int, default=None, help="evaluate on a prefix of each slice")
     p.add_argument("--no-site-packages", action="store_true", help="stdlib only")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="override the config's seed (weights, data order, sampling)")
     p.add_argument("--eval-only", type=Path, default=None, metavar="MODEL_DIR",
                    help="no training: evaluate an HF dir (its tokenizer.json) and write train-eval-<machine>.json")
     p.set_defaults(func=run)

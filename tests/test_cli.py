@@ -406,8 +406,8 @@ def test_run_refuses_unusable_prompt_and_summary_paths(model_dir, tmp_path, caps
         assert err[-1].startswith("pagedweight run: error: ") and reason in err[-1], err
 
 
-@pytest.mark.parametrize("command", ["run", "serve", "generate"])
-def test_every_option_of_run_and_serve_is_explained_once(command, capsys):
+@pytest.mark.parametrize("command", ["run", "serve", "generate", "train"])
+def test_every_option_of_a_command_is_explained_once(command, capsys):
     """README: each subcommand's --help explains every option. Defaults are said once (run's said them twice:
     "(default: ...) (default: None)"), and an off switch does not read "(default: True)"."""
     from pagedweight.cli import build_parser
