@@ -249,7 +249,7 @@ def _shared_out_kernel(x, routed, gate, shared, out, half):
 @cuda.jit(cache=True)
 def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc, token_rows, tracked, req):
     """Block (l, t): |x[l, t]| (float32, a block reduction over D), then for each routing slot j the weight
-    r = weights[l, t, j] (times token_weights[t] when `weighted`) adds r, r|x| and r|x|^2 to acc[0:3, row] and raises
+    r = weights[l, t, j] (times token_weights[l, t] when `weighted`; a [1, n] token_weights serves every l) adds r, r|x| and r|x|^2 to acc[0:3, row] and raises
     acc[3, row] to |x|, row = offsets[l] + ids[l, t, j]; when `tracked`, the same with r unweighted into req at
     token_rows[t] * acc.shape[1] + row. x [L', n, D], ids and weights [L', n, k], offsets [L'] (a layer's first row,
     layer * E), acc [4, L * E] float32, req [4, rows * L * E]. Atomics: the sums' order is free, as index_add_'s is."""
@@ -267,7 +267,7 @@ def _route_stats_kernel(x, ids, weights, offsets, token_weights, weighted, acc, 
         r0 = float32(weights[l, n, t])
         r = r0
         if weighted:
-            r = r0 * float32(token_weights[n])
+            r = r0 * float32(token_weights[l % token_weights.shape[0], n])
         rn = r * norm
         cuda.atomic.add(acc, (0, row), r)
         cuda.atomic.add(acc, (1, row), rn)
@@ -376,8 +376,8 @@ def route_stats(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offse
                 token_weights: torch.Tensor | None, acc: torch.Tensor, token_rows: torch.Tensor | None = None,
                 req: torch.Tensor | None = None) -> None:
     """Add one step's routing statistics to acc [4, L * E] (float32) in one launch: signals.RouterStats' fold of
-    x [L', n, D] (fp16/fp32), ids [L', n, k] (int64), weights [L', n, k] (fp16/fp32, times token_weights [n] if
-    given) and offsets [L'] (int64, layer * E), where torch takes ~15 small kernels. With token_rows [n] (int64)
+    x [L', n, D] (fp16/fp32), ids [L', n, k] (int64), weights [L', n, k] (fp16/fp32, times token_weights if given:
+    [n], or [L', n] a weight per layer and token) and offsets [L'] (int64, layer * E), where torch takes ~15 small kernels. With token_rows [n] (int64)
     and req [4, rows * L * E] (float32), each token's unweighted statistics also go to its request's row of req
     (RouterStats.track_requests)."""
     if x.dtype not in DTYPES or weights.dtype not in DTYPES or ids.dtype != torch.int64:
@@ -390,7 +390,9 @@ def route_stats(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offse
                     or req.shape[1] % acc.shape[1]):
         raise ValueError("route_stats' per-request sums take int64 token_rows and a float32 [4, rows * L * E] req")
     weighted = token_weights is not None
-    tw = token_weights.float() if weighted else acc[0, :1]  # unread stand-in when unweighted
+    tw = token_weights.float().reshape(-1, x.shape[1]) if weighted else acc[:1, :1]  # unread stand-in: unweighted
+    if tw.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"route_stats' token weights are [n] or [L', n], got {tuple(token_weights.shape)}")
     if not tracked:  # unread stand-ins of their own (the simulator copies each array back: not acc a second time)
         token_rows, req = _untracked(acc.device)
     _route_stats_kernel[(x.shape[0], x.shape[1]), THREADS, _stream()](

@@ -284,17 +284,9 @@ class RouterStats:
             # one launch (cuda/layer_kernels.route_stats) for the ~15 small kernels of the fold below
             from pagedweight.cuda import layer_kernels
             rows, req = (self._rows_on(x.device), self._req_acc(x.device)) if tracked else (None, None)
-            if scale is None:
-                layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, self._device_token_weights(x.device),
-                                          self._window_acc(x.device), rows, req)
-                return
-            # the kernel weighs by token only: the window's sums from scaled weights, the requests' rows (unscaled)
-            # from a second launch, whose window sums go to scratch
-            scaled = (topk_weights.float() * scale[:, :, None]).to(topk_weights.dtype)
-            layer_kernels.route_stats(x, topk_ids, scaled, offsets, None, self._window_acc(x.device))
-            if tracked:
-                layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, None,
-                                          torch.empty(4, self._stride, device=x.device), rows, req)
+            weights = self._device_token_weights(x.device) if scale is None else scale
+            layer_kernels.route_stats(x, topk_ids, topk_weights, offsets, weights, self._window_acc(x.device), rows,
+                                      req)
             return
         r0 = topk_weights.float()
         if scale is None:

@@ -135,6 +135,14 @@ COMPARE = textwrap.dedent(r"""
             lk.route_stats(xr, ids, wr, torch.tensor(layers, device=device) * E, tw.to(device) if weighted else None,
                            acc)
             out[f"route_stats_{weighted}"] = float((acc.cpu().double() - want).abs().max() / want.abs().max())
+        # a weight per layer and token [L', n] (RouterStats' per-request scale): as the weights times it
+        tw2 = torch.rand(3, n, generator=g) + 0.5
+        ref = RouterStats(L, E)
+        ref.observe_layers(layers, xr.cpu(), ids.cpu(), wr.cpu().float() * tw2[:, :, None])
+        want = torch.from_numpy(np.stack([ref.mass, ref.norm_sum, ref.norm2_sum, ref.norm_max])).reshape(4, -1)
+        acc = torch.zeros(4, L * E, device=device)
+        lk.route_stats(xr, ids, wr, torch.tensor(layers, device=device) * E, tw2.to(device), acc)
+        out["route_stats_per_layer"] = float((acc.cpu().double() - want).abs().max() / want.abs().max())
         # and each token's unweighted sums into its request's row (RouterStats.track_requests), 3 requests in 2 rows
         # beside the row of untracked tokens, against the torch fold
         ref = RouterStats(L, E)
@@ -238,6 +246,7 @@ def check_case(r: dict, dtype: str, seed: int) -> None:
     for weighted in (False, True):  # float32 sums in another order: an ulp or two of the largest
         assert r[f"route_stats_{weighted}"] <= 1e-6, r
     assert r["route_stats_rows"] <= 1e-6 and r["route_stats_rows_used"] == 3, r
+    assert r["route_stats_per_layer"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("case", ["float16/0", "float16/1", "float32/0", "float32/1"])
