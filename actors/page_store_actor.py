@@ -32,13 +32,13 @@ class PageStoreActor:
         (non any-precision) checkpoint, which has no planes to share. The manifest is read on every call (the
         store's name comes from its planes): a checkpoint re-quantized in the same directory gets a fresh store."""
         from pagedweight.apformat import MANIFEST, load_ap
-        from pagedweight.runner import ap_weights, planes_id
+        from pagedweight.runner import ap_weights, default_store_dir
 
         model_dir = str(Path(model_dir).resolve())
         if not (Path(model_dir) / MANIFEST).is_file():
             return None
         ap = load_ap(model_dir, verify=False)
-        path = str(self._root / f"pagedweight-{planes_id(ap)}")  # the engine's own default name
+        path = str(default_store_dir(ap, self._root))  # the engine's own default name
         if path not in self._written:
             ap_weights(ap, Path(path)).store.close()  # creates the store once (file-locked) and checks it opens
             self._written.add(path)

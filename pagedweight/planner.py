@@ -406,8 +406,7 @@ def plan_release_narrow(tables: BlockTables, widths: np.ndarray, demand: float, 
     target = np.where(legal.any(axis=0), narrow - np.argmax(legal[::-1], axis=0), -1)
     wide = widths > narrow
     can = ~(wide & (target < 0)).reshape(L, -1).any(axis=1)
-    steps = np.where(tables.has_step, dhat, 0.0)
-    below = np.vstack([np.zeros(n), np.cumsum(steps, axis=0)])  # below[b]: damage of the steps of rows < b
+    below = _damage_below(tables, dhat)
     capped = np.zeros(L, dtype=bool)
     while True:  # each pass caps at least one more layer, so at most L passes
         share = (plan.widths.reshape(L, -1) > narrow).mean(axis=1)
@@ -422,6 +421,13 @@ def plan_release_narrow(tables: BlockTables, widths: np.ndarray, demand: float, 
         total = freed + rest.delta_bytes
         plan = Plan("release", widths, rest.widths, float(demand), total, damage + rest.damage, total >= demand,
                     rest.stage if rest.kind == "release" else plan.stage, rest.gap_bound)
+
+
+def _damage_below(tables: BlockTables, dhat: np.ndarray, cols: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """below [P+2, m] of blocks `cols`: below[b] is the damage of the drop steps of rows < b (d_hat row b: the step
+    prev[b] -> b), so a drop from width w to w' costs below[w] - below[w']."""
+    steps = np.where(tables.has_step[:, cols], dhat[:, cols], 0.0)
+    return np.vstack([np.zeros(steps.shape[1]), np.cumsum(steps, axis=0)])
 
 
 def _reload_greedy(tables: BlockTables, widths: np.ndarray, budget: float, dhat: np.ndarray,
@@ -733,8 +739,7 @@ class Planner:
         up, now = self.desired[pending], committed[pending]
         gain = self.tables.mem_rows[up, pending] - self.tables.mem_rows[now, pending]  # bytes a cancel gives back
         # the reload now -> up avoids the drop steps it undoes, rows now..up-1 (d_hat row b: the step prev[b] -> b)
-        steps = np.where(self.tables.has_step[:, pending], dhat[:, pending], 0.0)
-        below = np.vstack([np.zeros(pending.size), np.cumsum(steps, axis=0)])  # below[b]: steps of rows < b
+        below = _damage_below(self.tables, dhat, pending)
         cols = np.arange(pending.size)
         avoided = below[up, cols] - below[now, cols]
         order = np.argsort(avoided / np.maximum(gain, 1.0), kind="stable")

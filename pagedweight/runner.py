@@ -70,10 +70,10 @@ def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
                      ap.residual_heads)
 
 
-def default_store_dir(ap: APCheckpoint) -> Path:
-    """The node page store an engine maps when given no directory: /dev/shm (tmpfs, shared by the node's processes),
-    named by the planes' content id."""
-    return Path(f"/dev/shm/pagedweight-{planes_id(ap)}")
+def default_store_dir(ap: APCheckpoint, root: str | Path = "/dev/shm") -> Path:
+    """The node page store of `ap` under `root`, named by the planes' content id: an engine given no directory maps
+    the one in /dev/shm (tmpfs, shared by the node's processes)."""
+    return Path(root) / f"pagedweight-{planes_id(ap)}"
 
 
 def planes_id(ap: APCheckpoint) -> str:
