@@ -347,14 +347,14 @@ def splits(shapes: list[str], tokens: list[int] | None = None, plans: list[str] 
                     mk.SPLIT_SIZING.update(default)
                     want = call[0]()
                     for min_words, target in SPLIT_SIZINGS:
-                        mk.SPLIT_SIZING[mk.split_class(cls)] = min_words, target
+                        mk.SPLIT_SIZING[mk.split_class(cls)] = min_words, target, target
                         err = rel(call[0](), want)
                         graphs = [capture(c) for c in call]
                         us = time_cycle([g.replay for g in graphs])
                         del graphs
                         slots = min(E, T * k)
                         blocks = [-(-n // mk.ROWS) * -(-num_words(kk) // mk._words_per_split(
-                            num_words(kk), -(-n // mk.ROWS), slots, cls)) * slots
+                            num_words(kk), -(-n // mk.ROWS), slots, cls, T)) * slots
                             for n, kk in ((2 * F, D), (D, F))]
                         add(dict(section="splits", shape=name, T=T, plan=plan, lut_width=cls,
                                  bits=int(q[0, 0]) if plan.startswith("w") else None, min_split_words=min_words,
