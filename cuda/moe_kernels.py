@@ -70,7 +70,8 @@ ROUTE_MAX_BLOCKS = 264  # set-up blocks, two per SM on an H200: the largest deco
 MAX_EXPERTS = 1024
 NARROW_MAX_WIDTH = NARROW_WIDTH  # the narrow LUT class: every block of the layer at 4 bits or less
 # Split-K sizing per LUT class (the widest width a launch may hold; the engine's classes are 4, 7 and 8,
-# runner.lut_width): (fewest plane words per K split, rounded up to WS; blocks a launch aims for at T=1; at T > 1).
+# runner.lut_width): (fewest plane words per K split, rounded up to WS; blocks a launch aims for below
+# SPLIT_MANY_TOKENS tokens; from SPLIT_MANY_TOKENS on).
 # - 8 (widths up to 8): 2048 blocks (~8 2-warp blocks per SM on 132 SMs, two waves) of at least 16 words: staging a
 #   7-8-bit LUT costs more than more warps gain (Qwen1.5 T=1 at 8 bits took 124 -> 146 us with 8 words,
 #   moe_kernel_bench-nvidia-h200-20261130-s9-splits.json; Qwen3 81.7 against 95.3, …-20261202-s29-splits-t1.json).
@@ -79,14 +80,19 @@ NARROW_MAX_WIDTH = NARROW_WIDTH  # the narrow LUT class: every block of the laye
 #   words a Qwen3 layer of widths 3..5 took 46.2 us where all-5 took 48.4 and all-4 (narrow class) 36.4
 #   (…-20261202-s30-classes.json). 8 words at T=1: widths 3..5 -8.6 % (Qwen3) / -14.3 % (Qwen1.5), 3..6 -8.1 /
 #   -6.1 %, all-6 -0.5 / -7.5 %, all-7 +6.8 / -1.2 %; at T=4 within +0.4 % on Qwen3 and -1.3..-3.5 % on Qwen1.5
-#   (…-20261202-s30-splits-c7.json). At T > 1 4096 blocks: a decode step of 4-32 tokens spreads over 16-60 slots,
-#   and 2048 blocks left mixed layers (widths 3..5 / 3..6) 0.9-8.6 % slower than 4096 at T 4-32 on an H100
-#   (Qwen1.5 T=32: 450.6 -> 415.3 / 473.5 -> 442.5 us; uniform 4 bits, narrow class: 395.7; …-h100-80gb-hbm3-20261205-
-#   s46-splits-mixed.json); batches 8 / 32 of the engine's released layers decode in this class.
+#   (…-20261202-s30-splits-c7.json). From 8 tokens 4096 blocks: a step of 8-32 tokens spreads over 30-128 slots, and
+#   on an H100 2048 blocks took 3.1-10.4 % longer than 4096 for widths 3..5 at T 8 / 32 on Qwen1.5 and Qwen3, 2.3-7.0
+#   % for 3..6, 0.4-6.8 % for uniform 6 bits (Qwen1.5 T=32, widths 3..5: 450.6 -> 415.3 us; uniform 4 bits in the
+#   narrow class 395.7; …-h100-80gb-hbm3-20261205-s46-splits-mixed.json, …-s46-splits-t-target.json). At T=4 4096
+#   was 0.9-3.1 % faster for widths 3..5 but 2.5-4.6 % slower for uniform 6 bits (a paged engine at home width 6
+#   without pressure) and 1.7 % for 3..6, so it stays at 2048 there. The released layers of an engine at batch 8 / 32 decode in this class: paired against uniform
+#   4 bits (parent home) 0.922 / 0.891 with 2048, 0.950 / 0.958 with 4096 (engine_bench-…-s46-no-release-rule-b328,
+#   …-s46-t-target-b328.json).
 # - 4 (the narrow class, a 16-entry LUT): 8192 blocks of at least 2 words, which in three H200 runs
 #   (…-s10-last.json, …-s11-main.json, …-s11-lut-in-body.json) beat 2048 blocks of 8 words at 4 bits by 1.3-2.3 %
 #   on Qwen1.5 (T=1 and 4), 2.1 % on Mixtral T=1 and 13.5 % on Mixtral T=4.
 SPLIT_SIZING = {NARROW_MAX_WIDTH: (2, 8192, 8192), 7: (8, 2048, 4096), 8: (16, 2048, 2048)}
+SPLIT_MANY_TOKENS = 8
 
 float32, float16, uint32, int32, uint16 = np.float32, np.float16, np.uint32, np.int32, np.uint16
 # array dtypes (the simulator's too)
@@ -596,8 +602,8 @@ def split_class(lut_width: int) -> int:
 
 
 def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int, T: int) -> int:
-    min_words, target_t1, target = SPLIT_SIZING[split_class(lut_width)]
-    target = target_t1 if T == 1 else target
+    min_words, few, many = SPLIT_SIZING[split_class(lut_width)]
+    target = many if T >= SPLIT_MANY_TOKENS else few
     want = max(1, -(-target // (row_tiles * slots)))
     splits = max(1, min(want, -(-W // min_words)))
     wps = -(-W // splits)

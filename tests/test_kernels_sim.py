@@ -347,3 +347,32 @@ def test_moe_forward_refuses_widths_it_has_no_body_for_and_takes_no_tokens():
     res = run_child_json(ARGS_CHILD, timeout=300, NUMBA_ENABLE_CUDASIM="1")
     assert res["empty"] == [0, 8]
     assert "lut_width" in res["lut2"] and "lut_width" in res["lut9"], res
+
+
+
+SPLIT_CHILD = r"""
+import json
+from pagedweight.cuda import moe_kernels as mk
+out = {}
+for cls in sorted(mk.SPLIT_SIZING):
+    for W in (1, 5, 44, 64, 448):  # plane words of K (Qwen1.5's down 44, gate_up 64; Mixtral's down 448)
+        for T in (1, 4, 7, 8, 32):  # the same slots and row tiles (a Qwen1.5 gate_up of ~30 routed experts)
+            wps = mk._words_per_split(W, 44, 30, cls, T)
+            out[f"{cls}/{W}/{T}"] = [wps, -(-W // wps)]
+print(json.dumps(out))
+"""
+
+
+def test_split_sizing_covers_k_and_widens_mixed_layers_from_eight_tokens():
+    """Every K split is whole sub-chunks (WS words), the splits cover K and none is empty; at the same slots and row
+    tiles, LUT class 7 (the mixed layers of a release) cuts K finer from SPLIT_MANY_TOKENS tokens on (s46: 3-10 %
+    faster at T 8 / 32 on an H100), and the narrow and 8-bit classes do not depend on T."""
+    res = run_child_json(SPLIT_CHILD, timeout=300, NUMBA_ENABLE_CUDASIM="1")
+    for key, (wps, splits) in res.items():
+        W = int(key.split("/")[1])
+        assert wps % 4 == 0 and splits * wps >= W and (splits - 1) * wps < W, key
+    assert res["7/64/8"][1] > res["7/64/7"][1] and res["7/448/32"][1] > res["7/448/4"][1]
+    assert res["7/64/1"] == res["7/64/4"] == res["7/64/7"] and res["7/64/8"] == res["7/64/32"]
+    for cls in (4, 8):
+        for W in (1, 5, 44, 64, 448):
+            assert len({tuple(res[f"{cls}/{W}/{T}"]) for T in (1, 4, 7, 8, 32)}) == 1, (cls, W)
