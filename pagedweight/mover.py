@@ -65,10 +65,6 @@ class CpuBackend:
             dst.copy_(src)
         return _Done()
 
-    def publish(self, table: WeightPageTable) -> None:
-        table.publish()
-
-
 class CudaBackend:
     """Copies on a dedicated stream; fences are CUDA events."""
 
@@ -87,9 +83,6 @@ class CudaBackend:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             return _EventFence(self.copy_stream)
-
-    def publish(self, table: WeightPageTable) -> None:
-        table.publish(torch.cuda.current_stream())
 
 
 PINNED_LINK_BYTES_PER_S = 55e9  # pinned host -> device on the H200 (shared/GPU.md)
@@ -322,7 +315,7 @@ class PageMover:
             for key in move.fresh:
                 self.table.slot(i, *key).state = PageState.GPU
             self._commit(i, move)
-        self.backend.publish(self.table)
+        self.table.publish()
         for key, after in list(self._retiring.items()):
             if after <= self.completed:
                 del self._retiring[key]

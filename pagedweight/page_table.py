@@ -181,14 +181,16 @@ class WeightPageTable:
             self._stage(i)
         self.publish()
 
-    def publish(self, stream: torch.cuda.Stream | None = None) -> bool:
-        """Copy the staged tables to the device tables (one copy, on the compute stream); True if anything changed."""
+    def publish(self) -> bool:
+        """Copy the staged tables to the device tables (one copy, on the current stream: the compute stream, so the
+        next step reads the new tables); True if anything changed. The fence is recorded on that same stream (a
+        stream argument once let a caller fence another stream than the one the copy ran on)."""
         if not self._dirty:
             return False
         if self._device_buf.is_cuda:
             self._device_buf.copy_(self._staging, non_blocking=True)
             self._publish_event = torch.cuda.Event()
-            self._publish_event.record(stream)
+            self._publish_event.record(torch.cuda.current_stream(self._device_buf.device))
         else:
             self._device_buf.copy_(self._staging)
         self._dirty = False

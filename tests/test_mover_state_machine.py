@@ -108,8 +108,6 @@ class DeferredBackend:
         self.steps.append(fence)
         return fence
 
-    def publish(self, table):
-        table.publish()
 
 
 @pytest.fixture(scope="module")
