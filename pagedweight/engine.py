@@ -402,6 +402,9 @@ class LLM:
             base = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
+        if cuda:  # the first kernel launches compile (Numba caches them on disk): minutes with nothing else to show
+            logger.info("activation reserve: profiling the largest steps (on a machine's first start this includes "
+                        "compiling the CUDA kernels, a few minutes; later starts load them from Numba's cache)")
         self._profile_steps()
         gap = 0
         if cuda:
