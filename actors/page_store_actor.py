@@ -2,7 +2,7 @@
 /dev/shm (pagedweight.page_store) so every engine of the node maps the same physical pages.
 
 The store outlives engine restarts: a restarted engine rebuilds its GPU state from it instead of
-re-reading the checkpoint. Stores are keyed by the checkpoint's planes.bin checksum, so two
+re-reading the checkpoint. Stores are keyed by the checkpoint's planes checksum, so two
 checkpoints never share one and a re-quantized checkpoint gets a fresh store. The store is named as the engine
 names it by default, so an engine started without Ray on the same node maps the same pages.
 """

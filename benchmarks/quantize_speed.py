@@ -1,5 +1,5 @@
 """Conversion speed of the expert blocks of a Qwen1.5-MoE-A2.7B-shaped random model (24 x 60 experts,
-D=2048, F=1408): seed k-means + upscaling + packing on the GPU, planes.bin written to local disk.
+D=2048, F=1408): seed k-means + upscaling + packing on the GPU, the planes file written to local disk.
 
 Run standalone: `python benchmarks/quantize_speed.py` (the H200), or a CPU check:
 `python benchmarks/quantize_speed.py --layers 1 --experts 2 --device cpu`.
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # standalone run from a plain checkout
 
 from benchmarks.common import write_result  # noqa: E402
-from pagedweight.apformat import APWriter  # noqa: E402
+from pagedweight.apformat import APWriter, load_ap  # noqa: E402
 from pagedweight.convert import quantize_layer  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-weights", type=int, default=None,
                     help="weights per quantizer call (default 2^27 on cuda, 2^23 on cpu)")
-    ap.add_argument("--work-dir", default=None, help="where planes.bin goes (default: a temp dir, removed after)")
+    ap.add_argument("--work-dir", default=None, help="where the planes file goes (default: a temp dir, removed after)")
     args = ap.parse_args()
     device = torch.device(args.device)
     batch = args.batch_weights or (1 << 27 if device.type == "cuda" else 1 << 23)
@@ -66,7 +66,7 @@ def main() -> int:
         save()
     writer.finish(np.full((L, E), 1.0 / E), {}, None)
     total_s = time.perf_counter() - t_start
-    planes_bytes = (work / "planes.bin").stat().st_size
+    planes_bytes = load_ap(work, verify=False).planes_file.stat().st_size
     if args.work_dir is None:
         shutil.rmtree(work)
     weights = L * E * 3 * Fi * D

@@ -5,8 +5,10 @@ Layout of a directory:
                     config, family, seed/parent bits, block list with byte offsets, tables (s_i^b, raw M_i^b,
                     routing mass), planner knobs, residual heads (version 2), calibration info and every other
                     file with size + blake2b.
-  planes.bin        every plane and LUT at a 4096-byte-aligned offset (memory-mappable and pinnable in place).
-  dense.safetensors non-expert weights under the model's state-dict names.
+  planes-<id>.bin   every plane and LUT at a 4096-byte-aligned offset (memory-mappable and pinnable in place).
+  dense-<id>.safetensors non-expert weights under the model's state-dict names.
+                    <id>: the first 16 hex digits of the file's blake2b; the manifest names both files ("planes_file",
+                    "dense_file"). Checkpoints written before name them planes.bin and dense.safetensors (no keys).
   config.json, generation_config.json, tokenizer.json, and tokenizer_config.json and chat_template.jinja where the
                     source has them (copied from the source).
 Every inconsistency found on load raises APFormatError naming the file.
@@ -16,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,10 +41,13 @@ READABLE = (1, 2)
 ALIGN = 4096
 KINDS = ("gate_up", "down")
 MANIFEST = "manifest.msgpack"
-PLANES = "planes.bin"
-DENSE = "dense.safetensors"
+PLANES = "planes.bin"  # the planes file of a checkpoint whose manifest names none (written before "planes_file")
+DENSE = "dense.safetensors"  # likewise the dense weights ("dense_file")
 # copied from the source when it has them (config.json is rewritten); the last two carry the chat template
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+REPLACED = "the checkpoint was replaced by a later conversion into its directory since it was opened: open it again"
 
 
 class APFormatError(ValueError):
@@ -80,6 +87,31 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(path: Path) -> None:
+    """Sync a directory's entries (renames into it); some file systems (network, FUSE) cannot: their files are
+    synced."""
+    try:
+        _fsync(path)
+    except OSError:
+        pass
+
+
+def _is_data_file(name: str) -> bool:
+    """A planes or dense weights file of some write (this layout or the one before)."""
+    return name in (PLANES, DENSE) or name.startswith("planes-") and name.endswith(".bin") or \
+        name.startswith("dense-") and name.endswith(".safetensors")
+
+
+_TMP_PREFIX, _TMP_SUFFIX = ".pw-", ".tmp"  # a writer's temporary files: .pw-<token>-<name>.tmp
+
+
+def _discard(file: BinaryIO, paths: list[Path]) -> None:
+    """Close an unfinished write's planes file and remove its files (the writer's finalizer: holds no writer)."""
+    file.close()
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def block_bytes(plane_nbytes: int, lut_nbytes: int, b: int, page_bytes: int = 1) -> int:
     """M_i^b as allocated: b whole-page plane runs plus one LUT_b run (page_bytes=1 gives raw bytes)."""
     def pages(nbytes: int) -> int:
@@ -90,7 +122,7 @@ def block_bytes(plane_nbytes: int, lut_nbytes: int, b: int, page_bytes: int = 1)
 
 @dataclass
 class BlockEntry:
-    """Where one block's planes and LUTs lie in planes.bin."""
+    """Where one block's planes and LUTs lie in the planes file."""
 
     layer: int
     expert: int
@@ -110,24 +142,57 @@ class BlockEntry:
 
 
 class APWriter:
-    """Streams quantized blocks into planes.bin (hashing as it writes), then writes everything else in finish()."""
+    """Streams quantized blocks into a temporary planes file (hashing as it writes), then writes everything else in
+    finish().
+
+    Re-converting into a directory that holds a checkpoint commits at one point, the manifest's rename. The planes
+    and dense weights go to files named by their content (planes-<id>.bin, dense-<id>.safetensors) that only the new
+    manifest names; everything is written under temporary names (.pw-*.tmp) and renamed into place in finish(), just
+    before the manifest. So a process that mapped the old planes keeps reading them (the old file is unlinked after
+    the commit, never truncated or rewritten); a conversion that fails or is killed before the commit leaves the old
+    checkpoint whole and loadable; and no reader pairs one manifest with another write's planes or dense weights (with
+    fixed names, a reader between the planes' and the manifest's renames would: a re-conversion of the same model
+    has planes of the same size, and the engine verifies no checksums). The copied files keep their fixed names
+    (tokenizers read them): they are renamed in right before the manifest, a window of a few renames.
+    Until then the directory holds both checkpoints' planes (twice the disk of one, at the peak). After the commit,
+    data files no manifest names (the superseded ones, a killed write's) and stale .pw-*.tmp files are removed: one
+    writer at a time per directory.
+
+    A write that does not finish removes what it wrote: `abort()`, leaving a `with` block unfinished, a finish()
+    that fails, or else when the writer is garbage-collected (or the interpreter exits).
+    """
 
     def __init__(self, out_dir: str | Path, hf_config: dict[str, Any], family: str, num_layers: int,
                  num_experts: int, seed_bits: int, parent_bits: int) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        # an earlier checkpoint in this directory stops being one now: a conversion cut short must not leave its
-        # manifest vouching for new planes beside old dense weights (the engine does not verify checksums by default)
-        (self.dir / MANIFEST).unlink(missing_ok=True)
         self.hf_config, self.family = hf_config, family
         self.num_layers, self.num_experts = num_layers, num_experts
         self.seed_bits, self.parent_bits = seed_bits, parent_bits
         n_blocks = num_layers * num_experts * 2
         self.entries: list[BlockEntry | None] = [None] * n_blocks
         self.sensitivity = np.zeros((n_blocks, parent_bits + 1), dtype=np.float64)
-        self._file: BinaryIO = open(self.dir / PLANES, "wb")
+        self._token = secrets.token_hex(6)
+        self._owned: list[Path] = []  # removed unless finished: temporary files, data files placed before the commit
+        self._file: BinaryIO = open(self._tmp("planes.bin"), "wb")
+        self._cleanup = weakref.finalize(self, _discard, self._file, self._owned)
         self._hash = hashlib.blake2b(digest_size=32)
         self._pos = 0
+
+    def __enter__(self) -> APWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()  # after finish(): nothing left to remove
+
+    def abort(self) -> None:
+        """Give up an unfinished write: close and remove its files (the directory's checkpoint stays as it was)."""
+        self._cleanup()
+
+    def _tmp(self, name: str) -> Path:
+        path = self.dir / f"{_TMP_PREFIX}{self._token}-{name}{_TMP_SUFFIX}"
+        self._owned.append(path)
+        return path
 
     def _write_aligned(self, data: np.ndarray) -> int:
         pad = -self._pos % ALIGN
@@ -155,7 +220,25 @@ class APWriter:
     def finish(self, routing_mass: np.ndarray, dense_state: dict[str, torch.Tensor], source_dir: str | Path | None,
                planner_knobs: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
                residual_heads: ResidualHeads | None = None) -> Path:
-        """Write dense weights, copied files and the manifest; returns the manifest path."""
+        """Write dense weights, copied files and the manifest, then commit them; returns the manifest path.
+
+        A finish() that fails removes this write's files: the directory keeps its previous checkpoint."""
+        if not self._cleanup.alive:
+            raise ValueError(f"{self.dir}: this write was already finished or aborted")
+        try:
+            path, names = self._finish(routing_mass, dense_state, source_dir, planner_knobs, calibration,
+                                       residual_heads)
+        except BaseException:
+            self.abort()
+            raise
+        self._owned.clear()  # committed: nothing of it is removed any more
+        self._cleanup()
+        self._sweep(names)
+        return path
+
+    def _finish(self, routing_mass: np.ndarray, dense_state: dict[str, torch.Tensor], source_dir: str | Path | None,
+                planner_knobs: dict[str, Any] | None, calibration: dict[str, Any] | None,
+                residual_heads: ResidualHeads | None) -> tuple[Path, set[str]]:
         from safetensors.torch import save_file
 
         missing = [i for i, e in enumerate(self.entries) if e is None]
@@ -168,24 +251,33 @@ class APWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        files = [{"name": PLANES, "size": self._pos, "blake2b": self._hash.hexdigest()}]
+        planes_hash = self._hash.hexdigest()
+        planes_name = f"planes-{planes_hash[:16]}.bin"
+        staged = [(planes_name, Path(self._file.name))]  # (final name, temporary file)
+        files = [{"name": planes_name, "size": self._pos, "blake2b": planes_hash}]
 
-        save_file({k: v.detach().cpu().clone() for k, v in dense_state.items()}, str(self.dir / DENSE))
-        (self.dir / "config.json").write_text(json.dumps(self.hf_config, indent=1) + "\n")
-        for name in COPIED[1:]:
+        tmp = self._tmp(DENSE)
+        save_file({k: v.detach().cpu().clone() for k, v in dense_state.items()}, str(tmp))
+        dense_hash = _blake2b_file(tmp)
+        dense_name = f"dense-{dense_hash[:16]}.safetensors"
+        staged.append((dense_name, tmp))
+        files.append({"name": dense_name, "size": tmp.stat().st_size, "blake2b": dense_hash})
+        for name in COPIED:
             src = Path(source_dir) / name if source_dir else None
-            if src is not None and src.exists():
-                shutil.copyfile(src, self.dir / name)
+            tmp = self._tmp(name)
+            if name == "config.json":
+                tmp.write_text(json.dumps(self.hf_config, indent=1) + "\n")
+            elif src is not None and src.exists():
+                shutil.copyfile(src, tmp)
             elif name == "generation_config.json":
                 gen = {k: self.hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in self.hf_config}
-                (self.dir / name).write_text(json.dumps(gen, indent=1) + "\n")
-            else:  # an earlier conversion's copy (another model's chat template) is not this model's
-                (self.dir / name).unlink(missing_ok=True)
-        for name in (DENSE, *COPIED):
-            if (self.dir / name).exists():
-                path = self.dir / name
-                _fsync(path)
-                files.append({"name": name, "size": path.stat().st_size, "blake2b": _blake2b_file(path)})
+                tmp.write_text(json.dumps(gen, indent=1) + "\n")
+            else:  # an earlier conversion's copy (another model's chat template) goes after the commit
+                continue
+            staged.append((name, tmp))
+            files.append({"name": name, "size": tmp.stat().st_size, "blake2b": _blake2b_file(tmp)})
+        for _, tmp in staged[1:]:
+            _fsync(tmp)
 
         entries = [e for e in self.entries if e is not None]
         raw = np.zeros_like(self.sensitivity, dtype=np.int64)
@@ -201,6 +293,7 @@ class APWriter:
             "tables": {"sensitivity": _pack_array(self.sensitivity), "raw_bytes": _pack_array(raw),
                        "routing_mass": _pack_array(np.asarray(routing_mass, dtype=np.float64))},
             "planner_knobs": planner_knobs or {}, "calibration": calibration or {}, "files": files,
+            "planes_file": planes_name, "dense_file": dense_name,
             "residual_heads": None if residual_heads is None else _pack_heads(residual_heads, len(entries),
                                                                               self.parent_bits),
         }
@@ -208,19 +301,39 @@ class APWriter:
         head = {"format": FORMAT, "version": VERSION, "body": packed,
                 "blake2b": hashlib.blake2b(packed, digest_size=32).hexdigest()}
         path, tmp = self.dir / MANIFEST, self.dir / (MANIFEST + ".tmp")
+        self._owned.append(tmp)
         tmp.write_bytes(msgpack.packb(head, use_bin_type=True))
         _fsync(tmp)
-        os.replace(tmp, path)  # last: a directory with a manifest is a whole checkpoint
-        try:
-            _fsync(self.dir)  # the rename itself
-        except OSError:  # some file systems (network, FUSE) cannot sync a directory: the files are synced
-            pass
-        return path
+        for name, staged_tmp in staged:
+            if _is_data_file(name) and not (self.dir / name).exists():  # content-named: an existing one is the same
+                self._owned.append(self.dir / name)  # removed if the commit fails (no manifest names it yet)
+            os.replace(staged_tmp, self.dir / name)
+        _fsync_dir(self.dir)  # the files' renames reach the disk before the manifest's
+        os.replace(tmp, path)  # the commit: a directory with a manifest is a whole checkpoint
+        _fsync_dir(self.dir)  # the rename itself
+        return path, {f["name"] for f in files}
+
+    def _sweep(self, keep: set[str]) -> None:
+        """After the commit: remove the data files the manifest (naming `keep`) does not name (the superseded
+        checkpoint's, a killed write's), copied files this conversion did not write, and leftover temporary files.
+        A process that mapped a removed file keeps its pages."""
+        for p in self.dir.iterdir():
+            stale = p.name.startswith(_TMP_PREFIX) and p.name.endswith(_TMP_SUFFIX) or p.name in COPIED or \
+                _is_data_file(p.name)
+            if stale and p.name not in keep and p.is_file():
+                try:
+                    p.unlink()
+                except OSError:  # gone meanwhile, or not ours to remove: the checkpoint is whole either way
+                    pass
 
 
 @dataclass
 class APCheckpoint:
-    """A loaded AP checkpoint: manifest tables in memory, planes.bin memory-mapped read-only."""
+    """A loaded AP checkpoint: manifest tables in memory, its planes file memory-mapped read-only.
+
+    The mapping stays valid when a later conversion into the directory replaces the checkpoint; the dense weights
+    and `planes_file` are opened by name, so after such a replacement they are missing (APFormatError /
+    FileNotFoundError): open the checkpoint again."""
 
     dir: Path
     manifest: dict[str, Any]
@@ -232,7 +345,11 @@ class APCheckpoint:
 
     @property
     def planes_file(self) -> Path:
-        return self.dir / PLANES
+        return self.dir / self.manifest.get("planes_file", PLANES)
+
+    @property
+    def dense_file(self) -> Path:
+        return self.dir / self.manifest.get("dense_file", DENSE)
 
     @property
     def seed_bits(self) -> int:
@@ -262,11 +379,11 @@ class APCheckpoint:
         return FAMILIES[self.manifest["family"]].from_hf(self.hf_config)
 
     def plane_offset(self, i: int, p: int) -> int:
-        """Byte offset of plane p of block i in planes.bin."""
+        """Byte offset of plane p of block i in the planes file."""
         return self.blocks[i].plane_offsets[p]
 
     def lut_offset(self, i: int, b: int) -> int:
-        """Byte offset of LUT_b of block i in planes.bin."""
+        """Byte offset of LUT_b of block i in the planes file."""
         if not self.seed_bits <= b <= self.parent_bits:
             raise ValueError(f"width {b} outside [{self.seed_bits}, {self.parent_bits}]")
         return self.blocks[i].lut_offsets[b]
@@ -299,10 +416,12 @@ class APCheckpoint:
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        path = self.dir / DENSE
+        path = self.dense_file
         try:
             return load_file(str(path))
         except Exception as exc:  # safetensors raises its own error types for damaged headers
+            if not path.exists():
+                raise APFormatError(path, f"missing ({REPLACED})") from exc
             raise APFormatError(path, f"cannot read dense weights ({exc})") from exc
 
 
@@ -351,38 +470,74 @@ def heads_from_manifest(manifest: dict[str, Any], path: str | Path) -> ResidualH
     return heads
 
 
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def load_ap(ap_dir: str | Path, verify: bool = True) -> APCheckpoint:
-    """Open an AP checkpoint; sizes are always checked, blake2b checksums too when `verify`."""
+    """Open an AP checkpoint; sizes are always checked, blake2b checksums too when `verify`.
+
+    A conversion that commits into the directory while this opens it (its manifest renamed in, the files it
+    superseded removed) makes the open start over from the new manifest: the files read are always the ones the
+    manifest read names."""
     ap_dir = Path(ap_dir)
+    for attempt in range(3):
+        stamp = _stamp(ap_dir / MANIFEST)
+        try:
+            return _load_ap(ap_dir, verify)
+        except APFormatError:
+            if attempt == 2 or _stamp(ap_dir / MANIFEST) in (stamp, None):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_ap(ap_dir: Path, verify: bool) -> APCheckpoint:
     man = read_manifest(ap_dir / MANIFEST)
     try:
         listed = [(str(f["name"]), int(f["size"]), f["blake2b"]) for f in man["files"]]
+        planes_name = man.get("planes_file", PLANES)
+        for key, name in (("planes_file", planes_name), ("dense_file", man.get("dense_file", DENSE))):
+            if name not in {n for n, _, _ in listed}:
+                raise ValueError(f"{key} {name!r} is not among its files")
     except (KeyError, TypeError, ValueError) as exc:
         raise APFormatError(ap_dir / MANIFEST, f"bad manifest body ({type(exc).__name__}: {exc})") from exc
     for name, expect, digest in listed:
         path = ap_dir / name
-        if not path.exists():
-            raise APFormatError(path, "missing")
-        size = path.stat().st_size
-        if size != expect:
-            raise APFormatError(path, f"size {size} bytes, manifest says {expect} (truncated or replaced)")
-        if verify and _blake2b_file(path) != digest:
-            raise APFormatError(path, "checksum mismatch (blake2b differs from the manifest)")
-    planes_path = ap_dir / PLANES
+        try:
+            size = path.stat().st_size
+            if size != expect:
+                raise APFormatError(path, f"size {size} bytes, manifest says {expect} (truncated or replaced)")
+            if verify and _blake2b_file(path) != digest:
+                raise APFormatError(path, "checksum mismatch (blake2b differs from the manifest)")
+        except FileNotFoundError:
+            raise APFormatError(path, "missing") from None
+    planes_path = ap_dir / planes_name
     try:
         blocks = [BlockEntry(b["layer"], b["expert"], b["kind"], b["n"], b["k"], b["plane_offsets"],
                              b["lut_offsets"]) for b in man["blocks"]]
         tables = {k: _unpack_array(man["tables"][k]) for k in ("sensitivity", "raw_bytes", "routing_mass")}
-        _check_layout(man, blocks, tables, planes_path.stat().st_size)
+        size = next(expect for name, expect, _ in listed if name == planes_name)
+        _check_layout(man, blocks, tables, size, planes_name)
     except (KeyError, TypeError, ValueError) as exc:  # a self-consistent manifest of another layout or writer
         raise APFormatError(ap_dir / MANIFEST, f"bad manifest body ({type(exc).__name__}: {exc})") from exc
-    mm = np.memmap(planes_path, dtype=np.uint8, mode="r") if planes_path.stat().st_size else np.zeros(0, np.uint8)
+    try:
+        mm = np.memmap(planes_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    except FileNotFoundError:  # removed since it was checked: a later conversion committed (load_ap starts over)
+        raise APFormatError(planes_path, f"missing ({REPLACED})") from None
+    if len(mm) != size:  # replaced under its name since it was checked
+        raise APFormatError(planes_path, f"size {len(mm)} bytes, manifest says {size} (truncated or replaced)")
     return APCheckpoint(ap_dir, man, blocks, tables["sensitivity"], tables["raw_bytes"], tables["routing_mass"], mm)
 
 
-def _check_layout(man: dict[str, Any], blocks: list[BlockEntry], tables: dict[str, np.ndarray], size: int) -> None:
+def _check_layout(man: dict[str, Any], blocks: list[BlockEntry], tables: dict[str, np.ndarray], size: int,
+                  planes_name: str = PLANES) -> None:
     """The manifest's blocks are every (layer, expert, kind) once, in the writer's order, their planes and LUTs lie
-    inside planes.bin, and its tables have a row per block (a ValueError naming the first that does not)."""
+    inside the planes file (`size` bytes), and its tables have a row per block (a ValueError naming the first that
+    does not)."""
     L, E, seed, P = (int(man[k]) for k in ("num_layers", "num_experts", "seed_bits", "parent_bits"))
     if len(blocks) != L * E * 2:
         raise ValueError(f"{len(blocks)} blocks for {L} layers of {E} experts (want {L * E * 2})")
@@ -394,7 +549,7 @@ def _check_layout(man: dict[str, Any], blocks: list[BlockEntry], tables: dict[st
         ends = [o + e.plane_bytes for o in e.plane_offsets] + \
             [e.lut_offsets[b] + lut_bytes(e.n, b) for b in range(seed, P + 1)]
         if min(e.plane_offsets + e.lut_offsets[seed:], default=0) < 0 or max(ends, default=0) > size:
-            raise ValueError(f"block {i}: planes or LUTs beyond planes.bin's {size} bytes")
+            raise ValueError(f"block {i}: planes or LUTs beyond {planes_name}'s {size} bytes")
     for name, shape in (("sensitivity", (L * E * 2, P + 1)), ("raw_bytes", (L * E * 2, P + 1)),
                         ("routing_mass", (L, E))):
         if tables[name].shape != shape:
@@ -428,6 +583,6 @@ def load_ap_model(ap_dir: str | Path, widths: int | np.ndarray | list[int], veri
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise APFormatError(ap.dir / DENSE, f"dense weights do not fit the model ({exc})") from exc
+        raise APFormatError(ap.dense_file, f"dense weights do not fit the model ({exc})") from exc
     model.tie_weights()
     return model.eval()

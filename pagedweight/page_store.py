@@ -332,7 +332,7 @@ class _Mapping:
 
 def write_planes_file(path: str | os.PathLike, block_sizes: list[tuple[int, dict[int, int]]], parent_bits: int,
                       seed: int = 0) -> list[Record]:
-    """Write random planes/LUTs laid out like an AP checkpoint's planes.bin (4096-aligned); return their records.
+    """Write random planes/LUTs laid out like an AP checkpoint's planes file (4096-aligned); return their records.
 
     `block_sizes[i] = (plane_bytes, {width: lut_bytes})`. Synthetic input for tests and benchmarks, until a real
     checkpoint's `load_ap` supplies the records.

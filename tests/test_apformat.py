@@ -129,6 +129,10 @@ def damaged(converted, tmp_path):
     return ap_copy
 
 
+def _planes(ap_dir: Path) -> Path:
+    return load_ap(ap_dir, verify=False).planes_file
+
+
 def _flip_byte(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF
@@ -136,23 +140,23 @@ def _flip_byte(path: Path, at: int) -> None:
 
 
 def test_checksum_mismatch_names_file(damaged):
-    _flip_byte(damaged / "planes.bin", 5000)
-    with pytest.raises(APFormatError, match=r"planes\.bin.*checksum"):
+    _flip_byte(_planes(damaged), 5000)
+    with pytest.raises(APFormatError, match=r"planes-[0-9a-f]{16}\.bin.*checksum"):
         load_ap(damaged)
     load_ap(damaged, verify=False)  # sizes still agree: only the checksum can see it
 
 
 def test_dense_checksum_names_file(damaged):
-    path = damaged / "dense.safetensors"
+    path = load_ap(damaged, verify=False).dense_file
     _flip_byte(path, path.stat().st_size - 3)
-    with pytest.raises(APFormatError, match=r"dense\.safetensors.*checksum"):
+    with pytest.raises(APFormatError, match=r"dense-[0-9a-f]{16}\.safetensors.*checksum"):
         load_ap(damaged)
 
 
 def test_truncated_planes_names_file(damaged):
-    path = damaged / "planes.bin"
+    path = _planes(damaged)
     path.write_bytes(path.read_bytes()[:-4096])
-    with pytest.raises(APFormatError, match=r"planes\.bin.*truncated"):
+    with pytest.raises(APFormatError, match=r"planes-[0-9a-f]{16}\.bin.*truncated"):
         load_ap(damaged, verify=False)
 
 
@@ -188,7 +192,8 @@ def test_manifest_body_corruption_names_file(damaged):
 @pytest.mark.parametrize("edit, reason", [
     (lambda m: m["blocks"].pop(), r"\d+ blocks for \d+ layers of \d+ experts"),
     (lambda m: m["blocks"].reverse(), r"block 0 is layer \d+ expert \d+ down, out of order"),
-    (lambda m: m["blocks"][3]["plane_offsets"].__setitem__(0, 1 << 40), r"block 3: planes or LUTs beyond planes\.bin"),
+    (lambda m: m["blocks"][3]["plane_offsets"].__setitem__(0, 1 << 40),
+     r"block 3: planes or LUTs beyond planes-[0-9a-f]{16}\.bin"),
     (lambda m: m["blocks"][1].pop("lut_offsets"), r"KeyError: 'lut_offsets'"),
     (lambda m: m["tables"].__setitem__("routing_mass", m["tables"]["sensitivity"]), r"table routing_mass of shape"),
     (lambda m: m.pop("files"), r"KeyError: 'files'"),
@@ -253,7 +258,7 @@ def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
     out = tmp_path / "again"
     _with_cached_calibration(ap_dir, out, monkeypatch)
     convert(src, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
-    assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
+    assert _planes(out).read_bytes() == _planes(ap_dir).read_bytes()
     with pytest.raises(AssertionError, match="calibration ran"):  # other settings: a different key
         convert(src, out, calib, sensitivity="activation", num_seqs=5, seq_len=64, device="cpu")
     retok = tmp_path / "retokenized"  # the same weights with another tokenizer.json: other token ids, another key
@@ -264,9 +269,10 @@ def test_second_conversion_reuses_calibration(converted, tmp_path, monkeypatch):
 
 
 def test_reconverting_into_a_used_directory_leaves_nothing_of_the_old_one(converted, tmp_path):
-    """A conversion into a directory that holds another checkpoint: once it starts, the old manifest no longer
-    vouches for the directory (a conversion cut short is no checkpoint, not old dense weights beside new planes), a
-    file the new source lacks (its chat template) is not carried over, and a damaged calibration cache is computed
+    """A conversion into a directory that holds another checkpoint: one killed before it finished leaves the old
+    checkpoint whole (its manifest over its own planes and dense weights, never new planes beside old dense weights);
+    one that finishes leaves nothing of the old one: not its planes and dense weights, not a killed write's
+    temporary files, not a file the new source lacks (its chat template); and a damaged calibration cache is computed
     again rather than failing every later conversion."""
     src, ap_dir, calib = converted
     reused = tmp_path / "reused"
@@ -275,14 +281,19 @@ def test_reconverting_into_a_used_directory_leaves_nothing_of_the_old_one(conver
     shutil.copytree(src, plain)
     (plain / "tokenizer_config.json").unlink()
     m = load_ap(reused).manifest
-    APWriter(reused, m["config"], m["family"], m["num_layers"], m["num_experts"], m["seed_bits"],
-             m["parent_bits"])._file.close()  # started, then killed before finish()
-    with pytest.raises(APFormatError, match="manifest"):
-        load_ap(reused)
+    before = sorted(p.name for p in reused.iterdir())
+    killed = APWriter(reused, m["config"], m["family"], m["num_layers"], m["num_experts"], m["seed_bits"],
+                      m["parent_bits"])
+    killed._cleanup.detach()  # started, then killed before finish(): no cleanup runs
+    killed._file.close()
+    assert load_ap(reused, verify=True).manifest == m
+    assert len(set(p.name for p in reused.iterdir()) - set(before)) == 1  # its temporary planes file
     cache = next(reused.glob("calib-activation-*.safetensors"))
     cache.write_bytes(cache.read_bytes()[:100])  # cut short
     convert(plain, reused, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
     assert not (reused / "tokenizer_config.json").exists()
+    names = {f["name"] for f in load_ap(reused).manifest["files"]}
+    assert sorted(p.name for p in reused.iterdir()) == sorted(names | {"manifest.msgpack", cache.name})
     assert "tokenizer_config.json" not in {f["name"] for f in load_ap(reused, verify=True).manifest["files"]}
     again, first = CalibStats.load(cache), CalibStats.load(next(ap_dir.glob("calib-activation-*.safetensors")))
     assert again.tokens == first.tokens and torch.equal(again.gate_up, first.gate_up)
@@ -334,14 +345,14 @@ def test_calibration_key_ignores_stray_safetensors(converted, tmp_path, monkeypa
     out = tmp_path / "out"
     _with_cached_calibration(ap_dir, out, monkeypatch)
     convert(copy, out, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
-    assert (out / "planes.bin").read_bytes() == (ap_dir / "planes.bin").read_bytes()
+    assert _planes(out).read_bytes() == _planes(ap_dir).read_bytes()
 
 
 def test_writer_syncs_every_file_before_the_manifest_vouches_for_them(tmp_path, monkeypatch):
-    """The manifest renamed into place last makes a directory a checkpoint: planes.bin, the dense weights, the copied
-    files and the manifest's own bytes reach the disk before that rename (and the rename after it). Without the
-    syncs a crash or power cut could leave a manifest over planes of the right size but unwritten contents, which
-    the engine (no checksums by default) would serve."""
+    """The manifest renamed into place last makes a directory a checkpoint: the planes, the dense weights, the copied
+    files, their renames into place and the manifest's own bytes reach the disk before that rename (and the rename
+    after it). Without the syncs a crash or power cut could leave a manifest over planes of the right size but
+    unwritten contents, which the engine (no checksums by default) would serve."""
     import os
 
     synced: set[int] = set()
@@ -353,7 +364,11 @@ def test_writer_syncs_every_file_before_the_manifest_vouches_for_them(tmp_path, 
         real_fsync(fd)
 
     def replace(a, b):
-        at_rename.update({p.name: p.stat().st_ino in synced for p in Path(a).parent.iterdir()})
+        assert os.stat(a).st_ino in synced  # every file is synced before it is renamed into place
+        if Path(b).name == "manifest.msgpack":
+            at_rename.update({p.name: p.stat().st_ino in synced for p in Path(a).parent.iterdir()})
+            at_rename["directory"] = os.stat(Path(a).parent).st_ino in synced  # the files' renames
+            synced.discard(os.stat(Path(a).parent).st_ino)
         real_replace(a, b)
 
     monkeypatch.setattr(os, "fsync", fsync)
@@ -363,10 +378,10 @@ def test_writer_syncs_every_file_before_the_manifest_vouches_for_them(tmp_path, 
     for kind, (n, k) in (("gate_up", (8, 40)), ("down", (5, 4))):
         writer.add_block(0, 0, kind, quantize_blocks([torch.randn(n, k, generator=g)], [None], 3, 4)[0], k)
     writer.finish(np.ones((1, 1)), {"norm.weight": torch.ones(5)}, None)
-    assert at_rename == {name: True for name in ("planes.bin", "dense.safetensors", "config.json",
-                                                 "generation_config.json", "manifest.msgpack.tmp")}
-    assert os.stat(tmp_path).st_ino in synced  # the directory, after the rename
     ap = load_ap(tmp_path)
+    assert at_rename == {name: True for name in (ap.planes_file.name, ap.dense_file.name, "config.json",
+                                                 "generation_config.json", "manifest.msgpack.tmp", "directory")}
+    assert os.stat(tmp_path).st_ino in synced  # the directory again, after the manifest's rename
     assert ap.planes(1).shape == (4, 1, 5)
 
 
@@ -379,3 +394,208 @@ def test_a_block_that_cannot_quantize_is_named(tmp_path):
     down[1, 2, 3] = 9e4
     with pytest.raises(ValueError, match=r"layer 1 down of experts 0-1: a 3-bit centroid is beyond float16's range"):
         quantize_layer(writer, 1, gate_up, down, lambda e, kind: None, torch.device("cpu"))
+
+
+def _write_small(d: Path, seed: int, experts: int = 1, **patch) -> APWriter:
+    """Write a 1-layer checkpoint of `experts` random experts into `d` (the seed picks the weights)."""
+    g = torch.Generator().manual_seed(seed)
+    writer = APWriter(d, {"model_type": "qwen2_moe"}, "qwen2_moe", 1, experts, 3, 4)
+    for e in range(experts):
+        for kind, (n, k) in (("gate_up", (8, 40)), ("down", (5, 4))):
+            writer.add_block(0, e, kind, quantize_blocks([torch.randn(n, k, generator=g)], [None], 3, 4)[0], k)
+    writer.finish(np.full((1, experts), 1 / experts), {"norm.weight": torch.full((5,), float(seed))}, None)
+    return writer
+
+
+def _contents(ap) -> list[np.ndarray]:
+    return [ap.planes(i).copy() for i in range(len(ap.blocks))] + \
+        [ap.lut(i, b).copy() for i in range(len(ap.blocks)) for b in range(ap.seed_bits, ap.parent_bits + 1)]
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_mapped_checkpoint_keeps_its_planes_when_the_directory_is_rewritten(tmp_path):
+    """A process that mapped a checkpoint (an engine, a page store being filled) reads its own planes after another
+    conversion into the directory finished. Before, the writer truncated planes.bin in place and rewrote it: the
+    mapping read the new planes under the old offsets (or died of SIGBUS where the new file was shorter)."""
+    _write_small(tmp_path, seed=1)
+    old = load_ap(tmp_path)
+    want = _contents(old)
+    _write_small(tmp_path, seed=2, experts=2)  # larger planes: the old code's mapping reads them, no SIGBUS
+    _assert_same(_contents(old), want)
+    new = load_ap(tmp_path)
+    assert len(new.blocks) == 4 and new.planes_file != old.planes_file and not old.planes_file.exists()
+    assert torch.equal(new.dense_state_dict()["norm.weight"], torch.full((5,), 2.0))
+    with pytest.raises(APFormatError, match=r"dense-[0-9a-f]{16}\.safetensors: missing \(the checkpoint was "
+                                            r"replaced by a later conversion"):
+        old.dense_state_dict()  # opened by name: gone with the checkpoint it belonged to, not the new one's weights
+
+
+def test_a_conversion_that_fails_midway_leaves_the_old_checkpoint(converted, tmp_path, monkeypatch):
+    """A conversion into a checkpoint's directory that raises midway (here: from add_block) leaves the old checkpoint
+    loadable and checksummed, byte for byte, and no temporary file behind once the writer it abandoned is gone.
+    Before, the writer removed the old manifest and truncated planes.bin as it started."""
+    import gc
+
+    src, ap_dir, calib = converted
+    reused = tmp_path / "reused"
+    shutil.copytree(ap_dir, reused)  # its calibration cache too: no calibration runs
+    before = {p.name: p.read_bytes() for p in reused.iterdir()}
+    want = _contents(load_ap(reused))
+    real, calls = APWriter.add_block, []
+
+    def add_block(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(APWriter, "add_block", add_block)
+    try:
+        convert(src, reused, calib, sensitivity="activation", num_seqs=6, seq_len=64, device="cpu")
+    except RuntimeError as exc:
+        assert "injected" in str(exc)
+    else:
+        pytest.fail("the conversion did not fail")
+    gc.collect()  # the abandoned writer (referenced by the traceback until now) removes its temporary file
+    assert {p.name: p.read_bytes() for p in reused.iterdir()} == before
+    _assert_same(_contents(load_ap(reused, verify=True)), want)
+
+
+@pytest.mark.parametrize("where", ["dense weights", "manifest rename"])
+def test_a_finish_that_fails_removes_its_files(tmp_path, monkeypatch, where):
+    """finish() failing while it writes the dense weights, or at the very last step (the manifest's rename, after the
+    new planes and dense weights were renamed in) leaves the directory as it was: the old checkpoint whole and
+    checksummed, none of the new write's files."""
+    import os
+
+    import safetensors.torch
+
+    _write_small(tmp_path, seed=1)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    want = _contents(load_ap(tmp_path))
+    real_replace = os.replace
+
+    def fail(*args, **kwargs):
+        raise OSError("injected failure")
+
+    def replace(a, b):
+        (fail if Path(b).name == "manifest.msgpack" else real_replace)(a, b)
+
+    if where == "dense weights":
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    else:
+        monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="injected"):
+        _write_small(tmp_path, seed=2)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    _assert_same(_contents(load_ap(tmp_path, verify=True)), want)
+
+
+def test_an_unfinished_writer_removes_its_temporary_file(tmp_path):
+    """A writer left without finish() removes its temporary planes file: abort(), leaving its `with` block by an
+    exception, or when it is garbage-collected. The old code wrote planes.bin itself, left behind by each of them."""
+    import gc
+
+    block = quantize_blocks([torch.randn(8, 40)], [None], 3, 4)[0]
+    writer = APWriter(tmp_path, {}, "qwen2_moe", 1, 1, 3, 4)
+    writer.add_block(0, 0, "gate_up", block, 40)
+    assert len(list(tmp_path.iterdir())) == 1
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="already finished or aborted"):
+        writer.finish(np.ones((1, 1)), {}, None)
+    with pytest.raises(RuntimeError, match="stop"):
+        with APWriter(tmp_path, {}, "qwen2_moe", 1, 1, 3, 4) as writer:
+            writer.add_block(0, 0, "gate_up", block, 40)
+            raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+    writer = APWriter(tmp_path, {}, "qwen2_moe", 1, 1, 3, 4)
+    writer.add_block(0, 0, "gate_up", block, 40)
+    del writer
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_before_the_commit_gets_the_whole_old_checkpoint(tmp_path, monkeypatch):
+    """Up to the manifest's rename (the new planes and dense weights already in the directory, under names only the
+    new manifest gives) a reader opens the old checkpoint, planes and dense weights, checksums and all; after it,
+    the new one. With fixed names (planes.bin renamed in before the manifest) a reader in between would pair the old
+    manifest with the new planes; a re-conversion of the same model has planes of the same size, so only the
+    checksums (off in the engine) could tell. Before, the old manifest was gone as soon as the writer started."""
+    import os
+
+    _write_small(tmp_path, seed=1)
+    want = _contents(load_ap(tmp_path))
+    real_replace, seen = os.replace, []
+
+    def replace(a, b):
+        if Path(b).name == "manifest.msgpack":
+            ap = load_ap(tmp_path, verify=True)
+            seen.append(len(list(tmp_path.glob("planes*.bin"))))
+            _assert_same(_contents(ap), want)
+            assert torch.equal(ap.dense_state_dict()["norm.weight"], torch.full((5,), 1.0))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    _write_small(tmp_path, seed=2)  # the same shapes: the same file sizes
+    assert seen == [2]  # the old planes and the new beside them
+    ap = load_ap(tmp_path, verify=True)
+    assert torch.equal(ap.dense_state_dict()["norm.weight"], torch.full((5,), 2.0))
+    assert not any(np.array_equal(a, b) for a, b in zip(_contents(ap), want) if a.size > 16)
+
+
+def test_an_open_racing_a_commit_starts_over(tmp_path, monkeypatch):
+    """A conversion that commits (and removes the superseded planes) after load_ap read the manifest but before it
+    opened the planes: load_ap opens the new checkpoint whole rather than failing or pairing the two. Before, it
+    refused the new planes.bin under the old manifest as truncated (or served it, had the sizes been equal)."""
+    import pagedweight.apformat as apformat
+
+    _write_small(tmp_path, seed=1)
+    real_read = apformat.read_manifest
+    calls = []
+
+    def read_manifest(path):
+        man = real_read(path)
+        calls.append(1)
+        if len(calls) == 1:
+            _write_small(tmp_path, seed=2, experts=2)
+        return man
+
+    monkeypatch.setattr(apformat, "read_manifest", read_manifest)
+    ap = load_ap(tmp_path, verify=True)
+    assert len(calls) == 2 and len(ap.blocks) == 4
+    monkeypatch.setattr(apformat, "read_manifest", real_read)
+    _assert_same(_contents(ap), _contents(load_ap(tmp_path)))
+
+
+def test_a_checkpoint_naming_planes_bin_loads_and_is_replaced_whole(tmp_path):
+    """A checkpoint written before the planes and dense weights were named by their content (its manifest names
+    planes.bin and dense.safetensors) loads as before; a conversion into its directory removes those files after
+    its commit, and a process that mapped the old planes.bin keeps reading it."""
+    import hashlib as hl
+
+    _write_small(tmp_path, seed=1)
+    ap = load_ap(tmp_path)
+    want = _contents(ap)
+    ap.planes_file.rename(tmp_path / "planes.bin")
+    ap.dense_file.rename(tmp_path / "dense.safetensors")
+    path = tmp_path / "manifest.msgpack"
+    head = msgpack.unpackb(path.read_bytes())
+    body = msgpack.unpackb(head["body"], raw=False, strict_map_key=False)
+    for f, name in zip(body["files"], ("planes.bin", "dense.safetensors")):
+        f["name"] = name
+    del body["planes_file"], body["dense_file"]
+    head["body"] = msgpack.packb(body, use_bin_type=True)
+    head["blake2b"] = hl.blake2b(head["body"], digest_size=32).hexdigest()
+    path.write_bytes(msgpack.packb(head, use_bin_type=True))
+    old = load_ap(tmp_path, verify=True)
+    assert old.planes_file.name == "planes.bin" and old.dense_file.name == "dense.safetensors"
+    _assert_same(_contents(old), want)
+    assert torch.equal(old.dense_state_dict()["norm.weight"], torch.full((5,), 1.0))
+    _write_small(tmp_path, seed=2, experts=2)
+    _assert_same(_contents(old), want)
+    assert not (tmp_path / "planes.bin").exists() and not (tmp_path / "dense.safetensors").exists()
+    assert len(load_ap(tmp_path, verify=True).blocks) == 4
