@@ -6,8 +6,10 @@ Two sensitivities (DESIGN.md §2), the caller says which:
   tokens. Forward passes only.
 - `fisher`: empirical Fisher diagonal as Any-Precision LLM: sum over calibration sequences of the squared
   per-sequence gradient of the LM loss w.r.t. every expert weight (one backward pass per sequence).
-Routing mass m_{l,e} is measured in the same forward passes. Statistics are cached next to the output, keyed
-by a hash of the model files, the calibration text and the settings, so a second conversion reuses them.
+Routing mass m_{l,e} is measured in the same forward passes. The passes run in the model's dtype (float32, or a
+16-bit one to halve the model's memory); every statistic is accumulated in float32 (Fisher sums) or float64
+(activation sums, routing mass) whatever it is. Statistics are cached next to the output, keyed by a hash of the
+model files, the calibration text and the settings (the dtype included), so a second conversion reuses them.
 `DamageProbe` measures, per calibration sequence, the damage each width drop of each block would do, the
 training data of the planner's prompt residual heads.
 """
@@ -28,6 +30,7 @@ from loguru import logger
 from tqdm import tqdm
 
 from pagedweight.models import MoEForCausalLM
+from pagedweight.models.config import DTYPE_NAMES
 from pagedweight.signals import N_FEATURES, ResidualHeads, RouterStats, fit_residual_heads
 
 KINDS = ("activation", "fisher")
@@ -44,6 +47,7 @@ class CalibStats:
     routing_mass: torch.Tensor  # float64 [L, E]: share of the layer's routing weight each expert received
     routed_tokens: torch.Tensor  # int64 [L, E]: how many (token, slot) pairs chose the expert
     tokens: int  # calibration tokens seen
+    dtype: str = "float32"  # the dtype the model ran the calibration passes in (the statistics are float32)
 
     def block(self, layer: int, expert: int, kind: str) -> torch.Tensor:
         """Sensitivity of one block: [K] (broadcast over rows) or [N, K]."""
@@ -55,7 +59,8 @@ class CalibStats:
         tensors = {"gate_up": self.gate_up, "down": self.down, "routing_mass": self.routing_mass,
                    "routed_tokens": self.routed_tokens}
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path),
-                  metadata={"kind": self.kind, "tokens": str(self.tokens), "version": str(CACHE_VERSION)})
+                  metadata={"kind": self.kind, "tokens": str(self.tokens), "version": str(CACHE_VERSION),
+                            "dtype": self.dtype})
 
     @classmethod
     def load(cls, path: Path) -> "CalibStats":
@@ -64,7 +69,8 @@ class CalibStats:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
             t = {k: f.get_tensor(k) for k in f.keys()}
-        return cls(meta["kind"], t["gate_up"], t["down"], t["routing_mass"], t["routed_tokens"], int(meta["tokens"]))
+        return cls(meta["kind"], t["gate_up"], t["down"], t["routing_mass"], t["routed_tokens"], int(meta["tokens"]),
+                   meta.get("dtype", "float32"))  # files of before the dtype was recorded: float32 passes
 
 
 def calibration_batches(token_ids: list[int], num_seqs: int, seq_len: int) -> torch.Tensor:
@@ -132,10 +138,11 @@ class _RoutingObserver:
 
 
 def calibrate(model: MoEForCausalLM, batches: torch.Tensor, kind: str, batch_size: int = 8) -> CalibStats:
-    """Run the calibration pass over `batches [S, T]` on the model's device."""
+    """Run the calibration pass over `batches [S, T]` on the model's device, in the model's dtype."""
     if kind not in KINDS:
         raise ValueError(f"sensitivity must be one of {KINDS}, got {kind!r}")
     dev = next(model.parameters()).device
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     obs = _RoutingObserver(model, activation=kind == "activation")
     model.set_router_observer(obs)
     try:
@@ -150,18 +157,45 @@ def calibrate(model: MoEForCausalLM, batches: torch.Tensor, kind: str, batch_siz
         model.set_router_observer(None)
     if not (torch.isfinite(gate_up).all() and torch.isfinite(down).all()):  # quantize_rows would fall back to
         # uniform weights for those rows and the checkpoint's sensitivities would be NaN
-        raise ValueError(f"the {kind} calibration statistics are not finite: an overflow in the calibration forward "
-                         "(try --sensitivity activation, or a float32 model)")
+        passes = "forward" if kind == "activation" else "forward or backward"
+        other = ("--dtype bfloat16 (float32's range at half its memory) or --dtype float32" if dtype == "float16"
+                 else "--dtype float32" if dtype != "float32" else "")
+        raise ValueError(f"the {kind} calibration statistics are not finite: an overflow in the calibration {passes} "
+                         f"pass of the {dtype} model (try {other + ', or ' if other else ''}--sensitivity activation"
+                         f"{'' if other else ', or check the checkpoint for inf/NaN weights'})")
     total = obs.mass.sum(1, keepdim=True)
     mass = torch.where(total > 0, obs.mass / total.clamp_min(1e-300), torch.zeros_like(obs.mass))
-    return CalibStats(kind, gate_up.cpu(), down.cpu(), mass.cpu(), obs.count.cpu(), int(batches.numel()))
+    return CalibStats(kind, gate_up.cpu(), down.cpu(), mass.cpu(), obs.count.cpu(), int(batches.numel()), dtype)
+
+
+# Elements of a 16-bit gradient squared per step into the float32 sums: each step makes a float32 copy of this many
+# (64 MiB), not of the whole gradient (one layer's gate_up of Qwen1.5-MoE: 346 M weights, 1.4 GB in float32). A
+# mixed-dtype acc.addcmul_(g, g) made two whole float32 copies on the CPU (peak RSS +512 MiB for a 64 M-element
+# bfloat16 gradient; add_square +64 MiB).
+SQUARE_CHUNK = 1 << 24
+
+
+def add_square(acc: torch.Tensor, g: torch.Tensor, chunk: int = SQUARE_CHUNK) -> None:
+    """acc += g * g with the square taken in acc's dtype (float32): a 16-bit gradient is widened before it is squared
+    (a bfloat16 square would lose all but 8 bits, a float16 one would overflow above 256), `chunk` elements at a
+    time so the widened copy stays small."""
+    if g.dtype == acc.dtype:
+        acc.addcmul_(g, g)
+        return
+    a, flat = acc.view(-1), g.reshape(-1)  # acc is a slice of contiguous sums; a gradient is laid out as its weight
+    for start in range(0, flat.numel(), chunk):
+        x = flat[start:start + chunk].to(acc.dtype)
+        a[start:start + chunk].addcmul_(x, x)
+        del x  # freed before the next chunk's copy is made: one copy at a time
 
 
 def _fisher(model: MoEForCausalLM, batches: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over sequences of the squared per-sequence gradient w.r.t. every expert weight. Each gradient is squared
     into its layer's slice of two preallocated float32 sums as soon as the backward pass has it, then freed: beyond
-    the model the pass holds the sums and about one gradient (every expert's gradient at once, their squares and a
-    final stack took 3.4x the experts' float32 bytes: at Qwen1.5-MoE's 46 GiB more than an H200 holds)."""
+    the model the pass holds the sums (4 bytes per expert weight, whatever the model's dtype) and about one gradient
+    in the model's dtype (every expert's gradient at once, their squares and a final stack took 3.4x the experts'
+    float32 bytes: at Qwen1.5-MoE's 46 GiB more than an H200 holds). A 16-bit gradient is squared in float32
+    (`add_square`)."""
     experts = [layer.mlp.experts for layer in model.layers]
     saved = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
@@ -171,7 +205,7 @@ def _fisher(model: MoEForCausalLM, batches: torch.Tensor, dev: torch.device) -> 
 
     def fold(acc: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
-            acc.addcmul_(p.grad, p.grad)
+            add_square(acc, p.grad)
             p.grad = None
         return hook
 
@@ -199,18 +233,26 @@ def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path:
                      kind: str, num_seqs: int, seq_len: int, encode) -> CalibStats:
     """calibrate() unless `cache_dir` already holds statistics for the same model files, text and settings.
 
+    The settings include the dtype the model is in (statistics of a bfloat16 pass are not those of a float32 one);
+    float32 adds nothing to the key, so the keys of float32 statistics are those of before the dtype was an option.
     `encode` turns the calibration text into token ids.
     """
     text = Path(calib_path).read_bytes()
-    key = cache_key(model_files, text, kind=kind, num_seqs=num_seqs, seq_len=seq_len)
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+    settings = {"kind": kind, "num_seqs": num_seqs, "seq_len": seq_len}
+    if dtype != "float32":
+        settings["dtype"] = dtype
+    key = cache_key(model_files, text, **settings)
     path = Path(cache_dir) / f"calib-{kind}-{key}.safetensors"
     if path.exists():
         try:
             stats = CalibStats.load(path)
+            if stats.dtype != dtype:
+                raise ValueError(f"a {stats.dtype} pass, the model is {dtype}")
             logger.info("reusing calibration statistics {}", path)
             return stats
         except Exception as exc:  # cut short by a crash before writes were atomic, or damaged: compute it again
-            logger.warning("calibration statistics {} unreadable ({}): recomputing them", path, exc)
+            logger.warning("calibration statistics {} unusable ({}): recomputing them", path, exc)
     batches = calibration_batches(encode(text.decode("utf-8")), num_seqs, seq_len)
     stats = calibrate(model, batches, kind)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -224,11 +266,12 @@ def cached_calibrate(model: MoEForCausalLM, model_files: list[Path], calib_path:
 class DamageProbe:
     """Per-sequence measured damage of every width drop, to train the prompt residual heads (DESIGN.md §2).
 
-    `capture` runs each sequence once at full precision and keeps every MoE layer's expert inputs and routing
-    (on the CPU) plus the sequence's `RouterStats` features, so they match what the engine observes. `measure`
-    then needs only a block's weights at each width: the damage of sequence s for the drop b+1 -> b is
-    sum over its tokens t routed to the expert of r_t |(W_{b+1} - W_b) in_t|^2, with in_t the block's input at
-    full precision (x_t for gate_up, silu(gate) * up for down).
+    `capture` runs each sequence once at full precision (the model's dtype) and keeps every MoE layer's expert inputs
+    (float32) and routing (on the CPU) plus the sequence's `RouterStats` features, so they match what the engine
+    observes. `measure` then needs only a block's weights at each width: the damage of sequence s for the drop
+    b+1 -> b is sum over its tokens t routed to the expert of r_t |(W_{b+1} - W_b) in_t|^2, with in_t the block's
+    input at full precision (x_t for gate_up, silu(gate) * up for down), computed in float32 whatever the model's
+    dtype.
     """
 
     def __init__(self, model: MoEForCausalLM, seed_bits: int, parent_bits: int) -> None:

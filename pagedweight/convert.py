@@ -3,6 +3,15 @@
 Stages (each with a progress bar): load, calibrate (cached in OUT), capture the residual-head sequences, quantize +
 pack every expert block layer by layer on the chosen device (measuring each block's per-sequence damage of every
 width drop as it goes), fit the planner's prompt residual heads, write dense weights and the manifest.
+
+Memory on the device, for P parameters of which X are expert weights: the model, P x 4 bytes in float32 (the
+default --dtype) or P x 2 in bfloat16 / float16; with --sensitivity fisher also X x 4 bytes of float32 Fisher sums
+and about one layer's expert gradients in the model's dtype (activation: sums of a few MB). Computed for
+Qwen1.5-MoE-A2.7B (P = 14.3 B, X = 12.5 B): float32 + fisher 107 GB, bfloat16 + fisher 79 GB (73 GiB before
+gradients and activations: tight on an 80 GB H100), float32 + activation 57 GB, bfloat16 + activation 29 GB; for
+Mixtral-8x7B (P = 46.7 B, X = 45.1 B): bfloat16 + activation 93 GB, bfloat16 + fisher 274 GB.
+A 16-bit --dtype runs the calibration passes in it; statistics, quantizer inputs and damage measurements stay
+float32, and the dense weights are written in the checkpoint's own dtype, as with float32.
 """
 from __future__ import annotations
 
@@ -21,11 +30,14 @@ from pagedweight.apformat import MANIFEST, VERSION, APWriter
 from pagedweight.bitplanes import dequantize
 from pagedweight.calibrate import CACHE_VERSION, KINDS, DamageProbe, cached_calibrate, calibration_batches
 from pagedweight.checkpoint import resolve_model
+from pagedweight.models.config import DTYPE_NAMES, parse_dtype
 from pagedweight.pool import release_cached
 from pagedweight.quantize import QuantizedBlock, quantize_blocks
 
 # Row-batch size of one quantizer call, in weights: the quantizer needs ~100 bytes of scratch per weight.
 DEFAULT_BATCH_WEIGHTS = 1 << 25
+# --dtype: the model's dtype for calibration (auto: the checkpoint's own, config.json's dtype / torch_dtype)
+LOAD_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: torch.Tensor,
@@ -64,12 +76,13 @@ def quantize_layer(writer: APWriter, layer: int, gate_up: torch.Tensor, down: to
 def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int = 3, parent_bits: int = 8,
             sensitivity: str = "fisher", num_seqs: int = 64, seq_len: int = 256,
             device: str | torch.device | None = None, batch_weights: int = DEFAULT_BATCH_WEIGHTS,
-            heads_seqs: int = 32) -> Path:
+            heads_seqs: int = 32, dtype: str | torch.dtype = "float32") -> Path:
     """Convert the HF checkpoint `src` into an AP checkpoint in `out`; returns the manifest path.
 
     Calibration sequences are spread evenly over the calibration text (`calibration_batches`); the planner's
     prompt residual heads are fitted on min(`heads_seqs`, `num_seqs`) sequences spread the same way (0: none; the
-    planner then runs on the global estimate).
+    planner then runs on the global estimate). `dtype` is the dtype the model is loaded and calibrated in
+    ("auto": the checkpoint's own); see the module's docstring for what each needs.
     """
     from pagedweight.checkpoint import TOKENIZER, read_config, weight_files
     from pagedweight.knobs import PlannerKnobs
@@ -82,6 +95,11 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
         raise ValueError(f"need 1 <= seed_bits <= parent_bits <= 8, got {seed_bits}, {parent_bits}")
     if sensitivity not in KINDS:
         raise ValueError(f"sensitivity must be one of {KINDS}, got {sensitivity!r}")
+    if dtype != "auto":
+        try:
+            dtype = parse_dtype(dtype)
+        except ValueError:
+            raise ValueError(f"dtype must be one of {', '.join(LOAD_DTYPES)}, got {dtype!r}") from None
     if not Path(calib).is_file():
         raise FileNotFoundError(f"{calib}: calibration text not found")
     if (src / MANIFEST).is_file():
@@ -95,7 +113,11 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     t0 = time.perf_counter()
     cfg = read_config(src)
     tok = TextTokenizer.from_dir(src)
-    model = load_model(src, dtype=torch.float32, device=device)
+    dtype = cfg.dtype if dtype == "auto" else dtype
+    if dtype == torch.float16 and sensitivity == "fisher":
+        logger.warning("float16 gradients below 6e-8 flush to zero and above 65504 overflow: bfloat16 has float32's "
+                       "range at the same memory")
+    model = load_model(src, dtype=dtype, device=device)
     timings["load_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -133,9 +155,10 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     timings["quantize_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    dense = {k: v.to(cfg.dtype) for k, v in model.state_dict().items()
+    dense = {k: v.to(cfg.dtype) for k, v in _dense_state(src, cfg, model).items()
              if ".mlp.experts." not in k and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    calibration = {"sensitivity": sensitivity, "num_seqs": int(stats.tokens // seq_len), "seq_len": seq_len,
+    calibration = {"sensitivity": sensitivity, "dtype": DTYPE_NAMES[dtype],
+                   "num_seqs": int(stats.tokens // seq_len), "seq_len": seq_len,
                    "tokens": stats.tokens, "calib_file": Path(calib).name,
                    "routed_tokens": stats.routed_tokens.tolist(),
                    "residual_heads": {"seqs": 0 if probe is None else len(probe.features), "seq_len": seq_len}}
@@ -145,6 +168,24 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     logger.info("AP checkpoint written to {} ({})", out,
                 ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in timings.items()))
     return path
+
+
+def _dense_state(src: Path, cfg, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's dense (non-expert) tensors at the checkpoint's precision: the model's own where its dtype holds
+    the checkpoint's values exactly (float32, or the checkpoint's dtype), else read again from `src` onto the CPU
+    (a float32 checkpoint calibrated in bfloat16 must not have its dense weights rounded to bfloat16)."""
+    from pagedweight.checkpoint import read_state_dict
+
+    state = model.state_dict()
+    model_dtype = next(model.parameters()).dtype
+    if model_dtype in (torch.float32, cfg.dtype):
+        return state
+    expected = {k: v.shape for k, v in state.items() if ".mlp.experts." not in k}
+    logger.disable("pagedweight.checkpoint")  # it would call the expert tensors left unread unused
+    try:
+        return read_state_dict(src, cfg, expected, cfg.dtype, "cpu")
+    finally:
+        logger.enable("pagedweight.checkpoint")
 
 
 def source_fingerprint(model_dir: Path, calib: Path | None = None) -> str:
@@ -203,6 +244,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--heads-seqs", type=int, default=32,
                    help="calibration sequences the planner's prompt residual heads are fitted on (0: no heads; "
                         "at most --num-seqs; default 32)")
+    p.add_argument("--dtype", choices=LOAD_DTYPES, default="float32",
+                   help="dtype the model is loaded and calibrated in; auto: the checkpoint's own (config.json). "
+                        "Device memory: the model takes 4 bytes per parameter in float32, 2 in bfloat16/float16; "
+                        "--sensitivity fisher adds 4 bytes per expert weight (float32 sums, whatever the dtype), "
+                        "activation a few MB (Qwen1.5-MoE-A2.7B: 107 GB float32 + fisher, 79 GB bfloat16 + "
+                        "fisher, 29 GB bfloat16 + activation). Statistics are accumulated in float32/float64 and "
+                        "the dense weights written in the checkpoint's dtype either way; float16 gradients can "
+                        "underflow or overflow: prefer bfloat16 (default float32)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     return p
 
@@ -217,5 +266,5 @@ def run(args: argparse.Namespace) -> int:
     if not args.calib.is_file():  # before the model loads (seconds to minutes for a large one)
         raise FileNotFoundError(f"--calib {args.calib}: no such file")
     convert(resolve_model(args.src), args.out, args.calib, args.seed_bits, args.parent_bits, args.sensitivity,
-            args.num_seqs, args.seq_len, args.device, heads_seqs=args.heads_seqs)
+            args.num_seqs, args.seq_len, args.device, heads_seqs=args.heads_seqs, dtype=args.dtype)
     return 0
