@@ -1596,6 +1596,31 @@ def test_converted_cache_follows_the_source(tmp_path, monkeypatch):
     monkeypatch.setattr(knobs, "PlannerKnobs", lambda: replace(defaults(), trigger_blocks=defaults().trigger_blocks + 1))
     assert source_fingerprint(src, calib) != with_text
 
+    monkeypatch.undo()
+    # and the dtype the automatic conversion calibrates in
+    from pagedweight import convert
+
+    monkeypatch.setattr(convert, "AUTO_CONVERT_DTYPE", "float32")
+    assert source_fingerprint(src, calib) != with_text
+
+
+def test_the_automatic_conversion_calibrates_in_the_checkpoint_s_dtype(tmp_path, monkeypatch):
+    """`pagedweight run` / `serve` on a HF model convert it in its own dtype (the bundled model's bfloat16): in
+    float32 a Qwen1.5-MoE conversion needs more than an H100 holds."""
+    from pagedweight import convert
+
+    calls = []
+
+    def fake(src, out, calib, **kw):
+        calls.append(kw)
+        (Path(out) / "manifest.msgpack").parent.mkdir(parents=True, exist_ok=True)
+        (Path(out) / "manifest.msgpack").write_bytes(b"")
+
+    monkeypatch.setattr(convert, "convert", fake)
+    out = convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cpu")
+    assert calls == [{"device": "cpu", "dtype": "auto"}] and out.parent == tmp_path / "cache"
+    assert convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cpu") == out and len(calls) == 1  # cached
+
 
 def test_the_first_token_s_text_is_what_it_adds_to_the_prompt():
     """A SentencePiece-style decoder (Mixtral's) strips the leading space of a text that starts with it: the first
