@@ -165,10 +165,11 @@ class AsyncEngine:
         except asyncio.CancelledError:
             add.add_done_callback(self._abort_added)
             raise
-        first, finished, out = None, False, None
+        first, finished, out, queued = None, False, None, None
         try:
             while not finished:
                 out = await queue.get()
+                queued = out.queued_s if queued is None else queued
                 if coalesce and not out.finished and not queue.empty():
                     joined = [out]
                     while not out.finished and not queue.empty():
@@ -190,7 +191,7 @@ class AsyncEngine:
                 self._wake.set()
             if self._metrics is not None:
                 reason = out.finish_reason if finished else "abort"
-                self._metrics.observe_request(time.perf_counter() - start, first, reason, work)
+                self._metrics.observe_request(time.perf_counter() - start, first, reason, work, queued)
 
     def _abort_added(self, add: asyncio.Future) -> None:
         if not add.cancelled() and add.exception() is None:

@@ -82,6 +82,11 @@ class EngineMetrics:
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", description="Time to first token, s.",
                                boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine",))
         self._ttft.set_default_tags(tags)
+        self._queued = Histogram(PREFIX + "request_queue_time_seconds",
+                                 description="Arrival to the first step the engine gave the request (its wait for a "
+                                             "slot and KV room; time to first token less this is its prefill's), s.",
+                                 boundaries=LATENCY_BOUNDARIES_S, tag_keys=("engine",))
+        self._queued.set_default_tags(tags)
         self._last_totals: dict[str, float] = {}
 
     def update(self, stats: dict) -> None:
@@ -104,8 +109,10 @@ class EngineMetrics:
                 self._width.set(float(counts[width]), tags={"layer": str(layer), "width": str(width)})
 
     def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None,
-                        work: str = "generate") -> None:
+                        work: str = "generate", queued_s: float | None = None) -> None:
         self._latency.observe(latency_s, tags={"finish_reason": finish_reason or "none", "work": work})
         if ttft_s is not None:
             self._ttft.observe(ttft_s)
+        if queued_s is not None:
+            self._queued.observe(queued_s)
 

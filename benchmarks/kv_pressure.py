@@ -128,7 +128,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     `trace` collects engine_bench.trace_row per step (which step was slow, and which part of its boundary)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
-    arrival, last, ttft, itl, ttft_later = {}, {}, [], [], []
+    arrival, last, ttft, itl, ttft_later, queued = {}, {}, [], [], [], []
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
@@ -172,6 +172,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             n = out.completion_tokens
             if n and out.request_id not in last:
                 ttft.append(t - arrival[out.request_id])
+                # the engine's queue time, from its add_request: this loop sends a due request between steps
+                queued.append(out.queued_s)
                 if after[int(out.request_id)] is not None:
                     ttft_later.append(ttft[-1])  # a closed-loop conversation's later turn
             elif n and n > last[out.request_id][1]:
@@ -203,6 +205,12 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "ttft_requests": len(ttft),
         # closed-loop conversations (--think-s): the turns after the first, whose context may be found computed
         "ttft_later_turns_p50_ms": pct(ttft_later, 50), "ttft_later_turns_p99_ms": pct(ttft_later, 99),
+        # of the time to first token, measured per request: the wait for a slot and KV room (arrival to the first
+        # step the engine gave it, RequestOutput.queued_s) and the rest (the driver's send between steps, and the
+        # prefill's steps); the TTFT tail's requests' own waits, not the percentiles of each part
+        "queued_p50_ms": pct(queued, 50), "queued_p99_ms": pct(queued, 99),
+        "ttft_max_queued_ms": float(queued[int(np.argmax(ttft))] * 1e3) if ttft else None,
+        "ttft_max_ms": float(max(ttft) * 1e3) if ttft else None,
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],
@@ -231,7 +239,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
 
 SPREAD_METRICS = ("mean_width_avg", "mean_width_reversals", "mean_width_swings", "blocks_with_2plus_reversals",
                   "offload_triggers", "reload_triggers", "bytes_offloaded", "bytes_reloaded", "ttft_p50_ms",
-                  "ttft_p99_ms", "tokens_per_s")
+                  "ttft_p99_ms", "queued_p50_ms", "queued_p99_ms", "tokens_per_s")
 
 
 def run_spread(rows: list[dict]) -> dict:

@@ -69,6 +69,9 @@ class RequestOutput:
     # every output, but with output_kind "delta" only in the request's first
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V were found computed when it started (prefix sharing)
+    # measured: seconds from its arrival (add_request) to the step the scheduler first gave it (vLLM's time in queue;
+    # None while it waits). Time to first token less this is its prefill's share, this its wait for a slot or KV
+    queued_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -947,9 +950,10 @@ class LLM:
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
         logprobs = seq.logprobs[start - seq.num_prompt_tokens:] if seq.params.logprobs is not None else None
+        queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.token_ids[start:], text, delta,
                              seq.is_finished, seq.finish_reason, seq.error, seq.num_completion_tokens, logprobs,
-                             prompt_logprobs, seq.num_cached_tokens)
+                             prompt_logprobs, seq.num_cached_tokens, queued)
 
     # ---- blocking and streaming front ends ----
     def reset_prefix_cache(self) -> int:

@@ -15,6 +15,7 @@ the blocks come back as others finish or the weights give them up.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -214,6 +215,8 @@ class Scheduler:
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)

@@ -47,6 +47,8 @@ class Sequence:
     # the leading space of a text that starts with it: " the" came out "the" after "The capital is"; vLLM's offsets)
     prefix_offset: int = 0
     read_offset: int = 0
+    # when the scheduler first gave it a step: its time in the queue ends there (a preempted request keeps the first)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one wall time per generated token
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, if params.logprobs is set

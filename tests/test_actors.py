@@ -275,10 +275,11 @@ def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_di
 
     class Recorder:
         def __init__(self):
-            self.requests = []
+            self.requests, self.queued = [], []
 
-        def observe_request(self, latency_s, ttft_s, finish_reason, work="generate"):
+        def observe_request(self, latency_s, ttft_s, finish_reason, work="generate", queued_s=None):
             self.requests.append((latency_s, ttft_s, finish_reason))
+            self.queued.append(queued_s)
 
         def update(self, stats):
             pass
@@ -300,6 +301,8 @@ def test_final_only_stream_has_one_output_and_no_time_to_first_token(ap_model_di
     (lat_f, ttft_f, reason_f), (lat_c, ttft_c, reason_c) = metrics.requests
     assert ttft_f is None and lat_f > 0 and reason_f == reason_c == "length"
     assert 0 < ttft_c < lat_c
+    # both record their wait for the first step (the engine's, on every output): a final_only request's too
+    assert all(q is not None and 0 <= q < lat for q, (lat, _, _) in zip(metrics.queued, metrics.requests))
 
 
 def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
@@ -480,7 +483,7 @@ def test_request_latency_counts_the_wait_for_the_engine_lock():
         def __init__(self) -> None:
             self.seen = []
 
-        def observe_request(self, latency, ttft, reason, work="generate") -> None:
+        def observe_request(self, latency, ttft, reason, work="generate", queued=None) -> None:
             self.seen.append((latency, ttft, reason))
 
         def update(self, stats) -> None:

@@ -136,6 +136,10 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     paged = rows[0]
     assert paged["run"] == 0
     assert paged["requests_done"] == paged["requests"] and paged["offload_triggers"] > 0
+    # the wait for a slot and KV room is part of the time to first token, for the slowest request too
+    for r in rows:
+        assert 0 <= r["queued_p50_ms"] <= r["queued_p99_ms"] and r["queued_p50_ms"] <= r["ttft_p50_ms"]
+        assert 0 <= r["ttft_max_queued_ms"] < r["ttft_max_ms"]
     text = prof.read_text()
     assert "pagedweight: step boundaries" in text and "_paging_boundary" in text and "_request_moves" in text
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline

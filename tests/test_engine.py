@@ -1565,6 +1565,31 @@ def test_routing_mass_accessors(pressure_run, hf_dir):
         LLM(hf_dir[0]).routing_mass()
 
 
+def test_queue_time_ends_at_the_first_step_a_request_gets(hf_dir):
+    """RequestOutput.queued_s: arrival to the first step the scheduler gave the request. With one slot the second
+    request waits for the whole first one: its queue time covers at least the first's steps; the first waits for
+    nothing."""
+    import time
+
+    llm = LLM(hf_dir[0], max_num_seqs=1, detokenize=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.add_request([1, 2, 3, 4, 5], params, request_id="a")
+    llm.add_request([6, 7, 8], params, request_id="b")
+    added = time.perf_counter()
+    first: dict[str, float | None] = {}
+    a_done = None
+    while llm.has_unfinished():
+        for out in llm.step():
+            t = time.perf_counter()
+            if out.completion_tokens and out.request_id not in first:
+                first[out.request_id] = out.queued_s
+            if out.request_id == "a" and out.finished:
+                a_done = t
+    qa, qb = first["a"], first["b"]
+    assert qa is not None and 0 <= qa < qb
+    assert qb >= a_done - added  # b's first step came after a's last one (b arrived before `added`)
+
+
 def test_converted_cache_follows_the_source(tmp_path, monkeypatch):
     """`pagedweight run` on a HF dir converts into a cache entry named by the source's fingerprint: a retrained
     model (a file with another size or time), another calibration text or other planner defaults get a new entry

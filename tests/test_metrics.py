@@ -44,7 +44,7 @@ class MetricsProbe:
     def feed(self, snapshots: list[dict]) -> None:
         for s in snapshots:
             self.metrics.update(s)
-        self.metrics.observe_request(0.3, 0.02, "length")
+        self.metrics.observe_request(0.3, 0.02, "length", queued_s=0.005)
         self.metrics.observe_request(2.0, None, "stop")
         self.metrics.observe_request(0.7, None, "length", "score")
 
@@ -130,6 +130,7 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="2.5") == 1
     assert probe_v("request_latency_seconds_bucket", finish_reason="stop", le="1.0") == 0
     assert probe_v("time_to_first_token_seconds_count") == 1
+    assert probe_v("request_queue_time_seconds_count") == 1 and probe_v("request_queue_time_seconds_sum") == 0.005
 
     # the live engine replica: same numbers as its own stats(), and the requests above were timed
     # (engines of earlier tests in this Ray session may still have series exported: pick the replica's own)
