@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from pathlib import Path
 
@@ -51,6 +52,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="extra LLM engine options (pagedweight.engine.EngineOptions), "
                         "e.g. '{\"prefix_retention_s\": 5}'")
     return p
+
+
+def deploy_error(exc: RuntimeError) -> RuntimeError | ValueError:
+    """Serve's "Deploying application ... failed: <message>" carries the replica's whole traceback: a ValueError of
+    its last exception line, the one that stopped the engine (a budget too small, a bad checkpoint), which the CLI
+    prints as one line; any other RuntimeError as it is."""
+    text = str(exc)
+    if not text.startswith("Deploying application") or " failed" not in text:
+        return exc
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b[^:]*: ", line)]
+    cause = raised[-1] if raised else lines[-1]
+    return ValueError(f"the engine replicas failed to start: {cause} (the whole traceback is in the Serve "
+                      "controller's log: logs/serve/ in the Ray session's directory, /tmp/ray/session_latest on "
+                      "the head node by default)")
 
 
 def replicas_short(replicas: int, actor_options: dict, total: dict) -> list[str]:
@@ -124,7 +140,10 @@ def run(args) -> int:
                        "cluster adds nodes for pending replicas)", replicas, ", ".join(short))
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(app_args), name="pagedweight", route_prefix="/")
+        try:
+            serve.run(build_app(app_args), name="pagedweight", route_prefix="/")
+        except RuntimeError as exc:
+            raise deploy_error(exc) from exc
         print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
               "- Ctrl-C stops", flush=True)
         while True:

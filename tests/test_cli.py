@@ -442,3 +442,48 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(model_dir, monkeypatch,
         assert main(["serve", str(model_dir), "--dense", "--port", str(port)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"pagedweight serve: error: --port {port}: 127.0.0.1:{port} is in use")
+
+
+def test_serve_names_the_exception_a_failed_deploy_ended_with(model_dir, monkeypatch, capsys):
+    """An app whose engine replicas fail to start (Serve: "Deploying application ... failed:" and the replica's whole
+    traceback) ends in one line naming the exception that stopped the engine, after the cluster is shut down."""
+    import ray
+    from ray import serve
+
+    import pagedweight.actors.page_store_actor as store
+    from conftest import free_port
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    message = ("Deploying application pagedweight failed: Failed to update the deployments ['EngineReplica'].\n"
+               "The deployment failed to start 3 times in a row. Error:\nTraceback (most recent call last):\n"
+               '  File "replica.py", line 1, in initialize\n    self.engine = build()\n'
+               "ray.exceptions.RayTaskError(ValueError): ray::EngineReplica.__init__() (pid=1)\n"
+               "ValueError: gpu_memory_budget 1.0 GiB too small: the dense weights need 1.2 GiB\n")
+
+    def failed(*a, **kw):
+        raise RuntimeError(message)
+
+    ended = []
+    monkeypatch.setattr(serve, "run", failed)
+    monkeypatch.setattr(serve, "shutdown", lambda: ended.append("shutdown"))
+
+    class Store:
+        class destroy:
+            @staticmethod
+            def remote():
+                ended.append("store")
+
+    monkeypatch.setattr(store, "page_store_for_node", lambda: Store)
+    monkeypatch.setattr(ray, "get", lambda ref: None)
+    assert main(["serve", str(model_dir), "--dense", "--port", str(free_port())]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("pagedweight serve: error: the engine replicas failed to start: ValueError: "
+                              "gpu_memory_budget 1.0 GiB too small") and "logs/serve/" in err[-1]
+    assert not any("Traceback" in line for line in err) and ended == ["shutdown", "store"]
+    from pagedweight.actors.serve_cli import deploy_error
+
+    other = RuntimeError("Waiting for application pagedweight to be RUNNING, but application doesn't exist.")
+    assert deploy_error(other) is other  # not a deploy failure's message: as it is
