@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from pagedweight.models import FAMILIES, Family, ModelConfig, MoEForCausalLM, parse_dtype
 from pagedweight.models.config import DTYPE_NAMES
+from pagedweight.progress import byte_progress
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -30,6 +31,8 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template and the special tokens' text (pagedweight.chat)
 CHAT_TEMPLATE = "chat_template.jinja"  # the chat template in a file of its own (newer checkpoints)
 _EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
+# a load this small takes about a second at most: no progress for it (the bundled tiny model, the tests' checkpoints)
+PROGRESS_MIN_BYTES = 256 << 20
 
 
 class CheckpointError(Exception):
@@ -107,6 +110,7 @@ class TensorFiles:
     def __init__(self, model_dir: Path) -> None:
         self.dir = model_dir
         self._handles: dict[str, Any] = {}
+        self._sizes: dict[str, dict[str, int]] = {}
         if (model_dir / INDEX).is_file():
             index = read_json(model_dir / INDEX)
             weight_map = index.get("weight_map")
@@ -142,6 +146,20 @@ class TensorFiles:
 
     def file_of(self, name: str) -> Path:
         return self.dir / self.where[name]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes tensor `name` takes in its file, from the file's safetensors header (no tensor data read)."""
+        file = self.where[name]
+        if file not in self._sizes:
+            path = self.dir / file
+            try:  # an 8-byte little-endian header length, then the JSON header (safe_open has read it already)
+                with open(path, "rb") as f:
+                    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                self._sizes[file] = {k: int(v["data_offsets"][1]) - int(v["data_offsets"][0])
+                                     for k, v in header.items() if k != "__metadata__"}
+            except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise CheckpointError(f"{path}: not a readable safetensors header ({e})") from None
+        return self._sizes[file][name]
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -183,57 +201,70 @@ def _check_shape(files: TensorFiles, name: str, tensor: torch.Tensor, shape: tup
     return tensor
 
 
-def _expert_tensor(files: TensorFiles, family: Family, layer: int, kind: str, shape: torch.Size
-                   ) -> tuple[torch.Tensor, list[str]]:
-    """gate_up [E,2F,D] or down [E,D,F] from the fused or the per-expert layout; returns (tensor, sources)."""
+def _expert_sources(files: TensorFiles, family: Family, layer: int, kind: str, experts: int
+                    ) -> tuple[bool, list[str]]:
+    """(fused, names): where gate_up [E,2F,D] or down [E,D,F] is read from, the fused layout's one tensor or the
+    per-expert layout's, expert by expert ([gate, up] of each for gate_up)."""
     gate, up, down = family.expert_names
     parts = [gate, up] if kind == "gate_up" else [down]
-    part_shape = (shape[1] // len(parts), shape[2])
     tried = []
     for prefix in family.moe_prefixes:
         base = f"model.layers.{layer}.{prefix}.experts"
         fused = f"{base}.{kind}_proj"
         if fused in files:
-            return _check_shape(files, fused, files.get(fused), shape), [fused]
+            return True, [fused]
         first = f"{base}.0.{parts[0]}.weight"
         if first in files:
-            per_expert, sources = [], []
-            for e in range(shape[0]):
-                names = [f"{base}.{e}.{p}.weight" for p in parts]
-                for n in names:
-                    if n not in files:
-                        raise CheckpointError(f"{files.dir}: missing tensor '{n}'")
-                per_expert.append(torch.cat([_check_shape(files, n, files.get(n), part_shape) for n in names]))
-                sources += names
-            return torch.stack(per_expert), sources
+            names = [f"{base}.{e}.{p}.weight" for e in range(experts) for p in parts]
+            for n in names:
+                if n not in files:
+                    raise CheckpointError(f"{files.dir}: missing tensor '{n}'")
+            return False, names
         tried += [fused, first]
     raise CheckpointError(f"{files.dir}: missing tensor '{tried[0]}' (also tried {', '.join(tried[1:])})")
 
 
+def _read_experts(files: TensorFiles, names: list[str], shape: torch.Size) -> torch.Tensor:
+    """gate_up [E,2F,D] or down [E,D,F] stacked from the per-expert tensors `names` (`_expert_sources`' order)."""
+    per = len(names) // shape[0]
+    part_shape = (shape[1] // per, shape[2])
+    return torch.stack([torch.cat([_check_shape(files, n, files.get(n), part_shape)
+                                   for n in names[e * per:(e + 1) * per]]) for e in range(shape[0])])
+
+
 def read_state_dict(model_dir: str | Path, cfg: ModelConfig, expected: dict[str, torch.Size],
                     dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Our-named state dict, every tensor checked against `expected` shapes and cast to dtype on device."""
+    """Our-named state dict, every tensor checked against `expected` shapes and cast to dtype on device.
+
+    Shows progress over the checkpoint bytes it reads (`byte_progress`: a bar on a terminal, log lines off one) when
+    they reach PROGRESS_MIN_BYTES, updated once per parameter."""
     files = TensorFiles(Path(model_dir))
     family = FAMILIES[cfg.family]
-    used: set[str] = set()
-    out: dict[str, torch.Tensor] = {}
+    plan: dict[str, tuple[bool, list[str]]] = {}  # our name -> (one tensor of that shape?, checkpoint names)
     for name, shape in expected.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         m = _EXPERT_PARAM.match(name)
         if m:
-            tensor, sources = _expert_tensor(files, family, int(m.group(1)), m.group(2), shape)
+            plan[name] = _expert_sources(files, family, int(m.group(1)), m.group(2), shape[0])
         else:
             candidates = hf_names(family, name)
             present = [c for c in candidates if c in files]
             if not present:
                 raise CheckpointError(f"{files.dir}: missing tensor '{candidates[0]}'")
-            sources = present[:1]
-            tensor = _check_shape(files, sources[0], files.get(sources[0]), shape)
-        used.update(sources)
-        out[name] = tensor.to(device=device, dtype=dtype)
+            plan[name] = (True, present[:1])
+    sizes = {name: sum(files.nbytes(n) for n in sources) for name, (_, sources) in plan.items()}
+    out: dict[str, torch.Tensor] = {}
+    with byte_progress(sum(sizes.values()), "load weights", PROGRESS_MIN_BYTES, model_dir) as bar:
+        for name, (whole, sources) in plan.items():
+            shape = expected[name]
+            tensor = _check_shape(files, sources[0], files.get(sources[0]), shape) if whole \
+                else _read_experts(files, sources, shape)
+            out[name] = tensor.to(device=device, dtype=dtype)
+            bar.update(sizes[name])
     if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
+    used = {n for _, sources in plan.values() for n in sources}
     unused = [n for n in files.where if n not in used]
     if unused:
         logger.warning("{}: {} checkpoint tensors unused, e.g. {}", model_dir, len(unused), unused[:3])

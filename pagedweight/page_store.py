@@ -25,10 +25,16 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pagedweight.progress import byte_progress
+
 ALIGN = 4096
 FORMAT_VERSION = 1
 CUDA_HOST_REGISTER_READ_ONLY = 8
 WHAT = ("plane", "lut")
+# a store this small is written in well under a second: no progress for it (the tests' stores, the tiny model's)
+PROGRESS_MIN_BYTES = 256 << 20
+# the copy loop updates its bar once per this many bytes, not per record (tens of thousands of small planes and LUTs)
+PROGRESS_STEP_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -198,14 +204,21 @@ class PageStore:
             raise PageStoreFull(path, need, free)
         tmp = path / "pages.bin.tmp"
         try:
-            with open(source, "rb") as src, open(tmp, "wb") as dst:
+            with open(source, "rb") as src, open(tmp, "wb") as dst, \
+                    byte_progress(sum(r.nbytes for r in records), "page store", PROGRESS_MIN_BYTES, source) as bar:
                 src_size = os.fstat(src.fileno()).st_size
+                copied = 0  # since the bar's last update
                 for r, e in zip(records, entries):  # plain writes: a full tmpfs raises ENOSPC instead of SIGBUS
                     if r.offset < 0 or r.offset + r.nbytes > src_size:
                         raise ValueError(f"record {r} outside the source file ({src_size} B)")
                     src.seek(r.offset)
                     dst.seek(e[3])
                     dst.write(src.read(r.nbytes))
+                    copied += r.nbytes
+                    if copied >= PROGRESS_STEP_BYTES:
+                        bar.update(copied)
+                        copied = 0
+                bar.update(copied)
                 dst.truncate(pos)
             os.replace(tmp, path / "pages.bin")
             (path / "index.msgpack.tmp").write_bytes(index)

@@ -123,3 +123,37 @@ def serve_app(ray_cluster, ap_model_dir) -> ServeApp:
                    engine_options=ENGINE_OPTIONS)
     serve.run(build_app(args), name="pagedweight", route_prefix="/")
     return ServeApp(f"http://127.0.0.1:{port}", ap_model_dir.name, API_KEY)
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list:
+    """Every progress bar made (pagedweight.progress), recorded by a stand-in for tqdm: total, keyword arguments,
+    updates, closed."""
+    from pagedweight import progress
+
+    made = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.total, self.updates, self.disable, self.closed = kw, kw["total"], [], False, False
+            made.append(self)
+
+        def update(self, n: int = 1) -> None:
+            self.updates.append(n)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(progress, "tqdm", Bar)
+    return made
+
+
+@pytest.fixture
+def messages():
+    """The loguru messages logged while the test runs."""
+    from loguru import logger
+
+    got: list[str] = []
+    sink = logger.add(lambda m: got.append(m.record["message"]), level="INFO", format="{message}")
+    yield got
+    logger.remove(sink)

@@ -1,6 +1,7 @@
 """Helpers shared by test files (tests/ is on sys.path under pytest's default import mode)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -76,3 +77,10 @@ COMPILE_RECORDED = textwrap.dedent(r"""
                                       entries=re.findall(r"^\.visible \.entry\s+(\w+)\(", ptx, re.M)))
     json.dump(out, sys.stdout)
 """)
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal: tqdm (disable=None) draws its bar there."""
+
+    def isatty(self) -> bool:
+        return True

@@ -1,7 +1,9 @@
 """Checkpoint directory errors are one CheckpointError naming the file (and tensor); save/load round trips."""
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from pagedweight.checkpoint import CheckpointError, read_config, save_hf
 from pagedweight.models import ModelConfig, build_model, load_model
 from pagedweight.tokenizer import TextTokenizer
+from helpers import Terminal
 
 torch.set_num_threads(1)
 
@@ -247,3 +250,62 @@ def test_absent_kv_heads_take_the_family_s_transformers_default(family):
     want = transformers.AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"})
     assert FAMILIES[family].from_hf(raw).num_key_value_heads == want.num_key_value_heads
     assert FAMILIES[family].from_hf({**raw, "num_key_value_heads": None}).num_key_value_heads == 32
+
+
+# ---- progress of large loads (pagedweight.progress.byte_progress) ----
+
+def _read(model_dir: Path) -> dict[str, torch.Tensor]:
+    from pagedweight.checkpoint import read_state_dict
+    from pagedweight.models import MoEForCausalLM
+
+    cfg = read_config(model_dir)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in MoEForCausalLM(cfg).state_dict().items()}
+    return read_state_dict(model_dir, cfg, expected, torch.float32)
+
+
+def test_a_large_load_s_bar_counts_every_checkpoint_byte_once_per_parameter(model, sharded, bars, monkeypatch):
+    """Above the threshold one bar over the bytes read from the safetensors files (their headers say how many), on
+    stderr, updated once per parameter (an expert stack at once, not per expert tensor), reaching its total."""
+    from pagedweight import checkpoint
+
+    monkeypatch.setattr(checkpoint, "PROGRESS_MIN_BYTES", 0)
+    loaded = load_model(sharded)
+    shards = sorted(set(index_of(sharded)["weight_map"].values()))
+    tensors = {k: v for s in shards for k, v in load_file(sharded / s).items()}
+    assert len(bars) == 1
+    bar = bars[0]
+    assert bar.kw["desc"] == "load weights" and bar.kw["unit"] == "B" and bar.kw["unit_scale"]
+    assert bar.kw["file"] is sys.stderr and bar.kw["disable"] is None  # tqdm's own: silent off a terminal
+    assert bar.total == sum(t.numel() * t.element_size() for t in tensors.values()) == sum(bar.updates)
+    assert len(bar.updates) == len(model.state_dict()) < len(tensors) and bar.closed
+    for name, tensor in model.state_dict().items():  # what it loads is unchanged
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    bars.clear()
+    monkeypatch.setattr(checkpoint, "PROGRESS_MIN_BYTES", sum(t.numel() * t.element_size() for t in tensors.values())
+                        + 1)
+    load_model(sharded)
+    assert bars == []  # just below the threshold: no bar at all
+
+
+def test_a_large_load_s_progress_shows_on_a_terminal_and_is_logged_off_one(model_dir, messages, capfd, monkeypatch):
+    """The bundled model loads without a word (below the threshold, even on a terminal); above it a terminal gets
+    the bar, and a log (not a terminal: Ray actors', containers') gets no bar but a start and an end line."""
+    from pagedweight import checkpoint
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    _read(model_dir)
+    assert terminal.getvalue() == "" and messages == []
+    assert capfd.readouterr() == ("", "")
+
+    monkeypatch.setattr(checkpoint, "PROGRESS_MIN_BYTES", 0)
+    _read(model_dir)
+    assert "load weights" in terminal.getvalue() and "100%" in terminal.getvalue() and messages == []
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    _read(model_dir)
+    assert log.getvalue() == ""
+    assert len(messages) == 2 and all(m.startswith("load weights: ") for m in messages)
+    assert str(model_dir) in messages[0] and " GB" in messages[0] and " s (" in messages[1]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import Terminal
 from pagedweight.page_store import ALIGN, PageStore, Record, write_planes_file
 
 READER = r"""
@@ -405,3 +407,63 @@ def test_destroy_and_a_second_creator_wait_for_a_writer(store_dir, monkeypatch):
             assert bytes(store.view(r.block, r.what, r.idx)) == raw[r.offset:r.offset + r.nbytes]
         store.close()
     assert not path.exists() or (path / "index.msgpack").exists()  # destroyed last, or written again after it
+
+
+# ---- progress of large stores (byte_progress) ----
+
+def test_a_large_store_s_bar_counts_every_record_byte_in_steps(store_dir, bars, monkeypatch):
+    """Above the threshold one bar over the records' bytes, on stderr, updated every PROGRESS_STEP_BYTES copied (not
+    per record) and reaching its total; opening the written store draws none, and a failed write closes its bar."""
+    from pagedweight import page_store
+
+    path, src, records = store_dir
+    step = 10_000
+    monkeypatch.setattr(page_store, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(page_store, "PROGRESS_STEP_BYTES", step)
+    store = PageStore.create(path, src, records)
+    raw = np.fromfile(src, dtype=np.uint8)
+    assert all(np.array_equal(store.view(r.block, r.what, r.idx), raw[r.offset:r.offset + r.nbytes]) for r in records)
+    store.close()
+    assert len(bars) == 1
+    bar = bars[0]
+    assert bar.kw["desc"] == "page store" and bar.kw["unit"] == "B" and bar.kw["unit_scale"]
+    assert bar.kw["file"] is sys.stderr and bar.kw["disable"] is None  # tqdm's own: silent off a terminal
+    assert bar.total == sum(r.nbytes for r in records) == sum(bar.updates) and bar.closed
+    assert 1 < len(bar.updates) < len(records)
+    assert all(n >= step for n in bar.updates[:-1]) and bar.updates[-1] < step
+    PageStore.create(path, src, records).close()  # the store exists: opened, nothing copied
+    assert len(bars) == 1
+    PageStore.destroy(path)
+    with pytest.raises(ValueError, match="outside the source file"):
+        PageStore.create(path, src, records + [Record(9, "plane", 0, os.path.getsize(src), 8)])
+    assert len(bars) == 2 and bars[1].closed and sum(bars[1].updates) < bars[1].total
+    monkeypatch.setattr(page_store, "PROGRESS_MIN_BYTES", sum(r.nbytes for r in records) + 1)
+    PageStore.create(path, src, records).close()
+    assert len(bars) == 2  # just below the threshold: no bar at all
+
+
+def test_a_large_store_s_progress_shows_on_a_terminal_and_is_logged_off_one(store_dir, messages, capfd,
+                                                                            monkeypatch):
+    """A small store is written without a word (below the threshold, even on a terminal); above it a terminal gets
+    the bar, and a log (not a terminal: Ray actors', containers') gets no bar but a start and an end line."""
+    from pagedweight import page_store
+
+    path, src, records = store_dir
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    PageStore.create(path, src, records).close()
+    assert terminal.getvalue() == "" and messages == []
+    assert capfd.readouterr() == ("", "")
+
+    PageStore.destroy(path)
+    monkeypatch.setattr(page_store, "PROGRESS_MIN_BYTES", 0)
+    PageStore.create(path, src, records).close()
+    assert "page store" in terminal.getvalue() and "100%" in terminal.getvalue() and messages == []
+
+    PageStore.destroy(path)
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    PageStore.create(path, src, records).close()
+    assert log.getvalue() == ""
+    assert len(messages) == 2 and all(m.startswith("page store: ") for m in messages)
+    assert str(src) in messages[0] and " GB" in messages[0] and " s (" in messages[1]
