@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logger.remove()
-    logger.add(sys.stderr, level=args.log_level)
+    # the stderr of the moment, not the object of this call: one replaced meanwhile (a test's capture, closed after
+    # it) would otherwise take every later log line and report an error for each
+    logger.add(lambda message: sys.stderr.write(message), level=args.log_level, colorize=sys.stderr.isatty())
     from pagedweight.checkpoint import CheckpointError
     from pagedweight.page_store import PageStoreFull
 

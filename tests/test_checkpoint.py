@@ -306,6 +306,8 @@ def test_a_large_load_s_progress_shows_on_a_terminal_and_is_logged_off_one(model
     log = io.StringIO()
     monkeypatch.setattr(sys, "stderr", log)
     _read(model_dir)
-    assert log.getvalue() == ""
+    # no bar drawn (a bar always holds "%|"; the stream may hold the lines of a loguru sink on stderr, such as the
+    # one an earlier test's `pagedweight` main left)
+    assert "%|" not in log.getvalue()
     assert len(messages) == 2 and all(m.startswith("load weights: ") for m in messages)
     assert str(model_dir) in messages[0] and " GB" in messages[0] and " s (" in messages[1]
