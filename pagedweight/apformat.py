@@ -105,9 +105,15 @@ def _is_data_file(name: str) -> bool:
 _TMP_PREFIX, _TMP_SUFFIX = ".pw-", ".tmp"  # a writer's temporary files: .pw-<token>-<name>.tmp
 
 
-def _discard(file: BinaryIO, paths: list[Path]) -> None:
-    """Close an unfinished write's planes file and remove its files (the writer's finalizer: holds no writer)."""
+def _discard(file: BinaryIO, paths: list[Path], restore: list[tuple[Path, Path]]) -> None:
+    """Close an unfinished write's planes file, put back the copied files it replaced (`restore`: (saved copy,
+    name)) and remove its files (the writer's finalizer: holds no writer)."""
     file.close()
+    for saved, path in restore:
+        try:
+            os.replace(saved, path)
+        except OSError:
+            pass
     for path in paths:
         path.unlink(missing_ok=True)
 
@@ -153,10 +159,11 @@ class APWriter:
     checkpoint whole and loadable; and no reader pairs one manifest with another write's planes or dense weights (with
     fixed names, a reader between the planes' and the manifest's renames would: a re-conversion of the same model
     has planes of the same size, and the engine verifies no checksums). The copied files keep their fixed names
-    (tokenizers read them): they are renamed in right before the manifest, a window of a few renames.
+    (tokenizers read them): they are renamed in right before the manifest, a window of a few renames (a finish()
+    that fails there puts the old ones back; a kill there leaves the old manifest over new copied files).
     Until then the directory holds both checkpoints' planes (twice the disk of one, at the peak). After the commit,
-    data files no manifest names (the superseded ones, a killed write's) and stale .pw-*.tmp files are removed: one
-    writer at a time per directory.
+    data files no manifest names (the superseded ones, a killed write's) and stale .pw-*.tmp files are removed, the
+    latter also when a writer starts: one writer at a time per directory.
 
     A write that does not finish removes what it wrote: `abort()`, leaving a `with` block unfinished, a finish()
     that fails, or else when the writer is garbage-collected (or the interpreter exits).
@@ -172,10 +179,16 @@ class APWriter:
         n_blocks = num_layers * num_experts * 2
         self.entries: list[BlockEntry | None] = [None] * n_blocks
         self.sensitivity = np.zeros((n_blocks, parent_bits + 1), dtype=np.float64)
+        # a killed write's temporary files (its planes: up to the whole checkpoint's size) go now, not only after
+        # this write's commit: one writer at a time per directory
+        for p in self.dir.glob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}"):
+            p.unlink(missing_ok=True)
         self._token = secrets.token_hex(6)
         self._owned: list[Path] = []  # removed unless finished: temporary files, data files placed before the commit
+        self._restore: list[tuple[Path, Path]] = []  # (saved copy, name): old copied files, put back unless committed
+        self._manifest_ino: int | None = None  # the new manifest's inode: it is in place once the commit happened
         self._file: BinaryIO = open(self._tmp("planes.bin"), "wb")
-        self._cleanup = weakref.finalize(self, _discard, self._file, self._owned)
+        self._cleanup = weakref.finalize(self, _discard, self._file, self._owned, self._restore)
         self._hash = hashlib.blake2b(digest_size=32)
         self._pos = 0
 
@@ -229,9 +242,14 @@ class APWriter:
             path, names = self._finish(routing_mass, dense_state, source_dir, planner_knobs, calibration,
                                        residual_heads)
         except BaseException:
+            if self._committed():  # e.g. Ctrl-C in the directory sync after the manifest's rename: the new
+                # checkpoint stands, its files stay (only temporary ones go)
+                self._owned[:] = [p for p in self._owned if p.name.startswith(_TMP_PREFIX)]
+                self._restore.clear()
             self.abort()
             raise
         self._owned.clear()  # committed: nothing of it is removed any more
+        self._restore.clear()
         self._cleanup()
         self._sweep(names)
         return path
@@ -304,14 +322,28 @@ class APWriter:
         self._owned.append(tmp)
         tmp.write_bytes(msgpack.packb(head, use_bin_type=True))
         _fsync(tmp)
+        self._manifest_ino = os.stat(tmp).st_ino
         for name, staged_tmp in staged:
-            if _is_data_file(name) and not (self.dir / name).exists():  # content-named: an existing one is the same
-                self._owned.append(self.dir / name)  # removed if the commit fails (no manifest names it yet)
-            os.replace(staged_tmp, self.dir / name)
+            dst = self.dir / name
+            if not dst.exists():  # removed if the commit fails (no manifest names it yet)
+                self._owned.append(dst)
+            elif not _is_data_file(name):  # a copied file the old manifest vouches for (size, blake2b): kept aside
+                saved = self._tmp(name + ".old")  # and put back if the commit fails
+                shutil.copyfile(dst, saved)
+                self._restore.append((saved, dst))
+            # (an existing data file is content-named: the same bytes)
+            os.replace(staged_tmp, dst)
         _fsync_dir(self.dir)  # the files' renames reach the disk before the manifest's
         os.replace(tmp, path)  # the commit: a directory with a manifest is a whole checkpoint
         _fsync_dir(self.dir)  # the rename itself
         return path, {f["name"] for f in files}
+
+    def _committed(self) -> bool:
+        """Whether this write's manifest was renamed into place."""
+        try:
+            return self._manifest_ino is not None and os.stat(self.dir / MANIFEST).st_ino == self._manifest_ino
+        except OSError:
+            return False
 
     def _sweep(self, keep: set[str]) -> None:
         """After the commit: remove the data files the manifest (naming `keep`) does not name (the superseded

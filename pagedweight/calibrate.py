@@ -158,11 +158,15 @@ def calibrate(model: MoEForCausalLM, batches: torch.Tensor, kind: str, batch_siz
     if not (torch.isfinite(gate_up).all() and torch.isfinite(down).all()):  # quantize_rows would fall back to
         # uniform weights for those rows and the checkpoint's sensitivities would be NaN
         passes = "forward" if kind == "activation" else "forward or backward"
-        other = ("--dtype bfloat16 (float32's range at half its memory) or --dtype float32" if dtype == "float16"
-                 else "--dtype float32" if dtype != "float32" else "")
+        tries = ["--dtype bfloat16 (float32's range at half its memory) or --dtype float32"] if dtype == "float16" \
+            else ["--dtype float32"] if dtype != "float32" else []
+        if kind == "fisher":  # no backward pass
+            tries.append("--sensitivity activation")
+        hint = "try " + ", or ".join(tries) if tries else ""
+        if dtype == "float32":
+            hint += (", or " if hint else "") + "check the checkpoint for inf/NaN weights"
         raise ValueError(f"the {kind} calibration statistics are not finite: an overflow in the calibration {passes} "
-                         f"pass of the {dtype} model (try {other + ', or ' if other else ''}--sensitivity activation"
-                         f"{'' if other else ', or check the checkpoint for inf/NaN weights'})")
+                         f"pass of the {dtype} model ({hint})")
     total = obs.mass.sum(1, keepdim=True)
     mass = torch.where(total > 0, obs.mass / total.clamp_min(1e-300), torch.zeros_like(obs.mass))
     return CalibStats(kind, gate_up.cpu(), down.cpu(), mass.cpu(), obs.count.cpu(), int(batches.numel()), dtype)

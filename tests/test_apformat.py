@@ -396,10 +396,11 @@ def test_a_block_that_cannot_quantize_is_named(tmp_path):
         quantize_layer(writer, 1, gate_up, down, lambda e, kind: None, torch.device("cpu"))
 
 
-def _write_small(d: Path, seed: int, experts: int = 1, **patch) -> APWriter:
-    """Write a 1-layer checkpoint of `experts` random experts into `d` (the seed picks the weights)."""
+def _write_small(d: Path, seed: int, experts: int = 1, config: dict | None = None, **patch) -> APWriter:
+    """Write a 1-layer checkpoint of `experts` random experts into `d` (the seed picks the weights; `config` adds to
+    its HF config)."""
     g = torch.Generator().manual_seed(seed)
-    writer = APWriter(d, {"model_type": "qwen2_moe"}, "qwen2_moe", 1, experts, 3, 4)
+    writer = APWriter(d, {"model_type": "qwen2_moe", **(config or {})}, "qwen2_moe", 1, experts, 3, 4)
     for e in range(experts):
         for kind, (n, k) in (("gate_up", (8, 40)), ("down", (5, 4))):
             writer.add_block(0, e, kind, quantize_blocks([torch.randn(n, k, generator=g)], [None], 3, 4)[0], k)
@@ -467,8 +468,10 @@ def test_a_conversion_that_fails_midway_leaves_the_old_checkpoint(converted, tmp
 @pytest.mark.parametrize("where", ["dense weights", "manifest rename"])
 def test_a_finish_that_fails_removes_its_files(tmp_path, monkeypatch, where):
     """finish() failing while it writes the dense weights, or at the very last step (the manifest's rename, after the
-    new planes and dense weights were renamed in) leaves the directory as it was: the old checkpoint whole and
-    checksummed, none of the new write's files."""
+    new planes, dense weights and copied files were renamed in) leaves the directory as it was: the old checkpoint
+    whole and checksummed, none of the new write's files. The new write's config differs (another model converted
+    into the directory): before, a failed manifest rename left its config.json and generation_config.json under the
+    old manifest, which then refused to load (config.json's size differs from the manifest's)."""
     import os
 
     import safetensors.torch
@@ -489,9 +492,54 @@ def test_a_finish_that_fails_removes_its_files(tmp_path, monkeypatch, where):
     else:
         monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="injected"):
-        _write_small(tmp_path, seed=2)
+        _write_small(tmp_path, seed=2, config={"eos_token_id": 7, "hidden_size": 5})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     _assert_same(_contents(load_ap(tmp_path, verify=True)), want)
+
+
+def test_an_interrupt_after_the_commit_keeps_the_new_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C (or any exception) after the manifest's rename, in the directory sync that follows it: the new
+    checkpoint is committed and stays whole. Before, finish() took it for a failed write and removed the new planes
+    and dense weights that the manifest in place names: neither checkpoint loaded any more (and the next conversion's
+    sweep removed the old one's files, which no manifest named)."""
+    import pagedweight.apformat as apformat
+
+    _write_small(tmp_path, seed=1)
+    real, calls = apformat._fsync_dir, []
+
+    def fsync_dir(path):
+        real(path)
+        calls.append(path)
+        if len(calls) == 2:  # the sync after the manifest's rename
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(apformat, "_fsync_dir", fsync_dir)
+    with pytest.raises(KeyboardInterrupt):
+        _write_small(tmp_path, seed=2, experts=2)
+    monkeypatch.setattr(apformat, "_fsync_dir", real)
+    ap = load_ap(tmp_path, verify=True)
+    assert len(ap.blocks) == 4 and torch.equal(ap.dense_state_dict()["norm.weight"], torch.full((5,), 2.0))
+    assert not list(tmp_path.glob(".pw-*"))
+    _write_small(tmp_path, seed=3)  # the next conversion removes the superseded files as usual
+    assert sorted(p.name for p in tmp_path.glob("planes*")) == [load_ap(tmp_path).planes_file.name]
+
+
+def test_a_killed_writers_temporary_files_go_when_the_next_writer_starts(tmp_path):
+    """A conversion killed mid-write (OOM killer, SIGKILL: no finalizer runs) leaves its hidden temporary planes file,
+    up to the checkpoint's size. The next writer in the directory removes it as it starts, so a retry needs no room
+    for it. Before, it stayed until a later conversion committed: a retry that failed too (out of disk space, say)
+    left it, and further ones added theirs beside it."""
+    block = quantize_blocks([torch.randn(8, 40)], [None], 3, 4)[0]
+    killed = APWriter(tmp_path, {}, "qwen2_moe", 1, 1, 3, 4)
+    killed.add_block(0, 0, "gate_up", block, 40)
+    killed._cleanup.detach()  # as if killed: its finalizer never runs
+    killed._file.close()
+    leftover = list(tmp_path.iterdir())
+    assert len(leftover) == 1 and leftover[0].name.startswith(".pw-")
+    retry = APWriter(tmp_path, {}, "qwen2_moe", 1, 1, 3, 4)
+    assert not leftover[0].exists() and len(list(tmp_path.iterdir())) == 1
+    retry.abort()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unfinished_writer_removes_its_temporary_file(tmp_path):

@@ -145,6 +145,23 @@ def test_non_finite_statistics_of_a_16_bit_model_name_the_dtype():
         calibrate(model.to(torch.float16), batches, "activation")
 
 
+def test_non_finite_activation_statistics_do_not_suggest_activation():
+    """An overflow in an activation calibration suggests what could help, never `--sensitivity activation` (the
+    sensitivity that just failed; before, every dtype's message ended in it); a fisher one still does."""
+    batches = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(2))
+    for dtype, hint in ((torch.float32, r"\(check the checkpoint for inf/NaN weights\)"),
+                        (torch.bfloat16, r"\(try --dtype float32\)"),
+                        (torch.float16, r"\(try --dtype bfloat16 \(float32's range at half its memory\) or --dtype "
+                                        r"float32\)")):
+        model = _model().to(dtype)
+        with torch.no_grad():
+            model.layers[0].mlp.experts.gate_up[1, 0, 0] = float("inf")
+        with pytest.raises(ValueError, match=r"activation calibration statistics are not finite: .* " + hint + "$"):
+            calibrate(model, batches, "activation")
+    with pytest.raises(ValueError, match=r"float32 model \(try --sensitivity activation, or check the checkpoint"):
+        calibrate(model.float(), batches, "fisher")
+
+
 def test_calibration_cache_is_keyed_by_dtype(model_dir, tmp_path, monkeypatch):
     """A float32 calibration is not served to a bfloat16 model, nor the other way round; each is reused by its own
     dtype, and float32's key is the key of before the dtype was an option (cached statistics stay valid)."""
