@@ -194,17 +194,57 @@ def _dense_state(src: Path, cfg, model: torch.nn.Module) -> dict[str, torch.Tens
         logger.enable("pagedweight.checkpoint")
 
 
-def source_fingerprint(model_dir: Path, calib: Path | None = None) -> str:
+def conversion_device_bytes(cfg, dtype: torch.dtype, sensitivity: str) -> int:
+    """Device bytes a conversion holds at least (computed from the model's parameter counts, meta tensors): the
+    model in `dtype` and, with Fisher, float32 sums of every expert weight. Gradients, activations and the
+    quantizer's scratch come on top (about one layer's expert gradient in `dtype`, the module docstring)."""
+    from pagedweight.models import MoEForCausalLM
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.layers for p in layer.mlp.experts.parameters())
+    return params * dtype.itemsize + (experts * 4 if sensitivity == "fisher" else 0)
+
+
+# `ap_checkpoint_for` calibrates with Fisher statistics only where the model and the sums fit the GPU's free memory
+# with this share to spare (gradients, activations, the quantizer's scratch); else with activation statistics
+AUTO_FISHER_HEADROOM = 0.15
+
+
+def auto_sensitivity(model_dir: Path, device: str) -> str:
+    """The sensitivity `ap_checkpoint_for` converts with: Fisher (Any-Precision LLM's), unless on a GPU whose free
+    memory cannot hold the model and its Fisher sums (Qwen1.5-MoE-A2.7B: 79 GB in bfloat16, computed; an 80 GB H100
+    has less free): then activation statistics (forward passes only), with a warning saying how to get Fisher's."""
+    from pagedweight.checkpoint import read_config
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "fisher"
+    cfg = read_config(model_dir)
+    need = conversion_device_bytes(cfg, cfg.dtype, "fisher")
+    free, _ = torch.cuda.mem_get_info(dev)
+    if need * (1 + AUTO_FISHER_HEADROOM) <= free:
+        return "fisher"
+    logger.warning("{}: Fisher calibration needs {:.1f} GB of the GPU and more for gradients ({:.1f} GB free): "
+                   "calibrating with activation statistics instead (forward passes only, {:.1f} GB). For Fisher's, "
+                   "convert it on a larger GPU with `pagedweight convert --dtype auto` and serve that directory",
+                   model_dir, need / 1e9, free / 1e9, conversion_device_bytes(cfg, cfg.dtype, "activation") / 1e9)
+    return "activation"
+
+
+def source_fingerprint(model_dir: Path, calib: Path | None = None, sensitivity: str = "fisher") -> str:
     """Short digest of a HF directory's files (name, size, modification time), of the calibration text and of the
     converter's versions and planner defaults (written into the manifest): a retrained or replaced model, or a
-    conversion that changed, gets a cache entry of its own, never a stale one. Sizes and times, not contents:
-    hashing a large checkpoint on every start would cost minutes."""
+    conversion that changed (its sensitivity too), gets a cache entry of its own, never a stale one. Sizes and
+    times, not contents: hashing a large checkpoint on every start would cost minutes."""
     from pagedweight.knobs import PlannerKnobs
 
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file())
     text = hashlib.blake2b(calib.read_bytes(), digest_size=8).hexdigest() if calib is not None else None
     knobs = sorted(PlannerKnobs().to_dict().items())
-    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION, text, knobs, AUTO_CONVERT_DTYPE)).encode(),
+    settings = (AUTO_CONVERT_DTYPE,) if sensitivity == "fisher" else (AUTO_CONVERT_DTYPE, sensitivity)
+    return hashlib.blake2b(repr((files, VERSION, CACHE_VERSION, text, knobs, *settings)).encode(),
                            digest_size=6).hexdigest()
 
 
@@ -215,7 +255,8 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
     from pagedweight.corpus import DATA_DIR
 
     calib = DATA_DIR / "calib.txt"
-    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir, calib)}"
+    sensitivity = auto_sensitivity(model_dir, device)
+    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir, calib, sensitivity)}"
     if (out / MANIFEST).is_file():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +265,7 @@ def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
         if (out / MANIFEST).is_file():
             return out
         logger.info("{} is a HF checkpoint: converting it to any-precision planes in {}", model_dir, out)
-        convert(model_dir, out, calib, device=device, dtype=AUTO_CONVERT_DTYPE)
+        convert(model_dir, out, calib, sensitivity=sensitivity, device=device, dtype=AUTO_CONVERT_DTYPE)
         if torch.device(device).type == "cuda":
             # the conversion's cuBLAS workspaces (64 MiB on the H200) and cached segments would otherwise shape where
             # the engine built next in this process puts its weights: the bundled model's first `pagedweight run`

@@ -1643,8 +1643,36 @@ def test_the_automatic_conversion_calibrates_in_the_checkpoint_s_dtype(tmp_path,
 
     monkeypatch.setattr(convert, "convert", fake)
     out = convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cpu")
-    assert calls == [{"device": "cpu", "dtype": "auto"}] and out.parent == tmp_path / "cache"
+    assert calls == [{"sensitivity": "fisher", "device": "cpu", "dtype": "auto"}] and out.parent == tmp_path / "cache"
     assert convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cpu") == out and len(calls) == 1  # cached
+
+
+def test_the_automatic_conversion_takes_activation_statistics_where_fisher_s_do_not_fit(tmp_path, monkeypatch):
+    """On a GPU whose free memory cannot hold the model and its Fisher sums (computed from the parameter counts) the
+    automatic conversion calibrates with activation statistics, in a cache entry of its own; where they fit, Fisher."""
+    from pagedweight import convert
+    from pagedweight.checkpoint import read_config
+
+    cfg = read_config(BUNDLED)
+    need = convert.conversion_device_bytes(cfg, cfg.dtype, "fisher")
+    from pagedweight.models import build_model
+
+    experts = sum(p.numel() for layer in build_model(cfg).layers for p in layer.mlp.experts.parameters())
+    assert need == convert.conversion_device_bytes(cfg, cfg.dtype, "activation") + 4 * experts
+    calls = []
+
+    def fake(src, out, calib, **kw):
+        calls.append(kw["sensitivity"])
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "manifest.msgpack").write_bytes(b"")
+
+    monkeypatch.setattr(convert, "convert", fake)
+    monkeypatch.setattr(convert, "release_cached", lambda device: None)
+    outs = []
+    for free in (int(need * 1.2), int(need * 1.1)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
+        outs.append(convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cuda"))
+    assert calls == ["fisher", "activation"] and outs[0] != outs[1]
 
 
 def test_the_first_token_s_text_is_what_it_adds_to_the_prompt():
