@@ -249,16 +249,22 @@ def source_fingerprint(model_dir: Path, calib: Path | None = None, sensitivity: 
 
 
 def ap_checkpoint_for(model_dir: Path, cache_dir: Path, device: str) -> Path:
-    """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir`."""
+    """An AP checkpoint for `model_dir`: itself if it is one, else converted once into `cache_dir` (in its own dtype,
+    with `auto_sensitivity`'s statistics; an entry converted before, of either kind, is used as it is)."""
     if (model_dir / MANIFEST).is_file():
         return model_dir
     from pagedweight.corpus import DATA_DIR
 
     calib = DATA_DIR / "calib.txt"
+
+    def entry(sensitivity: str) -> Path:
+        return cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir, calib, sensitivity)}"
+
+    for kind in ("fisher", "activation"):  # a converted entry is used without asking the GPU (a CUDA context in
+        if (entry(kind) / MANIFEST).is_file():  # `serve`'s driver would take memory from the engine beside it)
+            return entry(kind)
     sensitivity = auto_sensitivity(model_dir, device)
-    out = cache_dir / f"{model_dir.resolve().name}-ap-{source_fingerprint(model_dir, calib, sensitivity)}"
-    if (out / MANIFEST).is_file():
-        return out
+    out = entry(sensitivity)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f"{out.name}.lock", "w") as lock:  # two processes starting on one model convert it once
         fcntl.flock(lock, fcntl.LOCK_EX)

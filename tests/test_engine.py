@@ -1669,10 +1669,13 @@ def test_the_automatic_conversion_takes_activation_statistics_where_fisher_s_do_
     monkeypatch.setattr(convert, "convert", fake)
     monkeypatch.setattr(convert, "release_cached", lambda device: None)
     outs = []
-    for free in (int(need * 1.2), int(need * 1.1)):
+    for free, cache in ((int(need * 1.2), "a"), (int(need * 1.1), "b")):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
-        outs.append(convert.ap_checkpoint_for(BUNDLED, tmp_path / "cache", "cuda"))
-    assert calls == ["fisher", "activation"] and outs[0] != outs[1]
+        outs.append(convert.ap_checkpoint_for(BUNDLED, tmp_path / cache, "cuda"))
+    assert calls == ["fisher", "activation"] and outs[0].name != outs[1].name
+    # a converted entry, either kind, is used without asking the GPU
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("asked the GPU"))
+    assert [convert.ap_checkpoint_for(BUNDLED, tmp_path / c, "cuda") for c in "ab"] == outs and len(calls) == 2
 
 
 def test_the_first_token_s_text_is_what_it_adds_to_the_prompt():
