@@ -23,7 +23,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from pagedweight.apformat import APCheckpoint
+from pagedweight.apformat import REPLACED, APCheckpoint, APFormatError
 from pagedweight.bitplanes import lut_bytes
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache
@@ -64,7 +64,12 @@ def ap_weights(ap: APCheckpoint, store_dir: str | Path) -> APWeights:
         luts = {b: lut_bytes(e.n, b) for b in range(ap.seed_bits, ap.parent_bits + 1)}
         records += [Record(i, "lut", b, ap.lut_offset(i, b), n) for b, n in luts.items()]
         specs.append(BlockSpec(e.plane_bytes, luts))
-    store = PageStore.create(store_dir, ap.planes_file, records, identity=planes_id(ap))
+    try:
+        store = PageStore.create(store_dir, ap.planes_file, records, identity=planes_id(ap))
+    except FileNotFoundError as exc:  # opened by name: a later conversion into the directory removed it
+        if ap.planes_file.exists():
+            raise
+        raise APFormatError(ap.planes_file, f"missing ({REPLACED})") from exc
     knobs = PlannerKnobs.from_dict(ap.planner_knobs) if ap.planner_knobs else PlannerKnobs()
     return APWeights(specs, ap.seed_bits, ap.parent_bits, store, ap.sensitivity, ap.routing_mass, knobs,
                      ap.residual_heads)

@@ -434,6 +434,19 @@ def test_a_mapped_checkpoint_keeps_its_planes_when_the_directory_is_rewritten(tm
         old.dense_state_dict()  # opened by name: gone with the checkpoint it belonged to, not the new one's weights
 
 
+
+def test_a_page_store_of_a_replaced_checkpoint_says_open_it_again(tmp_path):
+    """An engine that opened a checkpoint before a later conversion into its directory, then builds its page store
+    from the planes file (opened by name), is told the checkpoint was replaced, not a bare FileNotFoundError."""
+    from pagedweight.runner import ap_weights
+
+    _write_small(tmp_path / "ap", seed=1)
+    old = load_ap(tmp_path / "ap")
+    _write_small(tmp_path / "ap", seed=2, experts=2)
+    with pytest.raises(APFormatError, match=r"planes-[0-9a-f]{16}\.bin: missing \(the checkpoint was replaced"):
+        ap_weights(old, tmp_path / "store")
+    assert ap_weights(load_ap(tmp_path / "ap"), tmp_path / "store2").store is not None  # opened again: it serves
+
 def test_a_conversion_that_fails_midway_leaves_the_old_checkpoint(converted, tmp_path, monkeypatch):
     """A conversion into a checkpoint's directory that raises midway (here: from add_block) leaves the old checkpoint
     loadable and checksummed, byte for byte, and no temporary file behind once the writer it abandoned is gone.
