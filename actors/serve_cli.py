@@ -54,16 +54,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def deploy_error(exc: RuntimeError) -> RuntimeError | ValueError:
-    """Serve's "Deploying application ... failed: <message>" carries the replica's whole traceback: a ValueError of
-    its last exception line, the one that stopped the engine (a budget too small, a bad checkpoint), which the CLI
-    prints as one line; any other RuntimeError as it is."""
+def failed_deployment_messages(app: str = "pagedweight") -> str:
+    """The status messages of `app`'s deployments that failed to deploy, joined ("" if Serve cannot say). Ray 2.60's
+    error for a deployment whose replicas failed to start names only the deployment ("Failed to update the
+    deployments ['EngineReplica']."); the replica's traceback is in the deployment's own status message."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # noqa: BLE001 - the controller gone: the app's own message is all there is
+        return ""
+    if status is None:
+        return ""
+    return "\n".join(d.message for d in status.deployments.values()
+                     if d.message and getattr(d.status, "value", d.status) == "DEPLOY_FAILED")
+
+
+def deploy_error(exc: RuntimeError, details: str = "") -> RuntimeError | ValueError:
+    """Serve's "Deploying application ... failed: <message>", with `details` (`failed_deployment_messages`: where
+    Ray 2.60 keeps the replica's whole traceback): a ValueError of the last exception line there, the one that
+    stopped the engine (a budget too small, a bad checkpoint), which the CLI prints as one line; any other
+    RuntimeError as it is."""
     text = str(exc)
     if not text.startswith("Deploying application") or " failed" not in text:
         return exc
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in f"{text}\n{details}".splitlines() if line.strip()]
     raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b[^:]*: ", line)]
-    cause = raised[-1] if raised else lines[-1]
+    cause = raised[-1] if raised else lines[0].split(" failed: ", 1)[-1]
     return ValueError(f"the engine replicas failed to start: {cause} (the whole traceback is in the Serve "
                       "controller's log: logs/serve/ in the Ray session's directory, /tmp/ray/session_latest on "
                       "the head node by default)")
@@ -143,7 +160,7 @@ def run(args) -> int:
         try:
             serve.run(build_app(app_args), name="pagedweight", route_prefix="/")
         except RuntimeError as exc:
-            raise deploy_error(exc) from exc
+            raise deploy_error(exc, failed_deployment_messages()) from exc
         print(f"serving {name} ({replicas} engine replica(s)) at http://{args.host}:{args.port}/v1 "
               "- Ctrl-C stops", flush=True)
         while True:

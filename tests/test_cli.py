@@ -445,10 +445,12 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(model_dir, monkeypatch,
 
 
 def test_serve_names_the_exception_a_failed_deploy_ended_with(model_dir, monkeypatch, capsys):
-    """An app whose engine replicas fail to start (Serve: "Deploying application ... failed:" and the replica's whole
-    traceback) ends in one line naming the exception that stopped the engine, after the cluster is shut down."""
+    """An app whose engine replicas fail to start ends in one line naming the exception that stopped the engine, after
+    the cluster is shut down. Ray 2.60's error names only the failed deployments ("Deploying application ... failed:
+    Failed to update the deployments [...]."); the replica's traceback is in the deployment's status message."""
     import ray
     from ray import serve
+    from ray.serve._private.common import DeploymentStatus
 
     import pagedweight.actors.page_store_actor as store
     from conftest import free_port
@@ -457,17 +459,31 @@ def test_serve_names_the_exception_a_failed_deploy_ended_with(model_dir, monkeyp
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     monkeypatch.setattr(serve, "start", lambda **kw: None)
-    message = ("Deploying application pagedweight failed: Failed to update the deployments ['EngineReplica'].\n"
-               "The deployment failed to start 3 times in a row. Error:\nTraceback (most recent call last):\n"
+    # the messages as Ray 2.60 words them (serve/_private/client.py, application_state.py, deployment_state.py)
+    message = "Deploying application pagedweight failed: Failed to update the deployments ['EngineReplica']."
+    replica = ("The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
+               "initial health check failing. See controller logs for details. Error:\n"
+               "\x1b[36mray::ServeReplica:pagedweight:EngineReplica.initialize_and_get_metadata()\x1b[39m (pid=1)\n"
+               '  File "replica.py", line 1928, in initialize\n    raise RuntimeError(traceback.format_exc())\n'
+               "RuntimeError: Traceback (most recent call last):\n"
                '  File "replica.py", line 1, in initialize\n    self.engine = build()\n'
-               "ray.exceptions.RayTaskError(ValueError): ray::EngineReplica.__init__() (pid=1)\n"
-               "ValueError: gpu_memory_budget 1.0 GiB too small: the dense weights need 1.2 GiB\n")
+               "ValueError: gpu_memory_budget 1.0 GiB too small: the dense weights need 1.2 GiB")
 
     def failed(*a, **kw):
         raise RuntimeError(message)
 
+    class Deployment:
+        status, message = DeploymentStatus.DEPLOY_FAILED, replica
+
+    class App:
+        deployments = {"EngineReplica": Deployment}
+
+    class Status:
+        applications = {"pagedweight": App}
+
     ended = []
     monkeypatch.setattr(serve, "run", failed)
+    monkeypatch.setattr(serve, "status", lambda: Status)
     monkeypatch.setattr(serve, "shutdown", lambda: ended.append("shutdown"))
 
     class Store:
@@ -485,5 +501,11 @@ def test_serve_names_the_exception_a_failed_deploy_ended_with(model_dir, monkeyp
     assert not any("Traceback" in line for line in err) and ended == ["shutdown", "store"]
     from pagedweight.actors.serve_cli import deploy_error
 
+    # a message that carries the traceback itself (a failed build of the app) is read as it is
+    built = RuntimeError(f"Deploying application pagedweight failed: Traceback (most recent call last):\n"
+                         "  File \"app.py\", line 1\nKeyError: 'model'")
+    assert str(deploy_error(built)).startswith("the engine replicas failed to start: KeyError: 'model'")
+    # no status to read (the controller gone): the app's own message
+    assert "Failed to update the deployments" in str(deploy_error(RuntimeError(message), ""))
     other = RuntimeError("Waiting for application pagedweight to be RUNNING, but application doesn't exist.")
     assert deploy_error(other) is other  # not a deploy failure's message: as it is
