@@ -188,13 +188,18 @@ class _Seen(_History):
 
 def check_device(device: str | torch.device) -> torch.device:
     """torch.device(device), refused with a ValueError (a clear CLI error, not a traceback) when it names no device
-    kind torch knows or CUDA where there is none."""
+    kind torch knows, CUDA where there is none, or a CUDA device other than the current one."""
     try:
         dev = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"device {device!r}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        # the mover's and the runner's streams and the Numba kernels' launches are the current device's
+        raise ValueError(f"device {device}: the engine runs on the process's current CUDA device "
+                         f"(cuda:{torch.cuda.current_device()}); for GPU {dev.index} give CUDA_VISIBLE_DEVICES="
+                         f"{dev.index} and device 'cuda'")
     return dev
 
 

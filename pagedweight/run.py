@@ -154,7 +154,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--static", action="store_true", help="no paging: every block stays at --bits")
     p.add_argument("--dense", action="store_true", help="serve the HF checkpoint's dense weights (no planes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device of the engine, e.g. cuda, cuda:1, cpu")
+                   help="torch device of the engine: cuda (the current GPU; CUDA_VISIBLE_DEVICES picks which) or cpu")
     p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: fp16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests running in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,

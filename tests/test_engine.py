@@ -1398,7 +1398,7 @@ def test_preempts_when_even_the_largest_release_is_short(ap_dir):
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(PROMPTS, greedy(40), use_tqdm=False)]
 
 
-def test_run_command(ap_dir, tmp_path, capsys):
+def test_run_command(ap_dir, tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     prompts = tmp_path / "prompts.txt"
@@ -1460,6 +1460,15 @@ def test_run_command(ap_dir, tmp_path, capsys):
         with pytest.raises(ValueError, match=match):
             run(parser.parse_args(hf + extra))
     assert not (tmp_path / "cache").exists()
+    # a CUDA device other than the current one: the engine's streams and kernel launches are the current device's
+    from pagedweight.engine import check_device
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "current_device", lambda: 0)
+        assert check_device("cuda") == torch.device("cuda") and check_device("cuda:0") == torch.device("cuda:0")
+        with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=1 and device 'cuda'"):
+            check_device("cuda:1")
     assert serving_reserve(2 << 30, "cuda:0") == "auto"  # the entry points' default: the budget bounds it all
     assert serving_reserve(None, "cuda") == serving_reserve(2 << 30, "cpu") == 0
     assert parse_budget("2GiB") == 2 << 30 and parse_budget("0.5") == 0.5 and parse_budget("1000") == 1000
