@@ -6,9 +6,9 @@ default; here at 0.5, the reload's `narrow_min_share`). This plans
 the releases of engine_bench's paired runs at 4-bit memory with the parent home (the same synthetic tables:
 `engine_bench.ap_weights`, s ~ 4x per bit dropped, lognormal scale; mu = 1, no residual heads) with and without
 the rule, beside uniform 4 bits (the paired run's other engine), and reports the widths, the layers in the narrow
-class and the predicted damage (d_hat, the tables' units: only ratios between the plans mean anything). The demands are those engine_bench logged on an H100
-in session 44 (`h100-nvidia-h100-80gb-hbm3-20261205-s44-calls.log`): batch 32 released 3869.2 MB from 6 bits,
-batch 8 1793.1 MB from the 5 bits it started at.
+class and the predicted damage (d_hat, the tables' units: only ratios between the plans mean anything). The demands
+are those engine_bench logged on an H100 in session 44 (`h100-nvidia-h100-80gb-hbm3-20261205-s44-calls.log`): batch
+32 released 3869.2 MB from 6 bits, batch 8 1793.1 MB from the 5 bits it started at.
 
     python benchmarks/class_rule.py [--label NAME]
 """

@@ -65,6 +65,7 @@ class CpuBackend:
             dst.copy_(src)
         return _Done()
 
+
 class CudaBackend:
     """Copies on a dedicated stream; fences are CUDA events."""
 

@@ -719,8 +719,8 @@ class Planner:
         """Count the whole KV blocks a release frees beyond `demand` as needed in this step's entry of the reload
         window, so no reload takes them back before the window has passed. A release under the class rule can free
         far more than asked (a capped layer's last wide blocks at once, or all of a narrow layer's pending raises),
-        and the next step reloaded the excess into other layers' dropped blocks: 73-192 block reversals against 0-2 on a ramp of rising KV need (a review's
-        planner simulation, 6 layers of 16 experts)."""
+        and the next step reloaded the excess into other layers' dropped blocks: 73-192 block reversals against 0-2
+        on a ramp of rising KV need (a review's planner simulation, 6 layers of 16 experts)."""
         over = int((plan.delta_bytes - max(demand, 0.0)) // block_bytes)
         if over > 0 and self._needs:
             self._needs[-1] += over

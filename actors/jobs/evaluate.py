@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from tqdm import tqdm
 from pagedweight.actors.engine_actor import EngineConfig, engine_options_json, start_engines
 from pagedweight.corpus import DATA_DIR
 from pagedweight.pool import parse_budget
-from pagedweight.run import write_json
+from pagedweight.run import check_output_file, write_json
 
 DEFAULT_DATA = DATA_DIR / "eval.txt"  # installed with the package: `ray submit` copies this script alone
 
@@ -218,13 +217,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--data {args.data}: no such file")
     if args.mode != "generate" and not Path(args.model_dir).is_dir():  # the driver tokenizes the windows with it
         parser.error(f"{args.model_dir}: no such model directory (the driver reads its tokenizer)")
-    out = Path(args.out)  # checked now, not after hours of evaluation
-    if out.is_dir():
-        parser.error(f"--out {args.out}: is a directory")
-    if not out.resolve().parent.is_dir():
-        parser.error(f"--out {args.out}: no such directory")
-    if not os.access(out.resolve().parent, os.W_OK):
-        parser.error(f"--out {args.out}: its directory is not writable")
+    try:
+        check_output_file(args.out, "--out")  # checked now, not after hours of evaluation
+    except ValueError as e:
+        parser.error(str(e))
     try:
         engine_options_json(args.engine_options)
     except ValueError as e:
