@@ -232,41 +232,52 @@ def _read_experts(files: TensorFiles, names: list[str], shape: torch.Size) -> to
                                    for n in names[e * per:(e + 1) * per]]) for e in range(shape[0])])
 
 
+def _sources(files: TensorFiles, family: Family, name: str, shape: torch.Size) -> tuple[bool, list[str]]:
+    """(one tensor of that shape?, checkpoint names): where our parameter `name` is read from."""
+    m = _EXPERT_PARAM.match(name)
+    if m:
+        return _expert_sources(files, family, int(m.group(1)), m.group(2), shape[0])
+    candidates = hf_names(family, name)
+    present = [c for c in candidates if c in files]
+    if not present:
+        raise CheckpointError(f"{files.dir}: missing tensor '{candidates[0]}'")
+    return True, present[:1]
+
+
+def _read(files: TensorFiles, sources: tuple[bool, list[str]], shape: torch.Size) -> torch.Tensor:
+    whole, names = sources
+    return _check_shape(files, names[0], files.get(names[0]), shape) if whole else _read_experts(files, names, shape)
+
+
+def read_parameter(files: TensorFiles, cfg: ModelConfig, name: str, shape: torch.Size) -> torch.Tensor:
+    """Our parameter `name` (e.g. `layers.3.mlp.experts.gate_up`) on the CPU at the checkpoint's own dtype,
+    shape-checked: one tensor where a whole state dict is not wanted (a conversion's experts, layer by layer)."""
+    return _read(files, _sources(files, FAMILIES[cfg.family], name, shape), shape)
+
+
 def read_state_dict(model_dir: str | Path, cfg: ModelConfig, expected: dict[str, torch.Size],
-                    dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, device: torch.device | str = "cpu",
+                    warn_unused: bool = True) -> dict[str, torch.Tensor]:
     """Our-named state dict, every tensor checked against `expected` shapes and cast to dtype on device.
+    `warn_unused`: warn about checkpoint tensors `expected` does not name (False where it names a part on purpose).
 
     Shows progress over the checkpoint bytes it reads (`byte_progress`: a bar on a terminal, log lines off one) when
     they reach PROGRESS_MIN_BYTES, updated once per parameter."""
     files = TensorFiles(Path(model_dir))
     family = FAMILIES[cfg.family]
-    plan: dict[str, tuple[bool, list[str]]] = {}  # our name -> (one tensor of that shape?, checkpoint names)
-    for name, shape in expected.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        m = _EXPERT_PARAM.match(name)
-        if m:
-            plan[name] = _expert_sources(files, family, int(m.group(1)), m.group(2), shape[0])
-        else:
-            candidates = hf_names(family, name)
-            present = [c for c in candidates if c in files]
-            if not present:
-                raise CheckpointError(f"{files.dir}: missing tensor '{candidates[0]}'")
-            plan[name] = (True, present[:1])
+    plan = {name: _sources(files, family, name, shape) for name, shape in expected.items()
+            if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
     sizes = {name: sum(files.nbytes(n) for n in sources) for name, (_, sources) in plan.items()}
     out: dict[str, torch.Tensor] = {}
     with byte_progress(sum(sizes.values()), "load weights", PROGRESS_MIN_BYTES, model_dir) as bar:
-        for name, (whole, sources) in plan.items():
-            shape = expected[name]
-            tensor = _check_shape(files, sources[0], files.get(sources[0]), shape) if whole \
-                else _read_experts(files, sources, shape)
-            out[name] = tensor.to(device=device, dtype=dtype)
+        for name, sources in plan.items():
+            out[name] = _read(files, sources, expected[name]).to(device=device, dtype=dtype)
             bar.update(sizes[name])
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head.weight" in expected:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     used = {n for _, sources in plan.values() for n in sources}
     unused = [n for n in files.where if n not in used]
-    if unused:
+    if unused and warn_unused:
         logger.warning("{}: {} checkpoint tensors unused, e.g. {}", model_dir, len(unused), unused[:3])
     return out
 

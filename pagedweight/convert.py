@@ -10,8 +10,9 @@ and about one layer's expert gradients in the model's dtype (activation: sums of
 Qwen1.5-MoE-A2.7B (P = 14.3 B, X = 12.5 B): float32 + fisher 107 GB, bfloat16 + fisher 79 GB (73 GiB before
 gradients and activations: tight on an 80 GB H100), float32 + activation 57 GB, bfloat16 + activation 29 GB; for
 Mixtral-8x7B (P = 46.7 B, X = 45.1 B): bfloat16 + activation 93 GB, bfloat16 + fisher 274 GB.
-A 16-bit --dtype runs the calibration passes in it; statistics, quantizer inputs and damage measurements stay
-float32, and the dense weights are written in the checkpoint's own dtype, as with float32.
+A 16-bit --dtype runs the calibration passes in it; statistics and damage measurements stay float32, and the
+quantizer and the written dense weights take the checkpoint's own values (read again from it, a layer's experts at
+a time, where the calibration dtype cannot hold them: a float32 checkpoint calibrated in bfloat16).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tqdm import tqdm
 from pagedweight.apformat import MANIFEST, VERSION, APWriter
 from pagedweight.bitplanes import dequantize
 from pagedweight.calibrate import CACHE_VERSION, KINDS, DamageProbe, cached_calibrate, calibration_batches
-from pagedweight.checkpoint import resolve_model
+from pagedweight.checkpoint import TensorFiles, read_parameter, read_state_dict, resolve_model
 from pagedweight.models.config import DTYPE_NAMES, parse_dtype
 from pagedweight.pool import release_cached
 from pagedweight.quantize import QuantizedBlock, quantize_blocks
@@ -144,8 +145,15 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
 
     t0 = time.perf_counter()
     writer = APWriter(out, cfg.raw, cfg.family, cfg.num_hidden_layers, cfg.num_experts, seed_bits, parent_bits)
+    # a model whose dtype cannot hold the checkpoint's values (float32 calibrated in bfloat16) quantizes the
+    # checkpoint's experts, read again layer by layer, not the calibration dtype's rounding of them
+    files = None if _holds_checkpoint(model, cfg) else TensorFiles(src)
     for l in tqdm(range(cfg.num_hidden_layers), desc="quantize", unit="layer"):
         experts = model.layers[l].mlp.experts
+        gate_up, down = experts.gate_up, experts.down
+        if files is not None:
+            gate_up, down = (read_parameter(files, cfg, f"layers.{l}.mlp.experts.{kind}", w.shape)
+                             for kind, w in (("gate_up", gate_up), ("down", down)))
 
         def sens(e: int, kind: str, l: int = l) -> torch.Tensor:
             return stats.block(l, e, kind)
@@ -155,7 +163,7 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
             planes = blk.planes.to(device)  # the probe's dequantizes and products where the model runs, not the host
             probe.measure(l, e, kind, lambda b: dequantize(planes, blk.luts[b].to(device), b, k))
 
-        quantize_layer(writer, l, experts.gate_up, experts.down, sens, device, batch_weights,
+        quantize_layer(writer, l, gate_up, down, sens, device, batch_weights,
                        measure if probe is not None else None)
     heads = probe.fit() if probe is not None else None
     timings["quantize_s"] = time.perf_counter() - t0
@@ -176,22 +184,20 @@ def convert(src: str | Path, out: str | Path, calib: str | Path, seed_bits: int 
     return path
 
 
+def _holds_checkpoint(model: torch.nn.Module, cfg) -> bool:
+    """Whether the model's dtype holds the checkpoint's values exactly (float32, or the checkpoint's own dtype)."""
+    return next(model.parameters()).dtype in (torch.float32, cfg.dtype)
+
+
 def _dense_state(src: Path, cfg, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's dense (non-expert) tensors at the checkpoint's precision: the model's own where its dtype holds
-    the checkpoint's values exactly (float32, or the checkpoint's dtype), else read again from `src` onto the CPU
-    (a float32 checkpoint calibrated in bfloat16 must not have its dense weights rounded to bfloat16)."""
-    from pagedweight.checkpoint import read_state_dict
-
+    the checkpoint's values, else read again from `src` onto the CPU (a float32 checkpoint calibrated in bfloat16
+    must not have its dense weights rounded to bfloat16)."""
     state = model.state_dict()
-    model_dtype = next(model.parameters()).dtype
-    if model_dtype in (torch.float32, cfg.dtype):
+    if _holds_checkpoint(model, cfg):
         return state
     expected = {k: v.shape for k, v in state.items() if ".mlp.experts." not in k}
-    logger.disable("pagedweight.checkpoint")  # it would call the expert tensors left unread unused
-    try:
-        return read_state_dict(src, cfg, expected, cfg.dtype, "cpu")
-    finally:
-        logger.enable("pagedweight.checkpoint")
+    return read_state_dict(src, cfg, expected, cfg.dtype, "cpu", warn_unused=False)  # the experts: read apart
 
 
 def conversion_device_bytes(cfg, dtype: torch.dtype, sensitivity: str) -> int:
@@ -304,7 +310,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "--sensitivity fisher adds 4 bytes per expert weight (float32 sums, whatever the dtype), "
                         "activation a few MB (Qwen1.5-MoE-A2.7B: 107 GB float32 + fisher, 79 GB bfloat16 + "
                         "fisher, 29 GB bfloat16 + activation). Statistics are accumulated in float32/float64 and "
-                        "the dense weights written in the checkpoint's dtype either way; float16 gradients can "
+                        "the experts quantized and the dense weights written at the checkpoint's precision either "
+                        "way; float16 gradients can "
                         "underflow or overflow: prefer bfloat16 (default float32)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     return p

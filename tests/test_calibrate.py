@@ -190,41 +190,55 @@ def test_calibration_cache_is_keyed_by_dtype(model_dir, tmp_path, monkeypatch):
 
 
 def _float32_checkpoint(model_dir, out):
-    """The bundled (bfloat16) model as a float32 checkpoint whose dense weights bfloat16 cannot hold."""
+    """The bundled (bfloat16) model as a float32 checkpoint whose weights bfloat16 cannot hold."""
     from pagedweight.checkpoint import TOKENIZER, save_hf
     from pagedweight.models import load_model
 
     model = load_model(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mlp.experts." not in name:
-                p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=gen))
+        for p in model.parameters():
+            p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=gen))
     save_hf(model, out, model_dir / TOKENIZER)
     return out
 
 
-def test_convert_in_bfloat16_writes_float32_dense_weights_and_records_the_dtype(model_dir, tmp_path):
+def test_convert_in_bfloat16_keeps_the_float32_weights_and_records_the_dtype(model_dir, tmp_path, monkeypatch,
+                                                                              messages):
     """A float32 checkpoint converted with dtype bfloat16: the manifest records the calibration dtype, the dense
-    weights are the checkpoint's float32 values (not rounded through the bfloat16 model); `auto` is float32 here."""
+    weights are the checkpoint's float32 values and the quantizer is given its float32 experts (neither rounded
+    through the bfloat16 model), with no warning about tensors left unread; `auto` is float32 here."""
+    import pagedweight.convert as convert_module
     from pagedweight.apformat import load_ap
-    from pagedweight.convert import convert
     from pagedweight.corpus import DATA_DIR
     from pagedweight.models import load_model
 
     src = _float32_checkpoint(model_dir, tmp_path / "f32")
-    source = {k: v for k, v in load_model(src, dtype=torch.float32).state_dict().items() if ".mlp.experts." not in k}
+    source = load_model(src, dtype=torch.float32).state_dict()
+    quantized = {}
+
+    def quantize_layer(writer, layer, gate_up, down, *args, **kwargs):
+        quantized[layer] = (gate_up, down)
+        return quantize_layer.real(writer, layer, gate_up, down, *args, **kwargs)
+
+    quantize_layer.real = convert_module.quantize_layer
+    monkeypatch.setattr(convert_module, "quantize_layer", quantize_layer)
     for dtype, recorded in (("bfloat16", "bfloat16"), ("auto", "float32")):
-        out = tmp_path / f"ap-{dtype}"
-        convert(src, out, DATA_DIR / "calib.txt", seed_bits=2, parent_bits=3, sensitivity="activation", num_seqs=2,
-                seq_len=32, heads_seqs=1, device="cpu", dtype=dtype)
+        out, quantized = tmp_path / f"ap-{dtype}", {}
+        convert_module.convert(src, out, DATA_DIR / "calib.txt", seed_bits=2, parent_bits=3, sensitivity="activation",
+                               num_seqs=2, seq_len=32, heads_seqs=1, device="cpu", dtype=dtype)
         ap = load_ap(out)
         assert ap.manifest["calibration"]["dtype"] == recorded and ap.hf_config["dtype"] == "float32"
         dense = ap.dense_state_dict()
         assert "layers.0.self_attn.q_proj.weight" in dense and set(dense) <= set(source)
         assert all(v.dtype == torch.float32 and torch.equal(v, source[k]) for k, v in dense.items())
+        assert sorted(quantized) == list(range(ap.config.num_hidden_layers))
+        for l, (gate_up, down) in quantized.items():
+            assert torch.equal(gate_up.float(), source[f"layers.{l}.mlp.experts.gate_up"])
+            assert torch.equal(down.float(), source[f"layers.{l}.mlp.experts.down"])
+    assert not [m for m in messages if "unused" in m]
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, auto, got 'int8'"):
-        convert(src, tmp_path / "bad", DATA_DIR / "calib.txt", dtype="int8")
+        convert_module.convert(src, tmp_path / "bad", DATA_DIR / "calib.txt", dtype="int8")
     assert not (tmp_path / "bad").exists()
 
 
