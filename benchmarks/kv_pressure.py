@@ -80,6 +80,7 @@ def workload(n: int, rate: float, prompt_lo: int, prompt_hi: int, vocab: int, se
             for i, ids in enumerate(prompts)]
 
 
+TTFT_TAIL = 3  # the slowest first tokens broken down per request (`drive`'s ttft_tail)
 SWING_BITS = 0.05  # a mean-width swing reverses by at least this many bits (`swings`)
 
 
@@ -129,6 +130,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     arrival, last, ttft, itl, ttft_later, queued = {}, {}, [], [], [], []
+    first: dict[str, dict] = {}  # request -> its first token's latency parts (the TTFT tail's breakdown)
+    prefill: dict[str, list[int]] = {}  # request -> [steps its prompt advanced in, steps it ran without advancing]
     waited, mean_w, free_kv, widths = set(), [], [], []
     finished, failed, steps0, cut = 0, 0, llm.num_steps, False
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
@@ -163,9 +166,16 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
                 time.sleep(min(max(0.0, due[0][0] - now), IDLE_POLL_S) if due else 0.0)
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
+        # requests before their first token: did this step advance their prompt, or did a running one wait (no KV
+        # block for its next chunk, or preempted)? Waiting ones that stay waiting are in queued_s
+        unsampled = [(s, s.num_computed_tokens, s in llm.scheduler.running)
+                     for s in (*llm.scheduler.running, *llm.scheduler.waiting) if s.request_id not in last]
         outs = llm.step()
         sync()
         t = time.perf_counter()
+        for seq, computed, running in unsampled:
+            if seq.num_computed_tokens > computed or running:
+                prefill.setdefault(seq.request_id, [0, 0])[seq.num_computed_tokens <= computed] += 1
         if trace is not None:
             trace.append(trace_row(llm, paging, t_step, compactions, phases))
         for out in outs:
@@ -174,6 +184,11 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
                 ttft.append(t - arrival[out.request_id])
                 # the engine's queue time, from its add_request: this loop sends a due request between steps
                 queued.append(out.queued_s)
+                steps, waits = prefill.get(out.request_id, (0, 0))
+                first[out.request_id] = {
+                    "request": int(out.request_id), "ttft_ms": ttft[-1] * 1e3, "queued_ms": out.queued_s * 1e3,
+                    "prompt_tokens": len(sent[int(out.request_id)]), "cached_tokens": out.num_cached_tokens,
+                    "prefill_steps": steps, "prefill_waits": waits}
                 if after[int(out.request_id)] is not None:
                     ttft_later.append(ttft[-1])  # a closed-loop conversation's later turn
             elif n and n > last[out.request_id][1]:
@@ -211,6 +226,11 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         "queued_p50_ms": pct(queued, 50), "queued_p99_ms": pct(queued, 99),
         "ttft_max_queued_ms": float(queued[int(np.argmax(ttft))] * 1e3) if ttft else None,
         "ttft_max_ms": float(max(ttft) * 1e3) if ttft else None,
+        # the TTFT_TAIL slowest first tokens, each: arrival to first step (queued_ms), its prompt and the part found
+        # computed, the steps that computed its prompt and those it ran through without advancing (no KV block
+        # for its next chunk: the release it waited for, or a preemption)
+        "ttft_tail": sorted(first.values(), key=lambda r: -r["ttft_ms"])[:TTFT_TAIL],
+        "prefill_wait_steps": sum(w for _, w in prefill.values()),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],

@@ -140,6 +140,16 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     for r in rows:
         assert 0 <= r["queued_p50_ms"] <= r["queued_p99_ms"] and r["queued_p50_ms"] <= r["ttft_p50_ms"]
         assert 0 <= r["ttft_max_queued_ms"] < r["ttft_max_ms"]
+        # the slowest first tokens, each broken down: queued, then at least one step per chunk of its uncomputed
+        # prompt (the tiny chunk is 64 tokens), and the steps it ran without advancing (its `prefill_waits`)
+        tail = r["ttft_tail"]
+        assert len(tail) == kv_pressure.TTFT_TAIL and [t["ttft_ms"] for t in tail] == sorted(
+            (t["ttft_ms"] for t in tail), reverse=True)
+        assert (tail[0]["ttft_ms"], tail[0]["queued_ms"]) == (r["ttft_max_ms"], r["ttft_max_queued_ms"])
+        for t in tail:
+            assert 0 <= t["cached_tokens"] < t["prompt_tokens"] and t["queued_ms"] < t["ttft_ms"]
+            assert t["prefill_steps"] >= -(-(t["prompt_tokens"] - t["cached_tokens"]) // 64)
+        assert r["prefill_wait_steps"] >= sum(t["prefill_waits"] for t in tail) >= 0
     text = prof.read_text()
     assert "pagedweight: step boundaries" in text and "_paging_boundary" in text and "_request_moves" in text
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
@@ -172,6 +182,7 @@ def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
     res = json.loads(path.read_text())
     (row,) = res["rows"]
     assert res["think_s"] == 0 and row["requests_done"] == 4 and row["ttft_later_turns_p50_ms"] > 0
+    assert row["prefill_wait_steps"] == 0  # 96 blocks of room: no prompt chunk waits for a block
     reqs = kv_pressure.workload(4, 8.0, 48, 160, 512, seed=0, turns=2, think_s=0.0)  # the tiny shape
     gen = kv_pressure.DEFAULTS["tiny"]["gen"]
     # turns 2, 3 follow turns 0, 1: each finds its predecessor's prompt and answer, less the never-computed last token
