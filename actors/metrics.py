@@ -16,7 +16,7 @@ GAUGES = {
     "kv_free_blocks": ("kv_free_blocks", "Free KV-cache blocks (kept prefix blocks included)."),
     "kv_cached_blocks": ("kv_cached_blocks", "KV blocks no request holds, kept for their prefix and counted free."),
     "kv_retained_blocks": ("kv_retained_blocks", "Kept prefix blocks within prefix_retention_s of their release: "
-                                                 "weight reloads leave them (within kv_cached_blocks)."),
+                                                 "the planner holds them as a request's (within kv_cached_blocks)."),
     "kv_total_blocks": ("kv_total_blocks", "KV-cache blocks the page pool holds now (free + used)."),
     "resident_weight_bytes": ("resident_weight_bytes", "Bytes of expert bit-planes and LUTs resident on the device."),
     "pages_in_flight": ("pages_in_flight", "Weight pages being copied host->device or released."),

@@ -101,9 +101,9 @@ class EngineOptions:
     # earlier turns, a recompute after preemption): PagedKVCache's prefix sharing. Blocks nobody holds are kept while
     # counted free: a KV allocation evicts them and a weight reload reclaims them
     prefix_caching: bool = True
-    # with paging: seconds a kept prefix block is retained after its release, out of weight reloads' reach (a KV
-    # allocation still evicts it), so a chat's next turn finds its history instead of the weights the idle engine
-    # reloaded over it; 0: reloads take kept blocks at once
+    # with paging: seconds a kept prefix block is retained after its release, held by the planner as a request's
+    # blocks are (reloads leave it; a new request's room comes from lower widths, not from evicting it), so a chat's
+    # next turn finds its history; 0: reloads and allocations take kept blocks at once
     prefix_retention_s: float = 0.0
     # any-precision checkpoints only
     bits: int | None = None  # paging: the width weights return to (default: parent width); static: the width

@@ -23,9 +23,11 @@ chat, the next request with the same system prompt, a preempted request's recomp
 `num_free_blocks` includes it, an allocation of KV blocks evicts the least recently released first, and a weight
 run that finds too few free pages has the pool reclaim them (`PagePool.set_kv_reclaimer`). So a kept block is
 never a byte the planner or a reload waits for; weights come first. With `retention_s` > 0 a kept block is retained
-for that long after its release: KV allocations still evict it, but weight runs do not reclaim it, and the planner
-leaves its bytes out of a reload (`num_retained_blocks`). A chat's next turn, sent seconds after the last answer,
-then finds its history where an idle engine would otherwise have reloaded the weights over it. A request's blocks
+for that long after its release: weight runs do not reclaim it, and the planner holds it as it holds the admitted
+work's blocks (`num_retained_blocks`): it leaves its bytes out of a reload, and releases weights so that
+allocations find other free blocks (one the release cannot make room for in time still evicts it, least recently
+released first). A chat's next turn, sent seconds after the last answer, then finds its history where an idle
+engine would otherwise have reloaded the weights over it, or a new request's allocation evicted it. A request's blocks
 are released last block first, so a block leaves after the blocks that continue it (an evicted block's
 continuations could no longer be found). A block computed again under a key another block already has (a prompt of
 whole blocks recomputes its last one, whose logits are needed; two requests of one prompt at once) is not published:

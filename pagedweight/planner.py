@@ -500,8 +500,9 @@ class KVState:
     the free blocks minus the target stay put while it runs; a reload needs that margin to grow (a request ends).
     `transit_bytes` are pool bytes that moves hold beyond the committed widths' footprint (PageMover.transit_bytes).
     `used_blocks` are the blocks the requests hold now: with the target, what the KV cache needs whatever the widths.
-    `retained_blocks` are kept prefix blocks within their retention (PagedKVCache.retention_s): counted free, since a
-    KV allocation may evict them, but no reload takes their bytes.
+    `retained_blocks` are kept prefix blocks within their retention (PagedKVCache.retention_s): among the free
+    blocks, since a KV allocation may evict them, but the planner keeps them as it keeps the target: a release makes
+    room for them (so allocations take other blocks first) and no reload takes their bytes.
     """
 
     free_blocks: int
@@ -666,7 +667,8 @@ class Planner:
     def _decide(self, kv: KVState, committed: np.ndarray, peak: int) -> Plan | None:
         k = self.knobs
         free = self._free_bytes(kv, committed)
-        low = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes
+        # retained kept blocks are held as a request's are: released for, never reloaded over (KVState)
+        low = (kv.target_free_blocks + kv.retained_blocks + 1 + k.trigger_blocks) * kv.block_bytes
         if free < low:
             cancel = self._cancel_reloads(committed, low - free)
             if cancel is not None:
@@ -680,8 +682,8 @@ class Planner:
                 return cancel
             self._hold_overshoot(plan, low - free, kv.block_bytes)
             return self._write(plan)
-        # free bytes were the window's peak need back (it is never below the need now), retained kept blocks aside
-        budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks + kv.retained_blocks) * kv.block_bytes
+        # free bytes were the window's peak need back (it is never below the need now)
+        budget = free - low - (k.hysteresis_blocks + peak - kv.need_blocks) * kv.block_bytes
         turned_down = self._no_reload is not None and self._no_reload[0] == self.version \
             and budget <= self._no_reload[1]
         if budget >= kv.block_bytes and (self.desired < self.home).any() and not turned_down:

@@ -163,8 +163,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="each request computes its whole prompt (default: share computed blocks of a common prefix)")
     p.add_argument("--prefix-retention-s", type=float, default=0.0, metavar="S",
-                   help="with paging: a finished request's kept prefix blocks stay out of weight reloads' reach for S "
-                        "seconds (a chat's next turn finds them; default 0: reloads take them at once)")
+                   help="with paging: a finished request's kept prefix blocks are held for S seconds as a running "
+                        "request's are: weights are lowered to make room rather than the blocks evicted, and reloads "
+                        "leave them (a chat's next turn finds them; default 0: reloads and allocations take them)")
     p.add_argument("--page-store-dir", default=None,
                    help="node page store of the planes (default: /dev/shm/pagedweight-<checkpoint id>, removed at "
                         "the end if this run wrote it, unless --keep-page-store: it holds the planes in RAM; one it "

@@ -1110,6 +1110,32 @@ def test_widths_return_after_pressure(run, request):
         assert llm.stats()["weight_relocations"] > 0, "the run no longer needs weight relocation"
 
 
+def test_a_request_arriving_while_blocks_are_retained_takes_weight_bytes_not_them(ap_dir):
+    """prefix_retention_s: the planner keeps retained kept blocks as it keeps the admitted work's blocks, so a new
+    request arriving meanwhile is given room by lowering widths rather than by evicting them, and a later turn of an
+    earlier request still finds its whole context computed (without retention the allocation evicts it)."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    found = {}
+    for retention in (0.0, 30.0):
+        llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
+                  planner_knobs={"reload_dwell_steps": 1}, prefix_retention_s=retention)
+        llm.kv._clock = lambda: 0.0
+        first = llm.generate(PROMPTS[0], greedy(64), use_tqdm=False)[0]
+        kept, width = llm.kv.num_cached_blocks, _mean_width(llm)
+        assert kept == (len(first.prompt_token_ids) + 63) // 16 and llm.kv.num_retained_blocks == kept * (retention > 0)
+        other = llm.generate(PROMPTS[1:], greedy(96), use_tqdm=False)  # needs more blocks than the free ones
+        assert all(o.finish_reason == "length" for o in other)
+        turn = llm.generate(first.prompt_token_ids + first.token_ids + [11], greedy(2), use_tqdm=False)[0]
+        found[retention] = turn.num_cached_tokens
+        if retention:
+            assert llm.stats()["kv_evicted_blocks"] == 0 and _mean_width(llm) < width
+        llm.table.check()
+    assert found[0.0] < kept * 16 == found[30.0], found
+
+
 def test_retained_prefix_blocks_outlast_the_idle_reload_until_their_retention_ends(ap_dir):
     """prefix_retention_s: after the pressure run's requests end, the idle engine's reloads leave the kept blocks
     released within the retention (a later turn would find them) and widths stay down by their bytes; once the

@@ -310,16 +310,17 @@ def test_forget_need_lets_a_reload_through_at_once():
     assert back is not None and back.kind == "reload"
 
 
-def test_a_reload_leaves_retained_kept_blocks_their_bytes():
-    """Kept prefix blocks within their retention count free (a release does not come for them: a KV allocation
-    evicts them first) but a reload plans around them: its budget is smaller by exactly their bytes."""
+def test_retained_kept_blocks_are_kept_as_the_target_is():
+    """Kept prefix blocks within their retention count among the free blocks (a KV allocation may still evict them),
+    but the planner keeps them as it keeps the target: a reload's budget is smaller by exactly their bytes, and a
+    release comes when the free blocks less them fall to the trigger, so that allocations take other blocks."""
     rng = np.random.default_rng(12)
     t = make_tables(rng, 2, 4, 8)
     top = np.full(t.n_blocks, 8)
     k = PlannerKnobs()
     low = (1 + k.trigger_blocks) * PAGE
     budgets = {}
-    for retained in (0, 3, 200):
+    for retained in (0, 3, 150):
         planner = Planner(t, k, top)
         planner.decide(KVState(free_blocks=0, target_free_blocks=10**6, block_bytes=PAGE), top)
         planner.forget_need()
@@ -328,11 +329,16 @@ def test_a_reload_leaves_retained_kept_blocks_their_bytes():
         budgets[retained] = back.delta_bytes if back is not None else 0.0
         limit = (200 - retained - k.hysteresis_blocks) * PAGE - low
         assert budgets[retained] <= max(limit, 0.0), (retained, budgets[retained], limit)
-    assert budgets[0] > budgets[3] > budgets[200] == 0.0, budgets
-    # the same retained blocks never hold a release back: free blocks at the trigger still release
-    planner = Planner(t, k, top)
-    tight = KVState(free_blocks=2, target_free_blocks=4, block_bytes=PAGE, retained_blocks=2)
-    assert planner.decide(tight, top).kind == "release"
+    assert budgets[0] > budgets[3] > budgets[150] > 0.0, budgets
+    # free blocks above the trigger, but not once the retained ones are set aside: a release makes room for them
+    free = 4 + 1 + k.trigger_blocks + 1
+    for retained, short in ((0, 0), (1, 0), (3, 2)):
+        plan = Planner(t, k, top).decide(KVState(free_blocks=free, target_free_blocks=4, block_bytes=PAGE,
+                                                 retained_blocks=retained), top)
+        if short == 0:
+            assert plan is None, retained
+        else:
+            assert plan.kind == "release" and plan.delta_bytes >= short * PAGE, (retained, plan)
 
 
 def test_release_takes_back_pending_reloads_before_lowering_committed_blocks():
