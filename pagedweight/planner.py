@@ -615,6 +615,11 @@ class Planner:
             return 0.0
         return float((self.tables.bytes_at(committed) - self.tables.bytes_at(self.desired)).sum())
 
+    def _release_below(self, kv: KVState) -> int:
+        """Free bytes below which a release comes: the target, retained kept blocks (held as a request's are:
+        released for, never reloaded over; KVState), one block and the trigger margin."""
+        return (kv.target_free_blocks + kv.retained_blocks + 1 + self.knobs.trigger_blocks) * kv.block_bytes
+
     def _free_bytes(self, kv: KVState, committed: np.ndarray) -> float:
         """Free KV bytes once every pending move has landed (committed widths -> desired)."""
         return kv.free_blocks * kv.block_bytes + kv.transit_bytes + self._pending(committed)
@@ -634,7 +639,7 @@ class Planner:
         every demand the recomputed one would serve to the same release, so `decide` finds the same plans.
         """
         k = self.knobs
-        demand = (kv.target_free_blocks + 1 + k.trigger_blocks) * kv.block_bytes - self._free_bytes(kv, committed)
+        demand = self._release_below(kv) - self._free_bytes(kv, committed)
         target = max(demand, 0.0) + k.lookahead_blocks * kv.block_bytes
         dhat, floors = self.signals()
         if self.queue and self._standing_inputs is not None:
@@ -667,8 +672,7 @@ class Planner:
     def _decide(self, kv: KVState, committed: np.ndarray, peak: int) -> Plan | None:
         k = self.knobs
         free = self._free_bytes(kv, committed)
-        # retained kept blocks are held as a request's are: released for, never reloaded over (KVState)
-        low = (kv.target_free_blocks + kv.retained_blocks + 1 + k.trigger_blocks) * kv.block_bytes
+        low = self._release_below(kv)
         if free < low:
             cancel = self._cancel_reloads(committed, low - free)
             if cancel is not None:
