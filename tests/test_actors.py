@@ -589,7 +589,8 @@ def test_the_periodic_routing_sync_does_not_wait_in_the_step_loop():
     engine_actor.ray.get = lambda ref, timeout=None: ref
     engine_actor.ray.wait = lambda refs, timeout=None: (refs, []) if ready["now"] else ([], refs)
     try:
-        engine._last_sync, llm.num_tokens_computed = 0.0, 40  # due
+        # due: the last sync an hour and more ago (0.0 is not, on a machine up for less than routing_sync_s)
+        engine._last_sync, llm.num_tokens_computed = float("-inf"), 40
         engine._sync_routing()
         assert engine._sync_ref is not None and not held  # pushed, not waited for
         engine._sync_routing()
