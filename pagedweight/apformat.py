@@ -163,7 +163,10 @@ class APWriter:
     that fails there puts the old ones back; a kill there leaves the old manifest over new copied files).
     Until then the directory holds both checkpoints' planes (twice the disk of one, at the peak). After the commit,
     data files no manifest names (the superseded ones, a killed write's) and stale .pw-*.tmp files are removed, the
-    latter also when a writer starts: one writer at a time per directory.
+    latter also when a writer starts: one writer at a time per directory. A process that has the removed planes
+    open or mapped keeps reading them on a local file system; on NFS only processes of the node that removed them
+    do (other nodes' reads fail with a stale file handle), so re-convert there while no other node's engine is
+    starting from the directory (a started engine reads its node's page store, not the checkpoint).
 
     A write that does not finish removes what it wrote: `abort()`, leaving a `with` block unfinished, a finish()
     that fails, or else when the writer is garbage-collected (or the interpreter exits).
