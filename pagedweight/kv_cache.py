@@ -110,7 +110,8 @@ class PagedKVCache:
         with the paged decode attention kernel (keys read in place, split over the context) where it supports the
         dtype and head size; otherwise they gather each row's blocks and run SDPA under a length mask.
         `prefix_caching`: requests share the computed full blocks of a common prefix; `retention_s`: how long a kept
-        block is out of weight runs' reach after its release, by `clock` (module docstring)."""
+        block is held after its release (out of weight runs' reach, and kept by the planner), by `clock` (module
+        docstring)."""
         if not retention_s >= 0.0:
             raise ValueError(f"retention_s must be >= 0 seconds, got {retention_s!r}")
         self.num_layers = cfg.num_hidden_layers
@@ -300,9 +301,12 @@ class PagedKVCache:
         return run
 
     def shared_blocks(self, seq: Sequence) -> int:
-        """Blocks a waiting seq would take from running requests if it started now (the scheduler's demand leaves
-        them out; a kept block it would take is counted free, so its demand keeps it)."""
-        return sum(1 for lid in self._prefix_run(seq) or () if lid in self._refs)
+        """Blocks a waiting seq would take from running requests or from the retained kept blocks if it started now:
+        the scheduler's demand leaves them out, since the planner keeps both already (a retained block is in
+        `num_retained_blocks`: counted in its demand too, the next turn of a chat would have its history released
+        for twice, and reloaded once it started). An aged kept block it would take is counted free, so its demand
+        keeps it."""
+        return sum(1 for lid in self._prefix_run(seq) or () if lid in self._refs or lid in self._retained)
 
     def share_prefix(self, seq: Sequence) -> int | None:
         """A sequence about to compute from its first token takes the published blocks its tokens begin with

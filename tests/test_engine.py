@@ -1136,6 +1136,27 @@ def test_a_request_arriving_while_blocks_are_retained_takes_weight_bytes_not_the
     assert found[0.0] < kept * 16 == found[30.0], found
 
 
+def test_a_chat_s_next_turn_over_its_retained_history_moves_no_weight(ap_dir):
+    """The next turn of a conversation whose history is retained: the planner counts that history once (retained,
+    not also in the turn's demand), so where the turn fits beside it the widths stay put, as without retention
+    (counted twice, it was released for and reloaded the step after the turn started)."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
+              + probe.pool.bytes_of(probe.pool.reserve_pages) + 18 * probe.kv.block_bytes)
+    for retention in (0.0, 30.0):
+        llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
+                  prefix_retention_s=retention)
+        llm.kv._clock = lambda: 0.0
+        first = llm.generate(PROMPTS[0], greedy(160), use_tqdm=False)[0]
+        kept = llm.kv.num_cached_blocks
+        assert kept == 10 and llm.kv.num_retained_blocks == kept * (retention > 0) and _mean_width(llm) == 8.0
+        turn = llm.generate(first.prompt_token_ids + first.token_ids + [11], greedy(8), use_tqdm=False)[0]
+        st = llm.stats()
+        assert turn.num_cached_tokens == kept * 16 and _mean_width(llm) == 8.0, retention
+        assert st["offload_triggers"] == st["reload_triggers"] == 0, (retention, st)
+
+
 def test_retained_prefix_blocks_outlast_the_idle_reload_until_their_retention_ends(ap_dir):
     """prefix_retention_s: after the pressure run's requests end, the idle engine's reloads leave the kept blocks
     released within the retention (a later turn would find them) and widths stay down by their bytes; once the

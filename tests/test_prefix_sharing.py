@@ -253,6 +253,15 @@ def test_kept_blocks_serve_a_later_turn_and_give_way_to_kv_and_weights():
     turn = Sequence("b", first.token_ids + [44, 45, 46], SamplingParams(max_tokens=2))
     sched.add(turn)
     assert kv.shared_blocks(turn) == 0 and sched.blocks_demand() == 5  # kept blocks are free: its demand has them
+    held, held_sched = make(budget=16, seats=4, retention_s=30.0, clock=lambda: 0.0)
+    again = Sequence("a", first.prompt_token_ids, SamplingParams(max_tokens=3))
+    held_sched.add(again)
+    while held_sched.has_unfinished():
+        run_step(held, held_sched)
+    held_sched.add(Sequence("b", again.token_ids + [44, 45, 46], SamplingParams(max_tokens=2)))
+    # retained, its history is the planner's already (num_retained_blocks): the turn's demand leaves it out
+    assert held.num_retained_blocks == 3 and held.shared_blocks(held_sched.waiting[0]) == 3
+    assert held_sched.blocks_demand() == 2
     released = list(kv._cached)
     run_step(kv, sched)
     assert turn.num_cached_tokens == 12 and turn.block_table[:3] == released[::-1] and kv.num_cached_blocks == 0
