@@ -27,8 +27,8 @@ for that long after its release: weight runs do not reclaim it, and the planner 
 work's blocks (`num_retained_blocks`): it leaves its bytes out of a reload, and releases weights so that
 allocations find other free blocks (one the release cannot make room for in time still evicts it, least recently
 released first). A chat's next turn, sent seconds after the last answer, then finds its history where an idle
-engine would otherwise have reloaded the weights over it, or a new request's allocation evicted it. A request's blocks
-are released last block first, so a block leaves after the blocks that continue it (an evicted block's
+engine would otherwise have reloaded the weights over it, or a new request's allocation evicted it. A request's
+blocks are released last block first, so a block leaves after the blocks that continue it (an evicted block's
 continuations could no longer be found). A block computed again under a key another block already has (a prompt of
 whole blocks recomputes its last one, whose logits are needed; two requests of one prompt at once) is not published:
 the request's next blocks continue the key's block instead, and the request holds that block (a pin) until the step

@@ -521,8 +521,8 @@ class Planner:
     """Stateful planner of one engine: signals in, desired widths out.
 
     `decide` runs at a step boundary: when free KV blocks (counting planned but uncommitted moves) fall to
-    target + retained kept blocks + trigger_blocks, reloads not yet committed are taken back first (`_cancel_reloads`), then the newest
-    queued plan is cut to what is still short and written; when they exceed that
+    target + retained kept blocks + trigger_blocks, reloads not yet committed are taken back first
+    (`_cancel_reloads`), then the newest queued plan is cut to what is still short and written; when they exceed that
     threshold by more than hysteresis_blocks, bits are reloaded, never past the point that would re-trigger an
     offload within hysteresis_blocks if the KV cache needed again its peak of the last `knobs.reload_dwell_steps`
     steps (blocks held + still wanted, `KVState.need_blocks`). Work arriving and finishing in turns (a request ends,

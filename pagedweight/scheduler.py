@@ -157,7 +157,8 @@ class Scheduler:
     def blocks_demand(self) -> int:
         """KV blocks that the running requests, and the waiting ones a seat is free for, still need until they
         finish (remaining prompt and every token still to generate), a waiting one's prefix shared with running
-        requests or retained kept blocks left out (`shared_blocks`): the planner's target. An upper bound, since a request may stop early."""
+        requests or retained kept blocks left out (`shared_blocks`): the planner's target. An upper bound, since a
+        request may stop early."""
         seats = max(self.max_num_seqs - len(self.running), 0)
         need = sum(self.kv.blocks_needed(seq, self.final_kv_tokens(seq) - seq.num_computed_tokens)
                    for seq in self.running)
