@@ -84,3 +84,9 @@ class Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
+
+
+def budget_with(probe, kv_blocks: int) -> int:
+    """The budget of an engine's widths (`probe`, an LLM), the mover's reserve and `kv_blocks` KV blocks."""
+    return (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
+            + probe.pool.bytes_of(probe.pool.reserve_pages) + kv_blocks * probe.kv.block_bytes)

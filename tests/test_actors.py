@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from conftest import ENGINE_CPUS, ENGINE_OPTIONS, ROOT
+from helpers import budget_with
 from pagedweight.actors.engine_actor import EngineActor, EngineConfig
 from pagedweight.actors.page_store_actor import page_store_for_node
 from pagedweight.actors.planner_actor import PlannerActor, decode_reply, encode_table, get_or_create_planner
@@ -316,8 +317,7 @@ def test_idle_engine_loop_brings_the_widths_back(ap_model_dir, tmp_path):
 
     store = str(tmp_path / "store")
     probe = LLM(ap_model_dir, device="cpu", block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     del probe
     llm = LLM(ap_model_dir, budget, "cpu", block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     home = llm.planner.home.copy()

@@ -22,6 +22,7 @@ from pagedweight.engine import LLM
 from pagedweight.runner import APExperts, DecodeGraphs, ModelRunner, decode_batch_sizes, lut_width
 from pagedweight.sampling import SamplingParams
 from pagedweight.sequence import Sequence
+from helpers import budget_with
 
 torch.set_num_threads(1)
 
@@ -334,8 +335,7 @@ def test_paging_under_pressure(ap_dir):
     the packed run; on CUDA, where commits wait for copies (timing), it finishes every request with graphs replayed."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     runs = []
     for static in (False, True):
         llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,

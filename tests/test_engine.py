@@ -29,6 +29,7 @@ from pagedweight import sampling
 from pagedweight.sampling import Sampler, SamplingParams, make_generator, sample_rows
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
+from helpers import budget_with
 from test_planner import EveryStepPlanner, same_plans
 
 torch.set_num_threads(1)
@@ -679,8 +680,7 @@ def test_auto_activation_reserve_is_measured_on_gpu(ap_dir):
     extra = dict(device=DEVICE, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, bits=6, paging=False,
                  page_store_dir=str(ap_dir / "store"))
     probe = LLM(ap_dir, **extra)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 64 * probe.kv.block_bytes + (512 << 20))
+    budget = budget_with(probe, 64) + (512 << 20)
     plain = LLM(ap_dir, budget, **extra)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -1116,8 +1116,7 @@ def test_a_request_arriving_while_blocks_are_retained_takes_weight_bytes_not_the
     earlier request still finds its whole context computed (without retention the allocation evicts it)."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     found = {}
     for retention in (0.0, 30.0):
         llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
@@ -1142,8 +1141,7 @@ def test_a_chat_s_next_turn_over_its_retained_history_moves_no_weight(ap_dir):
     (counted twice, it was released for and reloaded the step after the turn started)."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 18 * probe.kv.block_bytes)
+    budget = budget_with(probe, 18)
     for retention in (0.0, 30.0):
         llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
                   prefix_retention_s=retention)
@@ -1163,8 +1161,7 @@ def test_retained_prefix_blocks_outlast_the_idle_reload_until_their_retention_en
     retention has passed, the reloads take them and the widths come home."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
               reload_starts_per_step=0, planner_knobs={"reload_dwell_steps": 1}, prefix_retention_s=30.0)
     now = [0.0]
@@ -1207,8 +1204,7 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
     boundaries, not reload_dwell_steps steps later (an idle server takes no steps)."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
     assert llm.step_idle() is False and llm.stats()["reload_triggers"] == 0  # nothing lowered: nothing to do
     # static widths have no planner: nothing to do either (the engine actor would otherwise never sleep)
@@ -1245,8 +1241,7 @@ def test_reload_starts_per_step_are_capped_while_requests_run(ap_dir):
     the cap is off and the widths come all the way back."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
-    budget = (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-              + probe.pool.bytes_of(probe.pool.reserve_pages) + 8 * probe.kv.block_bytes)
+    budget = budget_with(probe, 8)
     # a one-step reload window and a small hysteresis: the KV the short requests give back is reloaded at once
     llm = LLM(ap_dir, budget, DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
               reload_starts_per_step=1, planner_knobs={"reload_dwell_steps": 1, "hysteresis_blocks": 1})

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from pagedweight.engine import LLM, RequestOutput
 from pagedweight.sampling import SamplingParams
+from helpers import budget_with
 
 torch.set_num_threads(1)
 # PAGEDWEIGHT_TEST_DEVICE=cuda runs the paged workloads on the GPU (the fused kernels, whole-step graphs); the static
@@ -162,12 +163,6 @@ def drive(llm: LLM, program: list[tuple], home_room: int | None) -> dict[str, tu
 @pytest.fixture(scope="module")
 def store(ap_dir) -> str:
     return str(ap_dir / "store")
-
-
-def budget_with(probe: LLM, kv_blocks: int) -> int:
-    """The budget of the probe's widths, the mover's reserve and `kv_blocks` KV blocks."""
-    return (probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"]
-            + probe.pool.bytes_of(probe.pool.reserve_pages) + kv_blocks * probe.kv.block_bytes)
 
 
 # derandomized (as the mover's state machine): CI runs the same examples every time; PAGEDWEIGHT_FUZZ_EXAMPLES=400
