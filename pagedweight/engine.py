@@ -726,8 +726,7 @@ class LLM:
     def _kv_spare(self) -> bool:
         """The KV cache has the blocks the next step allocates and the planner's trigger margin free, retained kept
         blocks aside (the planner keeps them): the step needs nothing from this boundary."""
-        return self.kv.num_free_blocks - self.kv.num_retained_blocks > (self.scheduler.blocks_wanted()
-                                                                         + self.planner.knobs.trigger_blocks)
+        return self.kv.num_unretained_free_blocks > self.scheduler.blocks_wanted() + self.planner.knobs.trigger_blocks
 
     def _boundary(self) -> None:
         t0 = time.perf_counter()
@@ -823,8 +822,7 @@ class LLM:
             self.paging.requests_host_s += t3 - t2
             self.paging.planner_step_ms = (t3 - t0) * 1e3
         self.mover.boundary()
-        if (self.kv.num_free_blocks - self.kv.num_retained_blocks < wanted and not self.mover.idle()
-                and self.device.type == "cuda"):
+        if self.kv.num_unretained_free_blocks < wanted and not self.mover.idle() and self.device.type == "cuda":
             # short of KV now (retained kept blocks aside: an allocation would evict them while a release for them is
             # under way): wait for the copies and the last step so retired pages can be freed this boundary
             torch.cuda.synchronize(self.device)

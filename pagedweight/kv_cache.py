@@ -195,6 +195,12 @@ class PagedKVCache:
         """Kept blocks released within retention_s (as of the last `age`): weight runs do not reclaim them."""
         return len(self._retained)
 
+    @property
+    def num_unretained_free_blocks(self) -> int:
+        """Free blocks an allocation takes before any retained one: what the engine may count on while the planner
+        holds the retained ones (the module docstring)."""
+        return self.num_free_blocks - len(self._retained)
+
     def age(self) -> None:
         """Hand the kept blocks whose retention ran out to the weight runs' reach (the engine calls it at each
         paging boundary, before it reads the counts)."""
