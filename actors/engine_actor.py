@@ -267,6 +267,8 @@ class AsyncEngine:
 
     # ---- step loop (background thread) ----
     def _run(self) -> None:
+        from pagedweight.engine import IDLE_SLICE_S
+
         try:
             while not self._stop:
                 with self._lock:
@@ -277,7 +279,7 @@ class AsyncEngine:
                     busy = self.llm.has_unfinished()
                     outputs = self.llm.step() if busy else []
                     # idle: reloads run now (widths lowered for requests that have ended come back)
-                    paging = not busy and self.llm.step_idle()
+                    paging = not busy and self.llm.step_idle(max_s=IDLE_SLICE_S)
                 for out in outputs:
                     self._deliver(out)
                 self._export_stats()

@@ -127,10 +127,10 @@ def time_paging_boundary(llm: LLM) -> list[float]:
     """Wrap the engine's paging loop; the list it returns collects each call's wall ms."""
     inner, calls = llm._paging_boundary, []
 
-    def timed() -> bool:
+    def timed(*args) -> bool:  # the engine's deadline, if any
         t0 = time.perf_counter()
         try:
-            return inner()
+            return inner(*args)
         finally:
             calls.append((time.perf_counter() - t0) * 1e3)
     llm._paging_boundary = timed

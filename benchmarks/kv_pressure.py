@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import failed_row, write_result
 from benchmarks.engine_bench import (TRACE_COLUMNS, StepPhases, ap_weights, append_profile, expert_pool_bytes,
                                      model_config, outside_bytes, page_bytes, random_model, trace_row)
-from pagedweight.engine import LLM
+from pagedweight.engine import IDLE_SLICE_S, LLM
 from pagedweight.sampling import SamplingParams
 
 
@@ -146,6 +146,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         if prev is not None:
             later.setdefault(prev, []).append(i)
     sent: dict[int, list[int]] = {}  # index -> the prompt it was sent with
+    late: dict[str, float] = {}  # request -> how long after it was due the loop sent it (a step or idle paging held it)
+    idle_max = 0.0  # the longest step_idle call: how long an arrival may wait for idle paging
     t0 = time.perf_counter()
     while finished < len(requests):
         if deadline is not None and time.perf_counter() > deadline:
@@ -159,10 +161,13 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             # a later turn: the previous turn's prompt and answer, then its own ids
             sent[i] = requests[i][1] if after[i] is None else sent.pop(after[i]) + requests[i][1]
             rid = llm.add_request(sent[i], params, request_id=str(i))
-            arrival[rid] = t0 + when
+            arrival[rid], late[rid] = t0 + when, now - when
         if not llm.has_unfinished():
-            if not llm.step_idle():  # idle, as the engine actor is: reloads first, then wait for the next arrival,
-                # looking again each IDLE_POLL_S as the actor does (a kept block's retention may end meanwhile)
+            t_idle = time.perf_counter()
+            paging = llm.step_idle(max_s=IDLE_SLICE_S)  # idle, as the engine actor is: reloads a slice at a time,
+            idle_max = max(idle_max, time.perf_counter() - t_idle)
+            if not paging:  # then wait for the next arrival, looking again each IDLE_POLL_S as the actor does (a
+                # kept block's retention may end meanwhile)
                 time.sleep(min(max(0.0, due[0][0] - now), IDLE_POLL_S) if due else 0.0)
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations
@@ -186,7 +191,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
                 queued.append(out.queued_s)
                 steps, waits = prefill.get(out.request_id, (0, 0))
                 first[out.request_id] = {
-                    "request": int(out.request_id), "ttft_ms": ttft[-1] * 1e3, "queued_ms": out.queued_s * 1e3,
+                    "request": int(out.request_id), "ttft_ms": ttft[-1] * 1e3,
+                    "sent_late_ms": late[out.request_id] * 1e3, "queued_ms": out.queued_s * 1e3,
                     "prompt_tokens": len(sent[int(out.request_id)]), "cached_tokens": out.num_cached_tokens,
                     "prefill_steps": steps, "prefill_waits": waits}
                 if after[int(out.request_id)] is not None:
@@ -231,6 +237,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         # for its next chunk: the release it waited for, or a preemption)
         "ttft_tail": sorted(first.values(), key=lambda r: -r["ttft_ms"])[:TTFT_TAIL],
         "prefill_wait_steps": sum(w for _, w in prefill.values()),
+        # measured: the longest LLM.step_idle call (an arrival due meanwhile is sent after it: sent_late_ms)
+        "idle_call_max_ms": idle_max * 1e3,
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_s": (finished - failed) * gen / elapsed,
         "requests_failed": failed, "requests_waited": len(waited), "preemptions": st["preemptions"],
@@ -274,10 +282,10 @@ def _profile_boundaries(llm: LLM) -> cProfile.Profile:
     """Profile every step boundary of `llm` (planner, move requests, mover) and nothing else."""
     prof, inner = cProfile.Profile(), llm._paging_boundary
 
-    def profiled() -> bool:
+    def profiled(*args) -> bool:  # the engine's deadline, if any
         prof.enable()
         try:
-            return inner()
+            return inner(*args)
         finally:
             prof.disable()
 

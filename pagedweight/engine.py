@@ -163,6 +163,10 @@ class PagingStats:
 # where engine_bench's batch 4 grew 410 MiB beyond the engine (memory_gap-nvidia-h200-20261201-memgap-4-auto5.json);
 # with this margin every measured workload stayed 35-212 MiB under its budget (…-auto4.json, …-auto5.json)
 AUTO_RESERVE_MARGIN = 0.25
+# a server's step_idle call holds the engine about this long at most (the next call goes on): a request arriving
+# while widths come back waits for one slice, not the whole reload. Idle reload plans of 0.2-0.7 GB logged 0.2-1.4 s
+# apart on an H100 (h100-...-20261206-s48-calls.log), one boundary starting every reload and compaction they need
+IDLE_SLICE_S = 0.01
 RESERVE_HINT = (" The reserve was measured at start-up (activation_reserve='auto'): raise the budget, or give "
                 "activation_reserve=0 for a budget of the weights and the pool only.")
 
@@ -702,21 +706,26 @@ class LLM:
         self._end_step(t0)
         return outputs
 
-    def step_idle(self, max_boundaries: int = 64) -> bool:
+    def step_idle(self, max_boundaries: int = 64, max_s: float | None = None) -> bool:
         """With no request in the engine, run paging boundaries (no forward) until the paging loop settles or
         `max_boundaries` ran; True if paging work remains. A server calls it while idle: no request, so no KV need
         can come back before the next one, and the planner's reload window is cleared (`Planner.forget_need`). The
         weights then regain their widths at once, not only after `reload_dwell_steps` steps that an idle engine
-        never takes. On CUDA each boundary that leaves copies in flight waits for them (nothing else runs)."""
+        never takes. On CUDA each boundary that leaves copies in flight waits for them (nothing else runs).
+        With `max_s` (a server: `IDLE_SLICE_S`), reloads stop starting once that many seconds have passed (at least
+        one starts) and the call returns: a request that arrives meanwhile is not held behind the whole reload."""
         if self.planner is None or self.has_unfinished():  # no planner (static widths): nothing to reload
             return False
         self.planner.forget_need()
+        deadline = None if max_s is None else time.perf_counter() + max_s
         for _ in range(max_boundaries):
-            self._boundary()
+            self._boundary(deadline)
             if self._settled:
                 return False
             if self._in_flight and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
         return True
 
     def _running(self) -> list[Sequence]:
@@ -728,9 +737,9 @@ class LLM:
         blocks aside (the planner keeps them): the step needs nothing from this boundary."""
         return self.kv.num_unretained_free_blocks > self.scheduler.blocks_wanted() + self.planner.knobs.trigger_blocks
 
-    def _boundary(self) -> None:
+    def _boundary(self, deadline: float | None = None) -> None:
         t0 = time.perf_counter()
-        self._in_flight = self._paging_boundary()
+        self._in_flight = self._paging_boundary(deadline)
         self.paging.boundary_host_s += time.perf_counter() - t0
 
     def _end_step(self, t0: float) -> None:
@@ -787,8 +796,9 @@ class LLM:
             self._committed, self._committed_at = widths, self.table.commits
         return self._committed
 
-    def _paging_boundary(self) -> bool:
-        """Feed the planner, start the moves it wants, commit what is ready. True if pages are in flight.
+    def _paging_boundary(self, deadline: float | None = None) -> bool:
+        """Feed the planner, start the moves it wants (reloads until `deadline`, a perf_counter time, if given),
+        commit what is ready. True if pages are in flight.
         Sets `_settled`: no plan written, no move under way or wanted, nothing in flight; and `_climbing`: no
         offload wanted or under way."""
         if self.mover is None:
@@ -817,7 +827,7 @@ class LLM:
                     self.paging.reload_triggers += 1
             t2 = time.perf_counter()
             settled = self._request_moves(committed, (demand + 1 + self.planner.knobs.trigger_blocks)
-                                          * self.kv.block_bytes)
+                                          * self.kv.block_bytes, deadline)
             t3 = time.perf_counter()
             self.paging.requests_host_s += t3 - t2
             self.paging.planner_step_ms = (t3 - t0) * 1e3
@@ -832,7 +842,7 @@ class LLM:
         self._settled = settled and plan is None and idle
         return not idle
 
-    def _request_moves(self, committed: np.ndarray, keep_free_bytes: int) -> bool:
+    def _request_moves(self, committed: np.ndarray, keep_free_bytes: int, deadline: float | None = None) -> bool:
         """Bring the mover in line with the planner's desired widths (retargeting moves it changed its mind on).
 
         Offloads first: their new LUTs need pages. A reload starts only if it leaves `keep_free_bytes` free (the KV
@@ -840,7 +850,7 @@ class LLM:
         holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
         running request is about to write. After the first reload refused, the rest wait for a later boundary
         (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run,
-        at most `reload_starts_per_step` reloads start per boundary.
+        at most `reload_starts_per_step` reloads start per boundary; none after `deadline` (idle slices) but the first.
         """
         want = self.planner.desired
         if not self._requested and np.array_equal(want, committed):
@@ -877,7 +887,7 @@ class LLM:
                 break
             self._requested[i] = int(want[i])
             started += 1
-            if started == cap:
+            if started == cap or (deadline is not None and time.perf_counter() >= deadline):
                 break
         return False
 

@@ -430,7 +430,7 @@ class _StandInLLM:
         return [RequestOutput(request_id=r, prompt_token_ids=[], token_ids=[1], text="x", delta_text="x",
                               finished=True, finish_reason="length") for r in done]
 
-    def step_idle(self) -> bool:
+    def step_idle(self, max_s: float | None = None) -> bool:
         return False
 
     def stats(self) -> dict:

@@ -148,8 +148,10 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
         assert (tail[0]["ttft_ms"], tail[0]["queued_ms"]) == (r["ttft_max_ms"], r["ttft_max_queued_ms"])
         for t in tail:
             assert 0 <= t["cached_tokens"] < t["prompt_tokens"] and t["queued_ms"] < t["ttft_ms"]
+            assert 0 <= t["sent_late_ms"] and t["sent_late_ms"] + t["queued_ms"] < t["ttft_ms"]
             assert t["prefill_steps"] >= -(-(t["prompt_tokens"] - t["cached_tokens"]) // 64)
         assert r["prefill_wait_steps"] >= sum(t["prefill_waits"] for t in tail) >= 0
+        assert r["idle_call_max_ms"] >= 0
     text = prof.read_text()
     assert "pagedweight: step boundaries" in text and "_paging_boundary" in text and "_request_moves" in text
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline

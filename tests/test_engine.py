@@ -1225,6 +1225,29 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
     llm.table.check()
 
 
+def test_idle_reloads_come_in_slices(ap_dir):
+    """step_idle(max_s=...) returns once max_s has passed, having started at least one reload: a server's idle loop
+    lets an arriving request in between slices (the engine actor's lock) instead of after the whole reload, and the
+    slices together bring the widths back as one unbounded call does."""
+    store = str(ap_dir / "store")
+    probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
+    llm = LLM(ap_dir, budget_with(probe, 8), DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store)
+    llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    lowered = int((llm.committed_widths() < 8).sum())
+    assert lowered > 2, "the scenario no longer lowers widths"
+    before = llm.paging.move_requests
+    assert llm.step_idle(max_s=0.0) is True  # one boundary, one reload started: work remains
+    assert llm.paging.move_requests - before == 1
+    calls = 1
+    while llm.step_idle(max_s=0.0):
+        calls += 1
+        assert calls < 20 * lowered, "the idle slices never settled"
+    assert calls >= lowered // 2 and _mean_width(llm) == 8.0 and llm.mover.idle()
+    assert [o.text for o in llm.generate(PROMPTS[:1], greedy(8), use_tqdm=False)] == [
+        o.text for o in probe.generate(PROMPTS[:1], greedy(8), use_tqdm=False)]
+    llm.table.check()
+
+
 def test_settled_boundaries_overlap_the_forward_paged_or_not(ap_dir, pressure_run):
     """Decode steps whose boundary has nothing to do run it beside the forward: the paged engine once its widths
     are settled, and a static-width engine (no planner) on every step after the first."""
