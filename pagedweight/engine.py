@@ -164,8 +164,8 @@ class PagingStats:
 # with this margin every measured workload stayed 35-212 MiB under its budget (…-auto4.json, …-auto5.json)
 AUTO_RESERVE_MARGIN = 0.25
 # a server's step_idle call holds the engine about this long at most (the next call goes on): a request arriving
-# while widths come back waits for one slice, not the whole reload. Idle reload plans of 0.2-0.7 GB logged 0.2-1.4 s
-# apart on an H100 (h100-...-20261206-s48-calls.log), one boundary starting every reload and compaction they need
+# while widths come back waits for one slice, not the whole reload (with nothing running one boundary may start every
+# reload and compaction a plan needs: idle plans of 0.2-0.7 GB, h100-...-20261206-s48-calls.log)
 IDLE_SLICE_S = 0.01
 RESERVE_HINT = (" The reserve was measured at start-up (activation_reserve='auto'): raise the budget, or give "
                 "activation_reserve=0 for a budget of the weights and the pool only.")
