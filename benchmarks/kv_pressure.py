@@ -168,6 +168,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             idle_max = max(idle_max, time.perf_counter() - t_idle)
             if not paging:  # then wait for the next arrival, looking again each IDLE_POLL_S as the actor does (a
                 # kept block's retention may end meanwhile)
+                now = time.perf_counter() - t0  # after the idle call: the sleep ends when the arrival is due
                 time.sleep(min(max(0.0, due[0][0] - now), IDLE_POLL_S) if due else 0.0)
             continue
         t_step, paging, compactions = time.perf_counter(), dataclasses.replace(llm.paging), llm.pool.relocations

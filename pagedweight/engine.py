@@ -849,8 +849,8 @@ class LLM:
         blocks the admitted requests still need, plus the trigger margin): it takes its pages when it starts and
         holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
         running request is about to write. After the first reload refused, the rest wait for a later boundary
-        (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run,
-        at most `reload_starts_per_step` reloads start per boundary; none after `deadline` (idle slices) but the first.
+        (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run or
+        wait, at most `reload_starts_per_step` reloads start per boundary; none after `deadline` (idle slices) but the first.
         """
         want = self.planner.desired
         if not self._requested and np.array_equal(want, committed):
@@ -872,7 +872,8 @@ class LLM:
             else:
                 self.paging.move_refusals += 1
                 self.paging.offload_refusals += 1
-        running = bool(self.scheduler.running)
+        # a waiting request counts: its first step may follow an idle slice cut short with reloads still wanted
+        running = bool(self.scheduler.running or self.scheduler.waiting)
         cap = self.options.reload_starts_per_step if running else 0
         keep, started = self.pool.pages_for(keep_free_bytes), 0
         for i in np.flatnonzero(diff & (want > committed)).tolist():  # reloads, in block order, until refused/capped
