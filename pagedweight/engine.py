@@ -850,7 +850,8 @@ class LLM:
         holds the old LUT until its commit, briefly more than the planner priced, and must not take blocks a
         running request is about to write. After the first reload refused, the rest wait for a later boundary
         (they would mostly be refused too, and thousands of refusals per step cost host time). While requests run or
-        wait, at most `reload_starts_per_step` reloads start per boundary; none after `deadline` (idle slices) but the first.
+        wait, at most `reload_starts_per_step` reloads start per boundary; after `deadline` (idle slices) none but
+        the first.
         """
         want = self.planner.desired
         if not self._requested and np.array_equal(want, committed):
@@ -873,12 +874,12 @@ class LLM:
                 self.paging.move_refusals += 1
                 self.paging.offload_refusals += 1
         # a waiting request counts: its first step may follow an idle slice cut short with reloads still wanted
-        running = bool(self.scheduler.running or self.scheduler.waiting)
-        cap = self.options.reload_starts_per_step if running else 0
+        busy = bool(self.scheduler.running or self.scheduler.waiting)
+        cap = self.options.reload_starts_per_step if busy else 0
         keep, started = self.pool.pages_for(keep_free_bytes), 0
         for i in np.flatnonzero(diff & (want > committed)).tolist():  # reloads, in block order, until refused/capped
             self.paging.move_requests += 1
-            relocate = not running or self.num_steps >= self._compact_step + self.options.compact_every_steps
+            relocate = not busy or self.num_steps >= self._compact_step + self.options.compact_every_steps
             compactions = self.pool.relocations
             ok = self.mover.request(i, int(want[i]), keep_free_pages=keep, relocate=relocate)
             if self.pool.relocations != compactions:
