@@ -372,6 +372,7 @@ class LLM:
         self._in_flight = False  # the last boundary left pages in flight
         self._settled = False  # the last boundary was settled: the next may overlap its step (step())
         self._climbing = False  # the last boundary wanted no offload: widths only climb (or stay), see step()
+        self._stalled = False  # the last boundary's reloads were refused with no move under way (step_idle)
         self._compact_step = -self.options.compact_every_steps  # step of the last compaction for a reload
         logger.info("engine: {} pool pages of {} B ({} KV blocks free), weights outside the pool {} B",
                     self.pool.capacity_pages, self.page_bytes, self.kv.num_free_blocks, self.weights_outside_bytes)
@@ -713,14 +714,17 @@ class LLM:
         weights then regain their widths at once, not only after `reload_dwell_steps` steps that an idle engine
         never takes. On CUDA each boundary that leaves copies in flight waits for them (nothing else runs).
         With `max_s` (a server: `IDLE_SLICE_S`), reloads stop starting once that many seconds have passed (at least
-        one starts) and the call returns: a request that arrives meanwhile is not held behind the whole reload."""
+        one starts) and the call returns: a request that arrives meanwhile is not held behind the whole reload.
+        False also when the reloads wanted were refused with no move under way: the next boundary would only be
+        refused again until memory changes (a request, or a kept block's retention ending), so the caller waits
+        for that rather than spinning."""
         if self.planner is None or self.has_unfinished():  # no planner (static widths): nothing to reload
             return False
         self.planner.forget_need()
         deadline = None if max_s is None else time.perf_counter() + max_s
         for _ in range(max_boundaries):
             self._boundary(deadline)
-            if self._settled:
+            if self._settled or (self._stalled and not self._in_flight):
                 return False
             if self._in_flight and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -854,6 +858,7 @@ class LLM:
         the first.
         """
         want = self.planner.desired
+        self._stalled = False
         if not self._requested and np.array_equal(want, committed):
             self._climbing = True
             return True  # settled (most decode steps): no move under way and none wanted
@@ -886,6 +891,7 @@ class LLM:
                 self._compact_step = self.num_steps
             if not ok:
                 self.paging.move_refusals += 1
+                self._stalled = not self._requested
                 break
             self._requested[i] = int(want[i])
             started += 1

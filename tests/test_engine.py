@@ -1228,7 +1228,8 @@ def test_idle_engine_restores_widths_at_once(ap_dir):
 def test_idle_reloads_come_in_slices(ap_dir):
     """step_idle(max_s=...) returns once max_s has passed, having started at least one reload: a server's idle loop
     lets an arriving request in between slices (the engine actor's lock) instead of after the whole reload, and the
-    slices together bring the widths back as one unbounded call does."""
+    slices together bring the widths back as one unbounded call does; reloads refused with none under way end the
+    call (False) rather than keep the caller spinning."""
     store = str(ap_dir / "store")
     probe = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=store)
     llm = LLM(ap_dir, budget_with(probe, 8), DEVICE, block_size=16, max_num_batched_tokens=16, page_store_dir=store,
@@ -1239,9 +1240,17 @@ def test_idle_reloads_come_in_slices(ap_dir):
     before = llm.paging.move_requests
     assert llm.step_idle(max_s=0.0) is True  # one boundary, one reload started: work remains
     assert llm.paging.move_requests - before == 1
+    # reloads refused with no move under way (no room): the call says there is nothing to do until memory changes
+    # instead of True after 64 refused boundaries (the actor would call again every few ms, refused each time)
+    request, widths = llm.mover.request, llm.committed_widths()
+    llm.mover.request = lambda i, bits, **kw: False if "keep_free_pages" in kw else request(i, bits, **kw)
+    refusals = llm.paging.move_refusals
+    assert llm.step_idle() is False
+    assert llm.paging.move_refusals - refusals == 1 and np.array_equal(llm.committed_widths(), widths)
+    llm.mover.request = request
     # a request arriving between slices: its first step starts no more reloads than a busy step does (it counted
     # as idle while waiting, and started every reload the slices had left)
-    reloads, request = [], llm.mover.request
+    reloads = []
 
     def counted(i: int, bits: int, **kw) -> bool:  # a reload passes keep_free_pages, an offload does not
         if "keep_free_pages" in kw:
@@ -1252,9 +1261,9 @@ def test_idle_reloads_come_in_slices(ap_dir):
     llm.add_request(PROMPTS[1], greedy(4))
     llm.step()
     assert len(reloads) == llm.options.reload_starts_per_step < lowered - 1
-    llm.mover.request = request
     while llm.has_unfinished():
         llm.step()
+    llm.mover.request = request
     calls = 1
     while llm.step_idle(max_s=0.0):
         calls += 1
