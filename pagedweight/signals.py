@@ -149,7 +149,7 @@ class RouterStats:
         self.active = True  # calls fold only while active (an engine turns it on for its observed steps: `arm`)
         self._window: tuple[list[int], list[int], list | None] | None = None  # `arm`'s batch: a new window next call
         # per request (track_requests): rows of _req, one per running request, and a last row (index _slots) that
-        # takes the tokens of a request without one; only the window's requests' rows are read (`_gathered`)
+        # takes the tokens of a request without one; only the window's requests' rows are read (`_merged`)
         self._slots = 0
         self._live: Callable[[], Iterable] | None = None
         self._rows: dict[int, tuple[int, object]] = {}  # id(request) -> (its row, the request: its id stays its own)
@@ -194,7 +194,7 @@ class RouterStats:
 
     def _assign(self, requests: list, tokens: list[int], blocks: list[int]) -> None:
         """Rows of the window's requests (a new request takes a free row, zeroed before the next fold), each
-        token's row, and their KV blocks, the merge weights (`_add`)."""
+        token's row, and their KV blocks, the merge weights (`_merged`)."""
         rows = np.empty(len(requests), dtype=np.int64)
         for i, req in enumerate(requests):
             got = self._rows.get(id(req))
@@ -229,7 +229,7 @@ class RouterStats:
 
     def reset(self) -> None:
         self._host = np.zeros((4, self.num_layers, self.num_experts))  # mass, sum r|x|, sum r|x|^2, max |x|
-        self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_add`)
+        self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_merged`)
         self._ids: list[torch.Tensor] = []  # per call: flat block row layer*E + expert of every (token, slot)
         self._r: list[torch.Tensor] = []  # its routing weight (the token weight applies at `_reduce`)
         self._norm: list[torch.Tensor] = []  # |x| per token
@@ -243,7 +243,7 @@ class RouterStats:
         self._device_requests: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rw: list[torch.Tensor] = []  # per call of such a window: its routing weights times `_request_scale`
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
-        self._copy: tuple | None = None  # a prefetch: host buffer, its fence, the merge weights (`_gathered`)
+        self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -380,19 +380,27 @@ class RouterStats:
         acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
         acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
 
-    def _gathered(self) -> tuple[torch.Tensor, np.ndarray | None]:
-        """[4, 1 + b, L*E] on the device: the window's sums, then the rows of its b tracked requests, with their KV
-        blocks (None without tracked requests). Their merge runs on the host (`_add`): one gather on the step's
-        stream here, where the merge in torch queued ~12 small kernels (~30 us) behind each observed step. The copy
-        grows instead, 4 L E floats a request (23 KB at the Qwen1.5-MoE shape, 98 KB at Qwen3-30B's; computed): at
-        55 GB/s pinned the kernels' time at ~80 / ~20 requests, where a step takes several times batch 4's."""
-        window = self._acc[:, None]
+    def _merged(self) -> torch.Tensor | None:
+        """[4, L*E] on the device: the sums of the window's tracked requests, each weighted per layer by its KV
+        blocks over its routing weight so far (as `_request_scale` weighs a window's; the max: the largest); None
+        without tracked requests."""
         if self._merge is None or not len(self._merge[0]) or self._req is None:
-            return window, None
+            return None
         rows, blocks = self._merge
         device = self._req.device
-        req = self._req_acc(device).view(4, self._slots + 1, self._stride)
-        return torch.cat([window, req.index_select(1, _to_device(torch.from_numpy(rows), device))], dim=1), blocks
+        req = self._req_acc(device).view(4, self._slots + 1, self._stride)[:, _to_device(torch.from_numpy(rows),
+                                                                                           device)]
+        per_layer = req[0].view(len(rows), self.num_layers, self.num_experts).sum(-1)  # [b, L]
+        weights = _to_device(torch.from_numpy(blocks), device)[:, None] / per_layer.clamp_min(_TINY)
+        out = torch.empty(4, self._stride, device=device)
+        out[:3] = (req[:3] * weights.repeat_interleave(self.num_experts, dim=1)).sum(1)
+        out[3] = req[3].amax(0)
+        return out
+
+    def _with_merged(self) -> torch.Tensor:
+        """The window's sums, and the window's requests' below them if tracked: [4 or 8, L*E]."""
+        merged = self._merged()
+        return self._acc if merged is None else torch.cat([self._acc, merged])
 
     @torch.no_grad()
     def prefetch(self) -> None:
@@ -404,36 +412,32 @@ class RouterStats:
         if self._acc is None:
             return
         self._land_copy()
-        sums, blocks = self._gathered()
+        sums = self._with_merged()
         if sums.is_cuda:
             buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             buf.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copy = buf, event, blocks
+            self._copy = buf, event
         else:
-            self._copy = sums, None, blocks
+            self._copy = sums, None
         self._acc = None
 
     def _land_copy(self) -> None:
         if self._copy is not None:
-            buf, event, blocks = self._copy
+            buf, event = self._copy
             if event is not None:
                 event.synchronize()
-            self._add(buf.numpy(), blocks)
+            self._add(buf.numpy())
             self._copy = None
 
-    def _add(self, sums: np.ndarray, blocks: np.ndarray | None) -> None:
-        """Window sums [4, 1 + b, L*E] add up. The b tracked requests' sums after them, if any, merge into the latest
-        snapshot of the window's requests: each weighted per layer by its KV blocks over its routing weight so far
-        (as `_request_scale` weighs a window's; the max: the largest)."""
-        window = sums[:, 0].reshape(self._host.shape)
-        self._host[:3] += window[:3]
-        np.maximum(self._host[3], window[3], out=self._host[3])
-        if blocks is not None:
-            req = sums[:, 1:].reshape(4, len(blocks), self.num_layers, self.num_experts).astype(np.float64)
-            weights = blocks[:, None] / np.maximum(req[0].sum(-1), _TINY)  # [b, L]
-            self._feat = np.concatenate([(req[:3] * weights[:, :, None]).sum(1), req[3].max(0)[None]])
+    def _add(self, sums: np.ndarray) -> None:
+        """Window sums [4, L*E] add up; the tracked requests' sums below them, if any, are the latest snapshot."""
+        sums = sums.reshape(-1, *self._host.shape)
+        self._host[:3] += sums[0, :3]
+        np.maximum(self._host[3], sums[0, 3], out=self._host[3])
+        if len(sums) > 1:
+            self._feat = sums[1].copy()
 
     def _flush(self) -> None:
         """Everything observed so far into the host sums: a prefetched copy, then the one device-to-host copy."""
@@ -441,8 +445,7 @@ class RouterStats:
         self._land_copy()
         if self._acc is None:
             return
-        sums, blocks = self._gathered()
-        self._add(sums.cpu().numpy(), blocks)
+        self._add(self._with_merged().cpu().numpy())
         self._acc = None
 
     def _stat(self, i: int) -> np.ndarray:
