@@ -14,6 +14,7 @@ triggers, wall seconds (on this machine). A reference row scores at 8 bits with 
 
     python -m benchmarks.serving_quality              # light 8 and heavy 16 windows of 256 tokens, 5-bit budget
     python -m benchmarks.serving_quality --windows 32 --budget-bits 4 --label b4
+    python -m benchmarks.serving_quality --budget-bits 3 --observe-every 1,4,8 --widths 3,4 --label b3-observe
 """
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=32, help="tokens each window generates after its prompt")
     p.add_argument("--budget-bits", type=int, default=5, help="the budget holds the experts at this width")
     p.add_argument("--widths", default="3,4,5,6,8", help="static uniform widths to compare")
+    p.add_argument("--observe-every", default=None, metavar="N[,N...]",
+                   help="PagedWeight rows reading routing statistics every N-th step (default: one row, the engine's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "pagedweight-cache")
     p.add_argument("--page-store-dir", default=str(Path(tempfile.gettempdir()) / "pagedweight-serving-quality"))
@@ -106,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"] + \
         probe.pool.bytes_of(probe.pool.reserve_pages) + blocks * probe.kv.block_bytes
     del ref, probe
-    configs = [("pagedweight", dict(bits=8, paging=True))] + \
+    every = [] if args.observe_every is None else [int(n) for n in args.observe_every.split(",")]
+    configs = [(f"pagedweight-observe{n}", dict(bits=8, paging=True, observe_every=n)) for n in every] or \
+        [("pagedweight", dict(bits=8, paging=True))]
+    configs += \
         [(f"uniform-{b}", dict(bits=b, paging=False)) for b in (int(x) for x in args.widths.split(","))]
     for name, options in configs:
         try:
