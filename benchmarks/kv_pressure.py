@@ -118,6 +118,9 @@ def swings(series, min_move: float) -> int:
     return count
 
 
+DRIVE_COLUMNS = ["t_ms", "kv_free", "sent", "first_tokens"]  # a trace row's end, drive's own
+
+
 def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = None,
           trace: list | None = None) -> dict:
     """Replay the arrivals in real time; one engine step per loop; latencies from step-end wall times.
@@ -126,7 +129,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     closed-loop conversation's later turn (`workload`): it is sent that long after the previous turn ended, with the
     previous turn's prompt and answer before its new ids. Past `deadline` (a perf_counter time) the replay stops:
     unfinished requests are aborted, later arrivals never sent, and the row says so (cut_short, requests_done).
-    `trace` collects engine_bench.trace_row per step (which step was slow, and which part of its boundary)."""
+    `trace` collects engine_bench.trace_row per step (which step was slow, and which part of its boundary) and
+    DRIVE_COLUMNS (when it began, the free KV it left, the arrivals before it, the first tokens it sampled)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     arrival, last, ttft, itl, ttft_later, queued = {}, {}, [], [], [], []
@@ -148,6 +152,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     sent: dict[int, list[int]] = {}  # index -> the prompt it was sent with
     late: dict[str, float] = {}  # request -> how long after it was due the loop sent it (a step or idle paging held it)
     idle_max = 0.0  # the longest step_idle call: how long an arrival may wait for idle paging
+    sent_since: list[int] = []  # requests sent since the last step (trace: the step that follows them)
     t0 = time.perf_counter()
     while finished < len(requests):
         if deadline is not None and time.perf_counter() > deadline:
@@ -162,6 +167,7 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             sent[i] = requests[i][1] if after[i] is None else sent.pop(after[i]) + requests[i][1]
             rid = llm.add_request(sent[i], params, request_id=str(i))
             arrival[rid], late[rid] = t0 + when, now - when
+            sent_since.append(i)
         if not llm.has_unfinished():
             t_idle = time.perf_counter()
             paging = llm.step_idle(max_s=IDLE_SLICE_S)  # idle, as the engine actor is: reloads a slice at a time,
@@ -184,9 +190,11 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
                 prefill.setdefault(seq.request_id, [0, 0])[seq.num_computed_tokens <= computed] += 1
         if trace is not None:
             trace.append(trace_row(llm, paging, t_step, compactions, phases))
+        firsts = []  # requests whose first token this step sampled
         for out in outs:
             n = out.completion_tokens
             if n and out.request_id not in last:
+                firsts.append(int(out.request_id))
                 ttft.append(t - arrival[out.request_id])
                 # the engine's queue time, from its add_request: this loop sends a due request between steps
                 queued.append(out.queued_s)
@@ -216,6 +224,10 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
             w = llm.committed_widths()
             widths.append(w)
             mean_w.append(float(w.mean()))
+        if trace is not None:  # when the step began, the free KV blocks it left, the requests sent since the last
+            # step, those whose first token it sampled: which steps an arrival's first token waited behind
+            trace[-1] += [round((t_step - t0) * 1e3, 3), free_kv[-1], sent_since, firsts]
+        sent_since = []
     elapsed = time.perf_counter() - t0
     st = llm.stats()
     pct = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None  # noqa: E731
@@ -420,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                    **drive(llm, requests, gen, deadline, trace),
                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None}
             if trace is not None:
-                row["step_trace"] = {"columns": TRACE_COLUMNS, "rows": trace}
+                row["step_trace"] = {"columns": TRACE_COLUMNS + DRIVE_COLUMNS, "rows": trace}
             if prof is not None:
                 append_profile(args.profile, f"{name}: step boundaries (cProfile)", prof)
         except Exception as exc:  # noqa: BLE001 - one failing mode must not cost the others

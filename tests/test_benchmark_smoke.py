@@ -178,7 +178,8 @@ def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
     from benchmarks import kv_pressure
 
     args = ["--tiny", "--device", "cpu", "--turns", "2", "--num-requests", "4", "--think-s", "0", "--rate", "8",
-            "--kv-room-blocks", "96", "--static-bits", "none", "--warmup-replays", "0", "--out-dir", str(tmp_path)]
+            "--kv-room-blocks", "96", "--static-bits", "none", "--warmup-replays", "0", "--trace",
+            "--out-dir", str(tmp_path)]
     assert kv_pressure.main(args) == 0
     (path,) = tmp_path.glob("kv_pressure-*.json")
     res = json.loads(path.read_text())
@@ -192,6 +193,16 @@ def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
     assert row["prefix_hit_tokens"] == sum((len(reqs[p][1]) + gen - 1) // 16 * 16 for p in (0, 1))
     # a follower's prompt: its predecessor's prompt and answer, then its own new ids
     assert row["prefix_query_tokens"] == sum(len(r[1]) for r in reqs) + sum(len(reqs[p][1]) + gen for p in (0, 1))
+    # the trace: each request sent before one step and given its first token by that step or a later one, a
+    # follower sent after its predecessor's last token; step start times increase
+    trace = row["step_trace"]
+    assert trace["columns"] == kv_pressure.TRACE_COLUMNS + kv_pressure.DRIVE_COLUMNS
+    col = {c: [r[i] for r in trace["rows"]] for i, c in enumerate(trace["columns"])}
+    sent_at = {i: k for k, ids in enumerate(col["sent"]) for i in ids}
+    first_at = {i: k for k, ids in enumerate(col["first_tokens"]) for i in ids}
+    assert sorted(sent_at) == sorted(first_at) == [0, 1, 2, 3] and sum(map(len, col["sent"])) == 4
+    assert all(sent_at[i] <= first_at[i] for i in range(4)) and sent_at[2] > first_at[0] and sent_at[3] > first_at[1]
+    assert col["t_ms"] == sorted(col["t_ms"]) and all(0 <= f for f in col["kv_free"])
 
 
 def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
