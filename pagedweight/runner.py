@@ -205,16 +205,21 @@ class APExperts(nn.Module):
 @dataclass
 class CaptureGate:
     """Whether a graph of a shape may be captured now: not on the shape's first sight (that call runs eagerly, which
-    compiles the kernels outside any capture) and not after CAPTURE_ATTEMPTS failed captures of it (each failure costs
-    its call the graph: the shape then stays eager)."""
+    compiles the kernels outside any capture) unless a shape of its `family` ran before (calls that launch the same
+    compiled kernels: one batch size's decode steps with one set of LUT classes, whatever their tables' length),
+    and not after CAPTURE_ATTEMPTS failed captures of it (each failure costs its call the graph: the shape then stays
+    eager)."""
 
     seen: set = field(default_factory=set)
+    families: set = field(default_factory=set)  # families a call of which ran eagerly (its kernels compiled)
     failures: dict = field(default_factory=dict)  # failed captures per shape
 
-    def allows(self, key) -> bool:
+    def allows(self, key, family=None) -> bool:
         if key not in self.seen:
             self.seen.add(key)
-            return False
+            if family is None or family not in self.families:
+                self.families.add(family)  # the caller runs this call eagerly (a None family: every shape does)
+                return False
         return self.failures.get(key, 0) < CAPTURE_ATTEMPTS
 
     def failed(self, key) -> None:
@@ -328,9 +333,10 @@ class DecodeGraphs:
     runs move inside it between steps, and where they are is device data, namely the slot table of block tables
     and the page table's q / plane_off / lut_off, republished in place), the dense weights and the graph's own
     memory. Not device data: each layer's LUT class (the kernel's shared-memory size), so a graph remembers the
-    classes it was captured with and is recaptured when one changes. A key is captured the second time it is seen
-    (the first runs eagerly: kernels compile outside any capture). Router observers see the real rows of the step
-    after it ran (a graph records each layer's expert inputs).
+    classes it was captured with and is recaptured when one changes. A batch size is captured the second time it is
+    seen with a set of classes (the first step runs eagerly: kernels compile outside any capture); a longer block
+    bucket of it, or those classes in other layers, at first sight (the same kernels). Router observers see the real
+    rows of the step after it ran (a graph records each layer's expert inputs).
     """
 
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, batch_sizes: list[int], max_blocks: int,
@@ -458,14 +464,16 @@ class DecodeGraphs:
                 observer(layer, x[:n].clone(), ids[:n].clone(), weights[:n].clone())
 
     def _graph(self, inputs: torch.Tensor, blocks: int) -> _StepGraph | None:
-        """The graph of this step's shape and LUT classes; None (run it eagerly) on its first sight and when its capture
-        failed (`CAPTURE_ATTEMPTS` failures: that shape stays eager)."""
+        """The graph of this step's shape and LUT classes; None (run it eagerly) on the first sight of its batch size
+        under these classes and when its capture failed (`CAPTURE_ATTEMPTS` failures: that shape stays eager)."""
         key = inputs.shape[0], blocks
         luts = self._lut_classes()
         graph = self._graphs.get(key)
         if graph is not None and graph.luts == luts:
             return graph
-        if not self._gate.allows((key, luts)):
+        # a batch size that ran with these classes (in any layers: the kernels take the class as an argument) launches
+        # compiled kernels only: a new block bucket or another layout of the classes captures at once
+        if not self._gate.allows((key, luts), family=(key[0], frozenset(luts))):
             return None
         g = torch.cuda.CUDAGraph()
         # one memory pool for every graph: replays run one at a time on one stream, each output stays referenced

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from benchmarks.decode_inputs import Tables, stand_in
 
 from pagedweight.engine import LLM
-from pagedweight.runner import APExperts, DecodeGraphs, ModelRunner, decode_batch_sizes, lut_width
+from pagedweight.runner import (CAPTURE_ATTEMPTS, APExperts, CaptureGate, DecodeGraphs, ModelRunner, decode_batch_sizes,
+                                lut_width)
 from pagedweight.sampling import SamplingParams
 from pagedweight.sequence import Sequence
 from helpers import budget_with
@@ -112,6 +113,36 @@ def test_decode_batch_sizes():
     assert decode_batch_sizes(4) == [1, 2, 4]
     assert decode_batch_sizes(6) == [1, 2, 4, 6]
     assert decode_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+
+
+def test_capture_gate_first_sight_per_family():
+    """A shape's first sight runs eagerly unless a shape of its family ran before; failed captures still bound it."""
+    gate = CaptureGate()
+    assert not gate.allows((1, 2), family=1) and gate.allows((1, 2), family=1)  # first sight, then capture
+    assert gate.allows((1, 4), family=1)  # a new shape of a family that ran: at once
+    assert not gate.allows((2, 2), family=2) and not gate.allows("other") and gate.allows("other")
+    for _ in range(CAPTURE_ATTEMPTS):
+        gate.failed((1, 8))
+    assert not gate.allows((1, 8), family=1) and gate.allows((1, 16), family=1)
+
+
+def test_longer_tables_capture_at_first_sight():
+    """One request decoding across block buckets 2, 4, 8, 16 (graph keys of one batch size under the same LUT
+    classes): on CUDA only its first decode step runs eagerly (kernels compile outside any capture), and each longer
+    bucket is captured at its first step (session 50: two slow steps per bucket before, an eager one and the
+    capture). Logits and tokens as an engine without graphs."""
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    prompt = "x = 1"
+    assert len(llm.tokenizer.encode(prompt)) <= 8  # two blocks at most: every bucket from 2 (or 1) to 16 is crossed
+    lockstep(ref, llm, [prompt], [SamplingParams(max_tokens=50, ignore_eos=True)])
+    steps = decode.stats.eager + decode.stats.captured + decode.stats.replayed
+    assert steps == 49 and decode.stats.capture_failures == 0, decode.stats
+    if DEVICE == "cuda":
+        assert decode.stats.eager == 1 and decode.stats.captured == len(decode._graphs) >= 4, decode.stats
+    else:
+        assert decode.stats.eager == steps, decode.stats
 
 
 def test_padded_decode_equals_packed_steps():
