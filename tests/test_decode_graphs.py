@@ -137,7 +137,7 @@ def test_longer_tables_capture_at_first_sight():
     prompt = "x = 1"
     assert len(llm.tokenizer.encode(prompt)) <= 8  # two blocks at most: every bucket from 2 (or 1) to 16 is crossed
     lockstep(ref, llm, [prompt], [SamplingParams(max_tokens=50, ignore_eos=True)])
-    steps = decode.stats.eager + decode.stats.captured + decode.stats.replayed
+    steps = decode.stats.eager + decode.stats.replayed  # a captured step replays its graph
     assert steps == 49 and decode.stats.capture_failures == 0, decode.stats
     if DEVICE == "cuda":
         assert decode.stats.eager == 1 and decode.stats.captured == len(decode._graphs) >= 4, decode.stats
