@@ -471,8 +471,8 @@ class DecodeGraphs:
         graph = self._graphs.get(key)
         if graph is not None and graph.luts == luts:
             return graph
-        # a batch size that ran with these classes (in any layers: the kernels take the class as an argument) launches
-        # compiled kernels only: a new block bucket or another layout of the classes captures at once
+        # a batch size that ran with this set of classes launches compiled kernels only (which kernel a layer gets
+        # depends on its class and the rows, not on the layer): a new block bucket or another layout captures at once
         if not self._gate.allows((key, luts), family=(key[0], frozenset(luts))):
             return None
         g = torch.cuda.CUDAGraph()
