@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import failed_row, write_result
 from benchmarks.engine_bench import (TRACE_COLUMNS, StepPhases, ap_weights, append_profile, expert_pool_bytes,
                                      model_config, outside_bytes, page_bytes, random_model, trace_row)
-from pagedweight.engine import IDLE_SLICE_S, LLM
+from pagedweight.engine import IDLE_SLICE_S, LLM, EngineOptions
 from pagedweight.sampling import SamplingParams
 
 
@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="append a cProfile summary of each mode's step boundaries to FILE (which calls a release "
                         "plan's move requests spend their host time in; slows the boundaries)")
+    p.add_argument("--observe-every", type=int, default=None, metavar="N",
+                   help="PagedWeight reads routing statistics every N-th step (default: the engine's)")
     p.add_argument("--planner-knobs", default=None, metavar="JSON",
                    help='PagedWeight planner knob overrides, e.g. \'{"reload_dwell_steps": 64}\' (pagedweight/knobs.py)')
     p.add_argument("--out-dir", default=None)
@@ -386,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns, args.think_s)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
+    if args.observe_every is not None:
+        paged[1]["observe_every"] = args.observe_every
     # untimed replays first: the first engine of a process pays one-time costs (kernel modules loaded, cuBLAS
     # heuristics per GEMM shape, allocator growth) that later modes were spared: PagedWeight's first run had the
     # worst TTFT of three in every H200 run of session 8, and the static modes ran after it
@@ -395,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     meta = {"model": "tiny" if tiny else "Qwen1.5-MoE-A2.7B shape, random planes", "page_bytes": page,
             "kv_block_bytes": kv_block, "time_budget_s": args.time_budget_s, "planner_knobs": knobs,
+            "observe_every": paged[1].get("observe_every", EngineOptions.observe_every),
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
             "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching,
             "prefix_retention_s": args.prefix_retention_s}

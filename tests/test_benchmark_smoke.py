@@ -205,18 +205,27 @@ def test_kv_pressure_closed_loop_turns_carry_the_answer(tmp_path):
     assert col["t_ms"] == sorted(col["t_ms"]) and all(0 <= f for f in col["kv_free"])
 
 
-def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path):
+def test_kv_pressure_planner_knobs_reach_the_planner(tmp_path, monkeypatch):
     """--planner-knobs overrides PagedWeight's planner: with a reload hysteresis larger than any KV cache, widths
     released under pressure never come back (reload triggers 0, idle gaps included), and the result records the
-    overrides. Two PagedWeight runs on the same arrivals, alone: their spread is in the result."""
+    overrides; --observe-every reaches each PagedWeight engine. Two PagedWeight runs on the same arrivals, alone:
+    their spread is in the result."""
     from benchmarks import kv_pressure
 
+    built, from_parts = [], kv_pressure.LLM.from_parts
+
+    def recorded(*args, **kwargs):
+        built.append(from_parts(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(kv_pressure.LLM, "from_parts", recorded)
     knobs = {"hysteresis_blocks": 10**6}
     assert kv_pressure.main(["--tiny", "--device", "cpu", "--static-bits", "none", "--paged-runs", "2", "--warmup-replays", "0",
-                             "--planner-knobs", json.dumps(knobs), "--out-dir", str(tmp_path)]) == 0
+                             "--planner-knobs", json.dumps(knobs), "--observe-every", "3",
+                             "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("kv_pressure-*.json")
     res = json.loads(path.read_text())
-    assert res["planner_knobs"] == knobs
+    assert res["planner_knobs"] == knobs and res["observe_every"] == 3
+    assert len(built) == 2 and all(llm.options.observe_every == 3 for llm in built)
     runs = [r for r in res["rows"] if r["mode"] == "pagedweight"]
     assert [r["run"] for r in runs] == [0, 1] and len(res["rows"]) == 2  # --static-bits none: PagedWeight alone
     for paged in runs:
