@@ -141,6 +141,8 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
     hits0, queries0 = llm.scheduler.prefix_hit_tokens, llm.scheduler.prefix_query_tokens
     evicted0, reclaimed0 = llm.kv.evicted_blocks, llm.kv.reclaimed_blocks
     st0, paging0 = llm.stats(), dataclasses.replace(llm.paging)  # counters since this drive began (not the warm-up's)
+    decode = llm.runner.decode  # static decode steps (CUDA graphs), None where the engine packs every step
+    graphs0 = dataclasses.replace(decode.stats) if decode is not None else None
     phases = StepPhases(llm) if trace is not None else None
     after = [r[2] if len(r) > 2 else None for r in requests]  # the turn each request follows, if any
     due = [(r[0], i) for i, r in enumerate(requests) if after[i] is None]  # (second, index): sendable
@@ -259,6 +261,11 @@ def drive(llm: LLM, requests: list[tuple], gen: int, deadline: float | None = No
         "time_pages_in_flight_s": llm.paging.time_in_flight_s - paging0.time_in_flight_s,
         "steps_pages_in_flight": llm.paging.steps_in_flight - paging0.steps_in_flight,
         "sync_waits": llm.paging.syncs - paging0.syncs,
+        # decode steps through runner.DecodeGraphs: run eagerly (a key's first sight), captured (then replayed:
+        # counted in both), replayed, failed captures; a fresh engine's eager and captured steps are its slow ones
+        "decode_graph_steps": None if decode is None else {
+            k: getattr(decode.stats, k) - getattr(graphs0, k) for k in ("eager", "captured", "replayed",
+                                                                         "capture_failures")},
         # prefix sharing: prompt tokens found computed (in blocks other requests held or kept blocks), of those
         # looked up; kept blocks evicted for KV or weights (reclaimed: by weights), and those still kept at the end
         "prefix_hit_tokens": st["prefix_hit_tokens"] - hits0,

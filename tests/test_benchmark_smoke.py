@@ -157,6 +157,24 @@ def test_kv_pressure_tiny_profiles_the_step_boundaries(tmp_path):
     assert "static-ap4: step boundaries" in text  # the same boundary without paging: the baseline
 
 
+def test_kv_pressure_counts_the_static_decode_steps():
+    """A drive's row counts the decode steps that went through the static decode path (on CUDA its graphs: eager
+    first sights and captures are a fresh engine's slow steps); None where the engine packs every step (the CPU)."""
+    from pathlib import Path
+
+    from benchmarks.kv_pressure import drive
+    from pagedweight.engine import LLM
+    from pagedweight.runner import ModelRunner
+
+    model = Path(__file__).resolve().parents[1] / "models" / "pw-tiny-moe"
+    llm = LLM(model, device="cpu", block_size=4, detokenize=False)
+    requests = [(0.0, [3, 5, 7, 9, 11]), (0.0, [2, 4, 6])]
+    assert drive(llm, requests, gen=4)["decode_graph_steps"] is None
+    llm.runner = ModelRunner(llm.model, llm.kv, llm.device, max_num_seqs=4, max_model_len=llm.max_model_len)
+    steps = drive(llm, requests, gen=4)["decode_graph_steps"]  # on the CPU the static path runs eagerly
+    assert steps == {"eager": 3, "captured": 0, "replayed": 0, "capture_failures": 0}, steps
+
+
 def test_kv_pressure_turns_grow_each_conversation_s_prompt():
     """--turns: request i is turn i // C of conversation i % C, its prompt the previous turn's and more; one turn is
     the independent workload, arrivals included."""
