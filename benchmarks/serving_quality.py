@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = probe.weights_outside_bytes + probe.stats()["resident_weight_bytes"] + \
         probe.pool.bytes_of(probe.pool.reserve_pages) + blocks * probe.kv.block_bytes
     del ref, probe
-    every = [] if args.observe_every is None else [int(n) for n in args.observe_every.split(",")]
-    configs = [(f"pagedweight-observe{n}", dict(bits=8, paging=True, observe_every=n)) for n in every] or \
-        [("pagedweight", dict(bits=8, paging=True))]
-    configs += \
-        [(f"uniform-{b}", dict(bits=b, paging=False)) for b in (int(x) for x in args.widths.split(","))]
+    if args.observe_every is None:
+        configs = [("pagedweight", dict(bits=8, paging=True))]
+    else:
+        configs = [(f"pagedweight-observe{n}", dict(bits=8, paging=True, observe_every=int(n)))
+                   for n in args.observe_every.split(",")]
+    configs += [(f"uniform-{b}", dict(bits=b, paging=False)) for b in (int(x) for x in args.widths.split(","))]
     for name, options in configs:
         try:
             llm = LLM(ap_dir, budget, "cpu", **options, **common)

@@ -217,8 +217,9 @@ class CaptureGate:
     def allows(self, key, family=None) -> bool:
         if key not in self.seen:
             self.seen.add(key)
-            if family is None or family not in self.families:
-                self.families.add(family)  # the caller runs this call eagerly (a None family: every shape does)
+            if family is None or family not in self.families:  # the caller runs this call eagerly
+                if family is not None:
+                    self.families.add(family)
                 return False
         return self.failures.get(key, 0) < CAPTURE_ATTEMPTS
 
@@ -279,7 +280,7 @@ def decode_batch_sizes(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class DecodeStats:
-    eager: int = 0  # static steps run eagerly (the CPU; first sight of a key on CUDA)
+    eager: int = 0  # static steps run eagerly (the CPU; on CUDA a batch size's first sight with a set of classes)
     captured: int = 0
     replayed: int = 0
     capture_failures: int = 0  # captures that failed; their steps ran eagerly

@@ -509,6 +509,20 @@ def test_serving_quality_scores_both_waves_of_every_config(ap_dir, tmp_path):
     assert rows[2]["heavy"]["mean_width"] == 3.0 and rows[2]["ppl"] != rows[0]["ppl"]
 
 
+def test_serving_quality_observe_every_gives_a_pagedweight_row_each(ap_dir, tmp_path):
+    """--observe-every N,M: one PagedWeight row per routing-observation interval, in place of the default one."""
+    from benchmarks import serving_quality
+
+    assert serving_quality.main(["--model", str(ap_dir), "--windows", "2", "--light", "1", "--ctx", "32", "--gen", "4",
+                                 "--widths", "8", "--observe-every", "1,4", "--page-store-dir", str(tmp_path / "store"),
+                                 "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("serving_quality-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["8-bit, no budget", "pagedweight-observe1", "pagedweight-observe4",
+                                           "uniform-8"]
+    assert all(r["heavy"]["scored_tokens"] == 2 * 32 and np.isfinite(r["ppl"]) for r in rows[1:3])
+
+
 def test_prefix_cost_rows(tmp_path):
     """benchmarks/prefix_cost: one row per prompt length and mode; only with caching are blocks kept, so only those
     rows time an eviction."""
