@@ -33,6 +33,7 @@ from pagedweight.page_table import BlockSpec, WeightPageTable
 from pagedweight.pool import PagePool
 from pagedweight.scheduler import ScheduledBatch
 from pagedweight.signals import ResidualHeads, RouterStats
+from pagedweight.sampling import SamplingParams
 from pagedweight.sequence import Sequence
 
 
@@ -281,6 +282,7 @@ def decode_batch_sizes(max_num_seqs: int) -> list[int]:
 @dataclass
 class DecodeStats:
     eager: int = 0  # static steps run eagerly (the CPU; on CUDA a batch size's first sight with a set of classes)
+    warmed: int = 0  # eager steps of `DecodeGraphs.warm_up` (no request's)
     captured: int = 0
     replayed: int = 0
     capture_failures: int = 0  # captures that failed; their steps ran eagerly
@@ -380,8 +382,43 @@ class DecodeGraphs:
         """Logits [n, V] (float32) of the next token of every sequence, whose one new token each is its last.
         A view of the graph's output when replayed: valid until the next step."""
         n = len(seqs)
-        rows = next(b for b in self.batch_sizes if b >= n)
         self._steps += 1
+        inputs, blocks = self._step_inputs(seqs, next(b for b in self.batch_sizes if b >= n))
+        graph = self._graph(inputs, blocks) if self.capture else None
+        if graph is None:
+            self.stats.eager += 1
+            logits, records = self._forward(inputs, blocks)
+        else:
+            self.stats.replayed += 1
+            graph.graph.replay()
+            logits, records = graph.logits, graph.records
+        self._observe(records, n)
+        return logits[:n]
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """One eager step of every batch size, for a stand-in request of one token in a KV block of its own (freed
+        after; none without a free block), so that each size's first real decode step is captured at once
+        (`CaptureGate` families) instead of running eagerly first: at engine start, under its starting LUT classes.
+        No router observer sees these steps. Returns the steps run."""
+        if not self.batch_sizes or self.kv.num_free_blocks < 1:
+            return 0
+        seq = Sequence("decode-warm-up", [0], SamplingParams(max_tokens=1))
+        self.kv.allocate(seq, 1)
+        luts = frozenset(self._lut_classes())
+        try:
+            for rows in self.batch_sizes:
+                self._forward(*self._step_inputs([seq], rows))
+                self._gate.families.add((rows, luts))
+                self.stats.warmed += 1
+        finally:
+            self._free_slots.append(self._slots.pop(seq.request_id).index)
+            self.kv.free(seq)
+        return len(self.batch_sizes)
+
+    def _step_inputs(self, seqs: list[Sequence], rows: int) -> tuple[torch.Tensor, int]:
+        """The step's input rows [rows, 5 + L] on the device (padding rows repeat the first) and its block bucket."""
+        n = len(seqs)
         host = np.empty((rows, ROW_FIELDS + self.num_layers), dtype=np.int64)
         rewrite: list[tuple[int, np.ndarray]] = []
         longest = 0
@@ -400,17 +437,7 @@ class DecodeGraphs:
         # against -s13-prep-base.json), and again 0.05-0.07 ms on this code (launch_marks-…-20261203-s34-qwen15-
         # pinned-b.json against -main-b.json)
         inputs.copy_(torch.from_numpy(host))
-        blocks = min(1 << (longest - 1).bit_length(), self.max_blocks)
-        graph = self._graph(inputs, blocks) if self.capture else None
-        if graph is None:
-            self.stats.eager += 1
-            logits, records = self._forward(inputs, blocks)
-        else:
-            self.stats.replayed += 1
-            graph.graph.replay()
-            logits, records = graph.logits, graph.records
-        self._observe(records, n)
-        return logits[:n]
+        return inputs, min(1 << (longest - 1).bit_length(), self.max_blocks)
 
     def _place(self, request_id: str, tables: np.ndarray, rewrite: list[tuple[int, np.ndarray]]) -> int:
         """The slot of a request of this step; appends (slot, tables) to `rewrite` unless the slot's row holds

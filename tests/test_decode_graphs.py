@@ -145,6 +145,25 @@ def test_longer_tables_capture_at_first_sight():
         assert decode.stats.eager == steps, decode.stats
 
 
+def test_warm_up_runs_every_batch_size_and_leaves_nothing():
+    """DecodeGraphs.warm_up (an engine's start on CUDA): one step of every batch size for a stand-in request, whose
+    families the capture gate then knows; no router observer sees them, the stand-in's KV block and table slot are
+    free again, and the engine then serves as one that never warmed up."""
+    kw = dict(device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    ref, llm = LLM(BUNDLED, cuda_graphs=False, **kw), LLM(BUNDLED, **kw)
+    decode = static_decode(llm, max_num_seqs=4)
+    free, slots, seen = llm.kv.num_free_blocks, sorted(decode._free_slots), []
+    llm.model.set_router_observer(lambda *args: seen.append(args))
+    assert decode.warm_up() == len(decode.batch_sizes) == decode.stats.warmed == 3
+    luts = frozenset(decode._lut_classes())
+    assert decode._gate.families == {(rows, luts) for rows in (1, 2, 4)} and not seen
+    assert llm.kv.num_free_blocks == free and sorted(decode._free_slots) == slots and not decode._slots
+    llm.model.set_router_observer(None)
+    lockstep(ref, llm, PROMPTS[:3], [SamplingParams(max_tokens=6, ignore_eos=True)] * 3)
+    if DEVICE == "cuda":  # every size's first step was captured at once
+        assert decode.stats.eager == 0 and decode.stats.captured > 0, decode.stats
+
+
 def test_padded_decode_equals_packed_steps():
     """Batches of 1..5 sequences with ragged prompts (different context lengths and block-table lengths, prefill
     chunks beside decodes), padded to 1/2/4 rows; 5 sequences exceed the largest bucket and run packed until one
