@@ -358,7 +358,9 @@ class LLM:
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
                                   max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels)
         if graphs:  # each batch size's first decode step runs eagerly here, not in a request's step
-            self.runner.decode.warm_up()
+            t0 = time.perf_counter()
+            n = self.runner.decode.warm_up()
+            logger.info("decode graphs: {} batch sizes warmed up in {:.2f} s (measured)", n, time.perf_counter() - t0)
         self.sampler = Sampler()
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids = set(tok_eos or cfg.eos_token_ids)
