@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ._compat import cuda
-from .moe_kernels import _dev, _stream
+from .moe_kernels import launch
 
 CHUNK = 64  # keys per split
 THREADS = 128
@@ -247,8 +247,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, pages: torch.Te
     if t != 1 or kv.dtype != k.dtype or v.dtype != k.dtype or kv.shape[3:] != (hkv, hd):
         raise ValueError(f"store_kv takes one token per row and kv of its dtype and heads: k {tuple(k.shape)} "
                          f"{k.dtype}, v {v.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
-    _store_kernel[(b, hkv), min(THREADS, hd), _stream()](_dev(k), _dev(v), _dev(block_rows(kv)), _dev(pages),
-                                                         _dev(slots), _dev(src_rows), kv.shape[2])
+    launch(_store_kernel, (b, hkv), min(THREADS, hd), (k, v, block_rows(kv), pages, slots, src_rows, kv.shape[2]))
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -273,10 +272,7 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     out = torch.empty(B, H, hd, dtype=q.dtype, device=dev)  # the combine rounds into q's dtype: no cast launch
     flat, row_len = flat_rows(kv)
     qc = q.contiguous()  # held to the launch: a view keeps no tensor alive, so a temporary copy could be reused
-    a = [_dev(t) for t in (qc, flat, tables, lengths, ml[0], ml[1], acc, out)]
-    q_, flat_, tables_, lengths_, m_, l_, acc_, out_ = a
-    stream = _stream()
-    _split_kernel[(B * H, splits), THREADS, stream](q_, flat_, row_len, tables_, lengths_, float32(scale), block_size,
-                                                    hkv, H // hkv, m_, l_, acc_)
-    _combine_kernel[B * H, THREADS, stream](lengths_, m_, l_, acc_, out_)
+    launch(_split_kernel, (B * H, splits), THREADS, (qc, flat, row_len, tables, lengths, float32(scale), block_size,
+                                                     hkv, H // hkv, ml[0], ml[1], acc))
+    launch(_combine_kernel, B * H, THREADS, (lengths, ml[0], ml[1], acc, out))
     return out

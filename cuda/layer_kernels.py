@@ -28,7 +28,7 @@ import torch.nn.functional as tf
 
 from ._compat import SIMULATOR, cuda
 from .attention_kernels import THREADS, _block_reduce
-from .moe_kernels import _dev, _stream
+from .moe_kernels import launch
 
 MAX_EXPERTS = 1024  # router logits per token held in shared memory
 ROUTER_ELEMS = 16  # x and router weights per thread and pass: rows of up to 2048 in one round of loads
@@ -304,9 +304,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = y if residual is None else torch.empty_like(y)
     res = x2 if residual is None else _rows(residual)
-    _rms_norm_kernel[x2.shape[0], NORM_THREADS, _stream()](_dev(x2), _dev(res), _dev(_rows(h)), _dev(_rows(y)),
-                                                      _dev(weight), float32(eps), residual is not None,
-                                                      x.dtype == torch.float16)
+    launch(_rms_norm_kernel, x2.shape[0], NORM_THREADS, (x2, res, _rows(h), _rows(y), weight, float32(eps),
+                                                         residual is not None, x.dtype == torch.float16))
     return y if residual is None else (h, y)
 
 
@@ -322,9 +321,9 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, 
     q = torch.empty(b, n_heads, t, hd, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(b, n_kv, t, hd, dtype=qkv.dtype, device=qkv.device)
     qw, kw, eps = head_norm if head_norm is not None else (cos[0, 0, 0], cos[0, 0, 0], 0.0)  # unread stand-ins
-    _rope_kernel[(b * t, n_heads + n_kv), ROPE_THREADS, _stream()](
-        _dev(qkv), _dev(cos[:, 0]), _dev(sin[:, 0]), _dev(q), _dev(k), n_heads, _dev(qw), _dev(kw), float32(eps),
-        head_norm is not None, qkv.dtype == torch.float16)
+    launch(_rope_kernel, (b * t, n_heads + n_kv), ROPE_THREADS, (
+        qkv, cos[:, 0], sin[:, 0], q, k, n_heads, qw, kw, float32(eps), head_norm is not None,
+        qkv.dtype == torch.float16))
     return q, k
 
 
@@ -342,7 +341,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Te
     _check(logits)
     n, e = logits.shape
     ids, weights = _route_outputs(n, e, top_k, logits.device)
-    _topk_kernel[n, THREADS, _stream()](_dev(logits), top_k, renorm, _dev(ids), _dev(weights))
+    launch(_topk_kernel, n, THREADS, (logits, top_k, renorm, ids, weights))
     return ids, weights
 
 
@@ -367,8 +366,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool)
         return route_topk(tf.linear(x, weight), top_k, renorm)
     ids, weights = _route_outputs(n, e, top_k, x.device)
     logits = torch.empty(n, -(-e // 32) * 32, dtype=torch.float32, device=x.device)  # rows of whole 128-byte lines
-    _router_kernel[(e, n), THREADS, _stream()](_dev(x), _dev(weight), _dev(logits), _dev(done), top_k, renorm,
-                                               _dev(ids), _dev(weights), x.dtype == torch.float16)
+    launch(_router_kernel, (e, n), THREADS, (x, weight, logits, done, top_k, renorm, ids, weights,
+                                             x.dtype == torch.float16))
     return ids, weights
 
 
@@ -395,9 +394,8 @@ def route_stats(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offse
         raise ValueError(f"route_stats' token weights are [n] or [L', n], got {tuple(token_weights.shape)}")
     if not tracked:  # unread stand-ins of their own (the simulator copies each array back: not acc a second time)
         token_rows, req = _untracked(acc.device)
-    _route_stats_kernel[(x.shape[0], x.shape[1]), THREADS, _stream()](
-        _dev(x), _dev(ids), _dev(weights), _dev(offsets), _dev(tw), weighted, _dev(acc), _dev(token_rows), tracked,
-        _dev(req))
+    launch(_route_stats_kernel, (x.shape[0], x.shape[1]), THREADS, (x, ids, weights, offsets, tw, weighted, acc,
+                                                                     token_rows, tracked, req))
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,8 +413,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up)
     f = rows.shape[1] // 2
     out = torch.empty(*gate_up.shape[:-1], f, dtype=gate_up.dtype, device=gate_up.device)
-    _swiglu_kernel[_grid(rows.shape[0], f), THREADS, _stream()](_dev(rows), _dev(_rows(out)),
-                                                                gate_up.dtype == torch.float16)
+    launch(_swiglu_kernel, _grid(rows.shape[0], f), THREADS, (rows, _rows(out), gate_up.dtype == torch.float16))
     return out
 
 
@@ -426,6 +423,5 @@ def shared_expert_out(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor,
     stream x [N, D]; gate [N, 1]."""
     _check(x, routed, gate, shared)
     out = torch.empty_like(x)
-    _shared_out_kernel[_grid(*x.shape), THREADS, _stream()](_dev(x), _dev(routed), _dev(gate), _dev(shared), _dev(out),
-                                                            x.dtype == torch.float16)
+    launch(_shared_out_kernel, _grid(*x.shape), THREADS, (x, routed, gate, shared, out, x.dtype == torch.float16))
     return out

@@ -37,6 +37,7 @@ import ctypes
 import functools
 import math
 import os
+import struct
 import types
 from collections.abc import Callable
 
@@ -610,18 +611,6 @@ def _words_per_split(W: int, row_tiles: int, slots: int, lut_width: int, T: int)
     return -(-wps // WS) * WS
 
 
-def _stream():
-    if SIMULATOR:
-        return 0
-    return _external_stream(torch.cuda.current_stream().cuda_stream)
-
-
-@functools.lru_cache(maxsize=64)
-def _external_stream(handle: int):
-    """Numba's wrapper of a torch stream, made once per stream handle (it is only the handle)."""
-    return cuda.external_stream(handle)
-
-
 def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool_words: torch.Tensor,
                 pool_halves: torch.Tensor, q: torch.Tensor, plane_off: torch.Tensor, lut_off: torch.Tensor,
                 D: int, F: int, P: int, lut_width: int | None = None, buffers: PrefillBuffers | None = None
@@ -658,25 +647,18 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     slot_expert, slot_start, slot_count = route[:slots], route[slots:2 * slots], route[2 * slots:3 * slots]
     n_active, pair_tok = route[3 * slots:3 * slots + 1], route[3 * slots + 1:]
     pair_w = torch.empty(T * k, dtype=torch.float32, device=dev)
-    a = {name: _dev(t) for name, t in dict(
-        x_in=x_in, xf=xf, ids=ids, tw=tw, h=h, out=out, slot_expert=slot_expert, slot_start=slot_start,
-        slot_count=slot_count, n_active=n_active, pair_tok=pair_tok, pair_w=pair_w, pool_words=pool_words,
-        pool_halves=pool_halves, q=q, plane_off=plane_off, lut_off=lut_off).items()}
-    stream = _stream()
     shmem = lut_shared_bytes(lut_width)
     blocks = 1 + min(ROUTE_MAX_BLOCKS, -(-T * k * 2 * F // (ROUTE_THREADS * 4)))  # routing + ~4 zeros of h a thread
-    _route_kernel[blocks, ROUTE_THREADS, stream](a["ids"], a["tw"], a["x_in"], E, a["xf"], a["h"], a["out"],
-                                                 a["slot_expert"], a["slot_start"], a["slot_count"], a["n_active"],
-                                                 a["pair_tok"], a["pair_w"])
-    tables = (a["pool_words"], a["pool_halves"], a["q"], a["plane_off"], a["lut_off"], a["slot_expert"],
-              a["slot_start"], a["slot_count"], a["n_active"], a["pair_tok"], a["pair_w"])
+    launch(_route_kernel, blocks, ROUTE_THREADS, (ids, tw, x_in, E, xf, h, out, slot_expert, slot_start, slot_count,
+                                                   n_active, pair_tok, pair_w))
+    tables = (pool_words, pool_halves, q, plane_off, lut_off, slot_expert, slot_start, slot_count, n_active,
+              pair_tok, pair_w)
     gemv = _gemv_kernel if T > 1 else (_gemv_t1_narrow_kernel if lut_width <= NARROW_MAX_WIDTH else _gemv_t1_kernel)
-    for kind, src, dst, N, K in ((0, "xf", "h", 2 * F, D), (1, "h", "out", D, F)):
+    for kind, src, dst, N, K in ((0, xf, h, 2 * F, D), (1, h, out, D, F)):
         W = (K + 31) // 32
         tiles = -(-N // ROWS)
         wps = _words_per_split(W, tiles, slots, lut_width, T)
-        grid = (tiles, -(-W // wps), slots)
-        gemv[grid, ROWS, stream, shmem](kind, a[src], *tables, a[dst], N, K, F, wps)
+        launch(gemv, (tiles, -(-W // wps), slots), ROWS, (kind, src, *tables, dst, N, K, F, wps), shmem)
     return out.to(hidden.dtype)
 
 
@@ -753,19 +735,22 @@ class _PreparedLaunch:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
 
 
-def launch(dispatcher, grid: tuple[int, ...], block: int, args: tuple) -> None:
-    """One launch of a kernel straight through the driver on torch's current stream: tensors and Python ints as
-    `kernel_params` flattens them, no Numba views and no marshalling (which cost ~0.1 ms of host time a launch of a
-    dozen arguments, `_PreparedLaunch`). For kernels launched once per call outside a CUDA graph, e.g. the sampler's.
+def launch(dispatcher, grid: int | tuple[int, ...], block: int, args: tuple, shmem: int = 0) -> None:
+    """One launch of a kernel straight through the driver on torch's current stream (inside a CUDA graph capture as
+    well): tensors and Python or numpy scalars as `kernel_params` flattens them, no Numba views and no marshalling.
+    Numba's own launch (`kernel[grid, block, stream, shmem](...)`) costs ~0.1 ms of host time for a dozen arguments
+    (`_PreparedLaunch`): ~290 launches made an eager decode step of the Qwen1.5 shape 40 ms of host work for 3.5 ms
+    of kernels, and each CUDA graph capture as long (step_host-nvidia-h100-80gb-hbm3-20261206-s51-*.json).
     The simulator launches through Numba (tensors must be contiguous there: `_dev` copies a strided one)."""
+    grid = (grid,) if isinstance(grid, int) else grid
     if SIMULATOR:
-        dispatcher[grid, block, 0](*[_dev(a) if isinstance(a, torch.Tensor) else a for a in args])
+        dispatcher[grid, block, 0, shmem](*[_dev(a) if isinstance(a, torch.Tensor) else a for a in args])
         return
     from numba.cuda.cudadrv.driver import binding
 
     vals, params = _param_block(kernel_params(args)[0])
     grid = (*grid, 1, 1)[:3]
-    err, = binding.cuLaunchKernel(_cufunc(dispatcher, args), *grid, block, 1, 1, 0,
+    err, = binding.cuLaunchKernel(_cufunc(dispatcher, args), *grid, block, 1, 1, shmem,
                                   torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
     if err != binding.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernel of {dispatcher.__name__}: {err}")
@@ -781,9 +766,10 @@ def _param_block(ints: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
 
 
 def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
-    """The flat kernel parameters of `args` (tensors and Python ints or bools) as Numba passes them (numba-cuda
-    0.30.4, dispatcher._prepare_args; tests/test_kernels_sim.py compares the two on the GPU): an array is meminfo and
-    parent (0, 0), size, itemsize, data address, shape, strides in bytes. Also the index of argument `var`."""
+    """The flat kernel parameters of `args` (tensors, Python ints, bools and floats, numpy float32s) as Numba passes
+    them (numba-cuda 0.30.4, dispatcher._prepare_args; tests/test_kernels_sim.py compares the two on the GPU): an
+    array is meminfo and parent (0, 0), size, itemsize, data address, shape, strides in bytes; a float its IEEE bits
+    (float64 for a Python float, as Numba types it). Also the index of argument `var`."""
     ints: list[int] = []
     slot = -1
     for i, a in enumerate(args):
@@ -792,6 +778,10 @@ def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
         if isinstance(a, torch.Tensor):
             size = a.element_size()
             ints += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(s * size for s in a.stride())]
+        elif isinstance(a, np.float32):
+            ints.append(struct.unpack("<i", struct.pack("<f", a))[0])
+        elif isinstance(a, float):
+            ints.append(struct.unpack("<q", struct.pack("<d", a))[0])
         else:
             ints.append(int(a))
     return ints, slot
@@ -802,14 +792,20 @@ _CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction ha
 
 def _cufunc(dispatcher, args: tuple) -> int:
     """The CUfunction of `dispatcher` specialised for args, compiled (or loaded from the cache) on first sight of the
-    signature (dtype, rank, contiguity and device of each tensor; type of each scalar)."""
-    key = (dispatcher, *((a.dtype, a.dim(), a.is_contiguous(), a.device.index) if isinstance(a, torch.Tensor)
+    signature (dtype, rank, Numba layout and device of each tensor; type of each scalar)."""
+    key = (dispatcher, *((a.dtype, a.dim(), _layout(dispatcher, a), a.device.index) if isinstance(a, torch.Tensor)
                          else type(a) for a in args))
     func = _CUFUNCS.get(key)
     if func is None:
         sig = tuple(dispatcher.typeof_pyval(_dev(a) if isinstance(a, torch.Tensor) else a) for a in args)
         func = _CUFUNCS[key] = dispatcher.compile(sig)._codelibrary.get_cufunc().handle
     return func
+
+
+def _layout(dispatcher, t: torch.Tensor) -> str:
+    """Numba's layout of a tensor's view: "C" when contiguous, else what Numba derives from the strides ("F" or "A"),
+    which decides how the kernel computes addresses."""
+    return "C" if t.is_contiguous() else dispatcher.typeof_pyval(_dev(t)).layout
 
 
 def _dequantizer(pool_words, pool_halves, q, plane_off, lut_off, slot_expert: torch.Tensor, D: int, F: int,

@@ -105,8 +105,9 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
     %(recorder)s
 
     # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees)
-    with mock.patch.multiple(kernels, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
-                             **{name: Recorder(name) for name in sigs}):
+    from pagedweight.cuda import moe_kernels as mk
+    with mock.patch.multiple(kernels, **{name: Recorder(name) for name in sigs}), \
+            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
         for i, case in enumerate(%(cases)r):
             q, kv, _, tables, lengths = build(*case, seed=i)
             kernels.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)

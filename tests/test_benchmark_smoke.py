@@ -570,3 +570,16 @@ def test_a_run_cut_by_its_time_budget_is_not_complete(tmp_path):
     res = json.loads(path.read_text())
     (row,) = res["rows"]
     assert row["cut_short"] and not res["complete"] and row["ttft_requests"] < row["requests"]
+
+
+def test_step_host_times_prefill_and_decode_steps(tmp_path):
+    """step_host at toy size on the CPU: each fresh prompt's prefill step and the decode steps after are timed (the
+    graph parts, the launch A/B and cuBLAS's first sights are CUDA-only and left out)."""
+    from benchmarks import step_host
+
+    assert step_host.main(["--tiny", "--device", "cpu", "--prompts", "2", "--repeats", "3",
+                           "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("step_host-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert len(row["prefill_ms"]) == 2 and len(row["decode_step_ms"]) == 3 and min(row["prefill_ms"]) > 0
+    assert row["decode"] == [] and row["decode_stats_at_start"] is None and "launch_us" not in row

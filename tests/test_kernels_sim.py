@@ -247,33 +247,69 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
         assert torch.isnan(w_gu[n:]).all() and torch.isnan(w_d[n:]).all(), (s0, n)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernels on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+@pytest.mark.parametrize("T, k, P, widest", [(1, 2, 6, 6), (1, 3, 8, 8), (1, 4, 8, 4), (4, 2, 6, 6), (12, 4, 8, 8)])
+def test_moe_decode_matches_its_twin_on_gpu(T: int, k: int, P: int, widest: int) -> None:
+    """The decode path's launches on the GPU (`moe_kernels.launch`: the route kernel, then the gate_up and down GEMVs
+    with the LUT in dynamic shared memory) give the torch twin's result: one-token kernels at fp32 and fp16 LUTs and
+    the narrow class, the tiled kernel at 4 and 12 tokens."""
+    import torch
+
+    from pagedweight.cuda.moe_kernels import moe_forward
+    from pagedweight.cuda.reference import moe_forward_reference
+    from pagedweight.cuda.synthetic import build_synthetic_moe
+
+    moe = build_synthetic_moe(E=5, D=80, F=40, P=P, seed_bits=3, seed=1)
+    g = torch.Generator().manual_seed(T * 10 + k)
+    q = torch.randint(3, widest + 1, (moe.E, 2), generator=g)
+    hidden = torch.randn(T, moe.D, generator=g).half()
+    ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    args = [t.cuda() for t in (hidden, ids, w / w.sum(1, keepdim=True), moe.pool_words, moe.pool_halves,
+                               *moe.tables(q))] + [moe.D, moe.F, moe.P]
+    out = moe_forward(*args, lut_width=widest)
+    ref = moe_forward_reference(*args)
+    assert out.shape == (T, moe.D) and out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) <= 1e-2
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="Numba's marshalling on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (the H200)")
 def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     """`kernel_params` flattens tensors and scalars exactly as Numba's own launch does (the array ABI it relies on):
-    contiguous and strided arrays, 1-3 dimensions, 16-, 32- and 64-bit elements, ints and a bool."""
+    contiguous and strided arrays, 1-3 dimensions, 16-, 32- and 64-bit elements, ints, a bool, a numpy float32 and a
+    Python float (float64)."""
     import ctypes
 
+    import numpy as np
     import torch
 
     import pagedweight.cuda.moe_kernels as mk
     from pagedweight.cuda._compat import cuda
 
     @cuda.jit
-    def takes_all(a, b, c, d, i, flag, j):
+    def takes_all(a, b, c, d, i, flag, j, x, y):
         pass
 
     base = torch.arange(6 * 8 * 4, dtype=torch.int32, device="cuda").view(6, 8, 4)
     args = (base, base[:, 1:5, ::2], torch.zeros(5, dtype=torch.int64, device="cuda")[1:],
-            torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3)
+            torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3, np.float32(-1.5e-6), 2.75)
     ours, slot = mk.kernel_params(args, var=4)
     views = tuple(mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
     kernel = takes_all.compile(tuple(takes_all.typeof_pyval(a) for a in views))
     flat: list = []
     for ty, a in zip(kernel.argument_types, views):
-        kernel._prepare_args(ty, a, mk._stream(), [], flat)
-    numbas = [v.value if isinstance(v, ctypes._SimpleCData) else int(v) for v in flat]
+        kernel._prepare_args(ty, a, cuda.external_stream(torch.cuda.current_stream().cuda_stream), [], flat)
+
+    def bits(v) -> int:  # a float parameter as the bytes the driver copies
+        if isinstance(v, (ctypes.c_float, ctypes.c_double)):
+            return int.from_bytes(bytes(v), "little", signed=True)
+        return v.value if isinstance(v, ctypes._SimpleCData) else int(v)
+
+    numbas = [bits(v) for v in flat]
     assert ours == numbas
     assert ours[slot] == 12
+    # the kernel `launch` looks up is compiled for each array's Numba layout (a transposed matrix is "F", not "A")
+    assert [mk._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
 
 
 ROUTE_CHILD = textwrap.dedent(r"""

@@ -206,8 +206,9 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 
     # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees); the kernels
     # are stand-ins, so compare() only records (its comparisons are meaningless here)
-    with mock.patch.multiple(lk, _dev=lambda t: t.detach().numpy(), _stream=lambda: 0,
-                             **{name: Recorder(name) for name in sigs}):
+    from pagedweight.cuda import moe_kernels as mk
+    with mock.patch.multiple(lk, **{name: Recorder(name) for name in sigs}), \
+            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
         for dt in ("float16", "float32"):
             compare("cpu", dt, 0)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
