@@ -87,9 +87,27 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
     target.mkdir(parents=True, exist_ok=True)
     path = target / f"{benchmark}-{_slug(machine)}-{now:%Y%m%d}{'-' + _slug(label) if label else ''}.json"
     tmp = path.with_suffix(".json.tmp")  # a run killed mid-write leaves the previous complete file
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.write_text(result_json(record) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def result_json(record) -> str:
+    """`record` as JSON indented one space a level, except that a list of numbers, strings or nulls stays on one
+    line: a step trace's row is one line, not one per value (a traced kv_pressure result 0.6 MB instead of 1.4; what
+    a GPU call carries is limited). Keys become strings as json.dumps makes them."""
+    def fmt(obj, level: int) -> str:
+        if isinstance(obj, list) and not any(isinstance(x, (list, dict)) for x in obj):
+            return json.dumps(obj)
+        pad = " " * (level + 1)
+        if isinstance(obj, dict) and obj:
+            body = ",\n".join(f"{pad}{json.dumps(k)}: {fmt(v, level + 1)}" for k, v in obj.items())
+            return "{\n" + body + "\n" + " " * level + "}"
+        if isinstance(obj, list):
+            return "[\n" + ",\n".join(pad + fmt(v, level + 1) for v in obj) + "\n" + " " * level + "]"
+        return json.dumps(obj)
+
+    return fmt(json.loads(json.dumps(record)), 0)
 
 
 def old_functions(path: str, names: list[str], namespace: dict) -> dict:

@@ -583,3 +583,16 @@ def test_step_host_times_prefill_and_decode_steps(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert len(row["prefill_ms"]) == 2 and len(row["decode_step_ms"]) == 3 and min(row["prefill_ms"]) > 0
     assert row["decode"] == [] and row["decode_stats_at_start"] is None and "launch_us" not in row
+
+
+def test_result_files_keep_lists_of_values_on_one_line(tmp_path):
+    """write_result's JSON reads back as the record (keys as json.dumps makes them); a list of values (a trace row)
+    is one line, nested lists and dicts one item a line."""
+    from benchmarks.common import result_json, write_result
+
+    record = {"rows": [{"trace": {"columns": ["a", "b"], "rows": [[1.5, None], [2, "x, y"]]}, 7: {}, "e": []}]}
+    path = write_result("smoke", record["rows"], out_dir=tmp_path, label="fmt")
+    saved = json.loads(path.read_text())
+    assert saved["rows"] == json.loads(json.dumps(record["rows"])) and saved["benchmark"] == "smoke"
+    lines = result_json(record).splitlines()
+    assert '     [1.5, null],' in lines and '     [2, "x, y"]' in lines and '    "columns": ["a", "b"],' in lines
