@@ -11,7 +11,8 @@ device synchronised before and after (measured, not computed):
 - `launch_us`: host time of one launch of the RMSNorm kernel through Numba's launch and through
   `moe_kernels.launch` (the driver directly), alternating, --launches each;
 - `bmm_us`: host time of torch.bmm (fp16, the prefill's padded expert GEMM shapes) on a shape's first sight and
-  again: cuBLAS chooses a kernel per new shape.
+  again: cuBLAS chooses a kernel per new shape. Run after the engine's prefills, whose shapes are no longer first
+  sights here (a fresh process, calls 2-3 of h100-nvidia-h100-80gb-hbm3-20261206-s51-calls.log: 100-600 us).
 
     python -m benchmarks.step_host --label s51
 """
@@ -85,7 +86,7 @@ def prefill_and_decode(llm: LLM, vocab: int, prompts: int, tokens: int, batch_si
         for rows in batch_sizes:
             inputs, blocks = graphs._step_inputs([seq], rows)
             graph = torch.cuda.CUDAGraph()
-            step = (lambda: graphs._forward(inputs, blocks))
+            step = lambda: graphs._forward(inputs, blocks)  # noqa: E731 (timed, captured)
             out["decode"].append({
                 "rows": rows, "blocks": blocks, "eager_ms": timed(step, repeats, device),
                 "capture_ms": timed(lambda: capture(graph, graphs._pool, step, "step_host"), 1, device)[0],
