@@ -220,9 +220,13 @@ class CaptureGate:
             self.seen.add(key)
             if family is None or family not in self.families:  # the caller runs this call eagerly
                 if family is not None:
-                    self.families.add(family)
+                    self.ran(family)
                 return False
         return self.failures.get(key, 0) < CAPTURE_ATTEMPTS
+
+    def ran(self, family) -> None:
+        """A call of `family` ran eagerly (its kernels compiled): its shapes may be captured at first sight."""
+        self.families.add(family)
 
     def failed(self, key) -> None:
         self.failures[key] = self.failures.get(key, 0) + 1
@@ -409,7 +413,7 @@ class DecodeGraphs:
         try:
             for rows in self.batch_sizes:
                 self._forward(*self._step_inputs([seq], rows))
-                self._gate.families.add((rows, luts))
+                self._gate.ran((rows, luts))
                 self.stats.warmed += 1
         finally:
             self._free_slots.append(self._slots.pop(seq.request_id).index)
