@@ -12,7 +12,7 @@ device synchronised before and after (measured, not computed):
   `moe_kernels.launch` (the driver directly), alternating, --launches each;
 - `bmm_us`: host time of torch.bmm (fp16, the prefill's padded expert GEMM shapes) on a shape's first sight and
   again: cuBLAS chooses a kernel per new shape. Run after the engine's prefills, whose shapes are no longer first
-  sights here (a fresh process, calls 2-3 of h100-nvidia-h100-80gb-hbm3-20261206-s51-calls.log: 100-600 us).
+  sights here (a fresh process, call 3 of h100-nvidia-h100-80gb-hbm3-20261206-s51-calls.log: medians 112-2,221 us).
 
     python -m benchmarks.step_host --label s51
 """
