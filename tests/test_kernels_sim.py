@@ -312,6 +312,35 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     assert [mk._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
 
 
+def test_launch_params_refill_one_block_per_thread_and_count() -> None:
+    """`launch` refills one kernelParams block per thread and parameter count (the driver copies the values at the
+    call), each address pointing at its own value; a `_PreparedLaunch`'s block (`_param_block`) is its own."""
+    import ctypes
+    import threading
+
+    import pagedweight.cuda.moe_kernels as mk
+
+    def read(params: ctypes.Array, n: int) -> list[int]:
+        return [ctypes.c_int64.from_address(params[i]).value for i in range(n)]
+
+    prepared_vals, prepared = mk._param_block([1, 2, 3])  # both held, as _PreparedLaunch holds them
+    first = mk._launch_params([1, -2, 3])
+    assert read(first, 3) == [1, -2, 3]
+    assert mk._launch_params([4, 5, 6]) is first and read(first, 3) == [4, 5, 6]
+    two = mk._launch_params([7, 8])
+    assert two is not first and read(two, 2) == [7, 8] and read(first, 3) == [4, 5, 6]
+    other: list = []
+    def in_thread() -> None:  # read there: a thread's blocks go with it
+        params = mk._launch_params([9, 9, 9])
+        other.append((params is first, read(params, 3)))
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert other == [(False, [9, 9, 9])] and read(first, 3) == [4, 5, 6]
+    assert read(prepared, 3) == [1, 2, 3]
+
+
 ROUTE_CHILD = textwrap.dedent(r"""
     import json, sys
     import numpy as np
