@@ -9,7 +9,7 @@ device synchronised before and after (measured, not computed):
 - per decode batch size: `eager_ms` (the step's forward run eagerly, several times), `capture_ms` (a CUDA graph
   capture of it) and `replay_ms`;
 - `launch_us`: host time of one launch of the RMSNorm kernel through Numba's launch and through
-  `moe_kernels.launch` (the driver directly), alternating, --launches each;
+  `launcher.launch` (the driver directly), alternating, --launches each;
 - `bmm_us`: host time of torch.bmm (fp16, the prefill's padded expert GEMM shapes) on a shape's first sight and
   again: cuBLAS chooses a kernel per new shape. Run after the engine's prefills, whose shapes are no longer first
   sights here (a fresh process, call 3 of h100-nvidia-h100-80gb-hbm3-20261206-s51-calls.log: medians 112-2,221 us).
@@ -96,9 +96,9 @@ def prefill_and_decode(llm: LLM, vocab: int, prompts: int, tokens: int, batch_si
 
 def launch_ab(launches: int) -> dict:
     """Host us of one RMSNorm launch [8, 2048] fp16 through Numba (cached views, as the launchers made them) and
-    through `moe_kernels.launch`, alternating in blocks of 10."""
+    through `launcher.launch`, alternating in blocks of 10."""
     from pagedweight.cuda import layer_kernels as lk
-    from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.cuda import launcher as lm
     from pagedweight.cuda._compat import cuda
 
     x = torch.randn(8, 2048, dtype=torch.float16, device="cuda")
@@ -107,11 +107,11 @@ def launch_ab(launches: int) -> dict:
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
     def numba() -> None:
-        views = [mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args]
+        views = [lm._dev(a) if isinstance(a, torch.Tensor) else a for a in args]
         lk._rms_norm_kernel[8, lk.NORM_THREADS, stream](*views)
 
     def direct() -> None:
-        mk.launch(lk._rms_norm_kernel, 8, lk.NORM_THREADS, args)
+        lm.launch(lk._rms_norm_kernel, 8, lk.NORM_THREADS, args)
 
     times: dict[str, list[float]] = {"numba": [], "direct": []}
     for fn in (numba, direct):  # compiled and views cached before timing

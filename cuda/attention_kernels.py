@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ._compat import cuda
-from .moe_kernels import launch
+from .launcher import launch
 
 CHUNK = 64  # keys per split
 THREADS = 128

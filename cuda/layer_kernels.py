@@ -28,7 +28,7 @@ import torch.nn.functional as tf
 
 from ._compat import SIMULATOR, cuda
 from .attention_kernels import THREADS, _block_reduce
-from .moe_kernels import launch
+from .launcher import launch
 
 MAX_EXPERTS = 1024  # router logits per token held in shared memory
 ROUTER_ELEMS = 16  # x and router weights per thread and pass: rows of up to 2048 in one round of loads

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ._compat import SIMULATOR, cuda
-from .moe_kernels import launch
+from .launcher import launch
 
 THREADS = 512  # a block's threads (the simulator runs fewer: each is a Python thread there)
 SIM_THREADS = 64

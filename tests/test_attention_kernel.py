@@ -105,9 +105,9 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
     %(recorder)s
 
     # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees)
-    from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.cuda import launcher as lm
     with mock.patch.multiple(kernels, **{name: Recorder(name) for name in sigs}), \
-            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
+            mock.patch.multiple(lm, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
         for i, case in enumerate(%(cases)r):
             q, kv, _, tables, lengths = build(*case, seed=i)
             kernels.paged_decode_attention(q, kv, tables, lengths, case[3] ** -0.5)

@@ -250,7 +250,7 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernels on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 @pytest.mark.parametrize("T, k, P, widest", [(1, 2, 6, 6), (1, 3, 8, 8), (1, 4, 8, 4), (4, 2, 6, 6), (12, 4, 8, 8)])
 def test_moe_decode_matches_its_twin_on_gpu(T: int, k: int, P: int, widest: int) -> None:
-    """The decode path's launches on the GPU (`moe_kernels.launch`: the route kernel, then the gate_up and down GEMVs
+    """The decode path's launches on the GPU (`launcher.launch`: the route kernel, then the gate_up and down GEMVs
     with the LUT in dynamic shared memory) give the torch twin's result: one-token kernels at fp32 and fp16 LUTs and
     the narrow class, the tiled kernel at 4 and 12 tokens."""
     import torch
@@ -283,7 +283,7 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     import numpy as np
     import torch
 
-    import pagedweight.cuda.moe_kernels as mk
+    import pagedweight.cuda.launcher as lm
     from pagedweight.cuda._compat import cuda
 
     @cuda.jit
@@ -293,8 +293,8 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     base = torch.arange(6 * 8 * 4, dtype=torch.int32, device="cuda").view(6, 8, 4)
     args = (base, base[:, 1:5, ::2], torch.zeros(5, dtype=torch.int64, device="cuda")[1:],
             torch.zeros(3, 7, dtype=torch.float16, device="cuda").t(), 12, True, -3, np.float32(-1.5e-6), 2.75)
-    ours, slot = mk.kernel_params(args, var=4)
-    views = tuple(mk._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
+    ours, slot = lm.kernel_params(args, var=4)
+    views = tuple(lm._dev(a) if isinstance(a, torch.Tensor) else a for a in args)
     kernel = takes_all.compile(tuple(takes_all.typeof_pyval(a) for a in views))
     flat: list = []
     for ty, a in zip(kernel.argument_types, views):
@@ -309,7 +309,7 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     assert ours == numbas
     assert ours[slot] == 12
     # the kernel `launch` looks up is compiled for each array's Numba layout (a transposed matrix is "F", not "A")
-    assert [mk._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
+    assert [lm._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
 
 
 def test_launch_params_refill_one_block_per_thread_and_count() -> None:
@@ -318,20 +318,20 @@ def test_launch_params_refill_one_block_per_thread_and_count() -> None:
     import ctypes
     import threading
 
-    import pagedweight.cuda.moe_kernels as mk
+    import pagedweight.cuda.launcher as lm
 
     def read(params: ctypes.Array, n: int) -> list[int]:
         return [ctypes.c_int64.from_address(params[i]).value for i in range(n)]
 
-    prepared_vals, prepared = mk._param_block([1, 2, 3])  # both held, as _PreparedLaunch holds them
-    first = mk._launch_params([1, -2, 3])
+    prepared_vals, prepared = lm._param_block([1, 2, 3])  # both held, as _PreparedLaunch holds them
+    first = lm._launch_params([1, -2, 3])
     assert read(first, 3) == [1, -2, 3]
-    assert mk._launch_params([4, 5, 6]) is first and read(first, 3) == [4, 5, 6]
-    two = mk._launch_params([7, 8])
+    assert lm._launch_params([4, 5, 6]) is first and read(first, 3) == [4, 5, 6]
+    two = lm._launch_params([7, 8])
     assert two is not first and read(two, 2) == [7, 8] and read(first, 3) == [4, 5, 6]
     other: list = []
     def in_thread() -> None:  # read there: a thread's blocks go with it
-        params = mk._launch_params([9, 9, 9])
+        params = lm._launch_params([9, 9, 9])
         other.append((params is first, read(params, 3)))
 
     thread = threading.Thread(target=in_thread)
@@ -347,7 +347,8 @@ ROUTE_CHILD = textwrap.dedent(r"""
     import torch
     torch.set_num_threads(1)
     import pagedweight.cuda.moe_kernels as mk
-    from pagedweight.cuda.moe_kernels import _dev, _route_kernel
+    from pagedweight.cuda.launcher import _dev
+    from pagedweight.cuda.moe_kernels import _route_kernel
 
     out = {}
     g = torch.Generator().manual_seed(5)

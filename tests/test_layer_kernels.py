@@ -206,9 +206,9 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 
     # the launchers' own argument types (numpy views stand in for device arrays: numba.typeof agrees); the kernels
     # are stand-ins, so compare() only records (its comparisons are meaningless here)
-    from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.cuda import launcher as lm
     with mock.patch.multiple(lk, **{name: Recorder(name) for name in sigs}), \
-            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
+            mock.patch.multiple(lm, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):  # `launch` through Numba
         for dt in ("float16", "float32"):
             compare("cpu", dt, 0)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED

@@ -109,9 +109,9 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 
     %(recorder)s
 
-    from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.cuda import launcher as lm
     with mock.patch.multiple(sk, SIMULATOR=True, **{name: Recorder(name) for name in sigs}), \
-            mock.patch.multiple(mk, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):
+            mock.patch.multiple(lm, SIMULATOR=True, _dev=lambda t: t.detach().numpy()):
         x, p = rows("cpu", 10, 300, 0)
         sk.top_p_cut(x, p)
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
