@@ -2,7 +2,7 @@
 
 Signatures are not written by hand: a child process runs the host launcher `moe_forward` (a decode and a prefill
 call) with the kernels replaced by recorders, so the argument types are exactly the ones the launcher builds.
-Under `SIMULATOR = True` the launcher's `_dev` hands out numpy views instead of device arrays; `numba.typeof`
+Under `launcher.SIMULATOR = True` the launcher's `_dev` hands out numpy views instead of device arrays; `numba.typeof`
 gives the same `Array(dtype, ndim, layout)` for both, and Python ints are int64 either way.
 Needs NVRTC (the `nvidia-cuda-nvrtc` wheel of the `test` extra) and libnvvm (a CUDA toolkit or `nvidia-nvvm`).
 The child keeps the launcher patch, the device patch and numba state out of this pytest process.
@@ -25,6 +25,7 @@ CHILD = textwrap.dedent(r"""
     torch.set_num_threads(1)
     from pagedweight.cuda._compat import cuda  # hides the repo's cuda/ folder from NVIDIA's `cuda` package
     import numba.cuda.dispatcher as dispatcher
+    from pagedweight.cuda import launcher as lm
     from pagedweight.cuda import moe_kernels as mk
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
@@ -35,7 +36,8 @@ CHILD = textwrap.dedent(r"""
 
     moe = build_synthetic_moe(E=5, D=80, F=40, P=6, seed_bits=3, seed=1)
     g = torch.Generator().manual_seed(0)
-    with mock.patch.multiple(mk, SIMULATOR=True, **{name: Recorder(name) for name in KERNELS}):
+    with mock.patch.multiple(mk, **{name: Recorder(name) for name in KERNELS}), \
+            mock.patch.object(lm, "SIMULATOR", True):  # `launch` and `_PreparedLaunch` through Numba
         # decode (T=3, T=1 at widths 3..6 and at the narrow class's 3..4), then prefill
         for T, dtype, widest in ((3, torch.float16, 6), (1, torch.float16, 6), (1, torch.float16, 4),
                                  (mk.DECODE_MAX_T + 1, torch.bfloat16, 6)):
