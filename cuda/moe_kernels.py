@@ -753,7 +753,8 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
     grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
     G = min(prefill_group(D, F), GROUPED_MAX, q.shape[0])  # a group never holds more than the layer's experts
-    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True, slack=PAD_SLACK)
+    plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True, slack=PAD_SLACK,
+                       bucket=True)  # padded widths of few shapes: cuBLAS picks a kernel per new shape
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)

@@ -267,13 +267,23 @@ def split_groups(counts: np.ndarray, first: np.ndarray, bound: float) -> np.ndar
         starts[int(np.argmax(saved))] = True
 
 
+def row_bucket(width: np.ndarray) -> np.ndarray:
+    """Padded rows per slot rounded up to a quarter octave above 8 (9..16 by 2, 17..32 by 4, ...; at most 1/4 more),
+    so that a padded group's batched matmul takes one of a few shapes: cuBLAS chooses a kernel on each shape's first
+    sight (100-600 us of host time on an H100 against 12 us after, h100-nvidia-h100-80gb-hbm3-20261206-s51-calls.log
+    call 3), and exact widths give a new shape to many prefill calls (test_bucketed_rows_take_few_shapes)."""
+    quarter = np.left_shift(1, np.maximum(np.frexp(np.maximum(width, 1))[1] - 3, 0))
+    return np.where(width <= 8, width, -(-width // quarter) * quarter)
+
+
 def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool,
-                slack: float | None = None) -> ExpertRows:
+                slack: float | None = None, bucket: bool = False) -> ExpertRows:
     """The layout of routing ids [T, k]. routed_only: the slots are the routed experts, most pairs first (a padded
     group then pads little); else every expert in id order, so that a group's weights are a slice of stacked
     [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack (routed_only): where
     groups of max_group slots would pad to more than (1 + slack) * T * k rows in all, groups are split where that
-    saves most until they do not (`split_groups`)."""
+    saves most until they do not (`split_groups`). bucket (padded): each group's width rounded up by `row_bucket`
+    where the rows stay within that bound (else exact)."""
     if slack is not None and (slack < 0 or not routed_only):
         raise ValueError(f"a slack >= 0 splits groups of counts sorted most first (routed_only=True); got {slack}")
     t, k = ids.shape
@@ -293,6 +303,10 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
         first = split_groups(c, first, (1 + slack) * len(flat))
         group_of = np.repeat(np.arange(len(first)), np.diff(first, append=len(slots)))
         rows = np.maximum.reduceat(c, first)[group_of]
+    if pad and bucket:
+        rounded = row_bucket(rows)
+        if slack is None or rounded.sum() <= (1 + slack) * len(flat):
+            rows = rounded
     end = np.cumsum(rows)
     base = end - rows  # each slot's first row
     start = np.cumsum(c) - c  # each slot's first pair in `order`
@@ -362,7 +376,7 @@ class DenseExperts(nn.Module):
         routing is the layer's one host read, the layout one upload."""
         n, d = x.shape
         plan = expert_rows(topk_ids.cpu().numpy(), self.gate_up.shape[0], self.PADDED_GROUP, pad=True,
-                           routed_only=False)
+                           routed_only=False, bucket=True)
         _, token, pair, _ = plan.to(x.device)
         xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # padding rows read the appended zero row n
         ys = []
