@@ -171,18 +171,7 @@ def _cufunc(dispatcher, args: tuple) -> int:
     return func
 
 
-_LAYOUTS: dict[tuple, str] = {}  # (shape, strides, dtype) of a non-contiguous tensor -> Numba's layout of its view
-
-
 def _layout(dispatcher, t: torch.Tensor) -> str:
     """Numba's layout of a tensor's view: "C" when contiguous, else what Numba derives from the strides ("F" or "A"),
-    which decides how the kernel computes addresses. It depends on shape and strides alone, so it is derived once per
-    those (a Numba view, 20-80 us) and not again for each address a strided slice comes at (a prefill step's router
-    logits, a slice of the fused input projection, come at a new one in many layers)."""
-    if t.is_contiguous():
-        return "C"
-    key = (tuple(t.shape), t.stride(), t.dtype)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        layout = _LAYOUTS[key] = dispatcher.typeof_pyval(_dev(t)).layout
-    return layout
+    which decides how the kernel computes addresses."""
+    return "C" if t.is_contiguous() else dispatcher.typeof_pyval(_dev(t)).layout

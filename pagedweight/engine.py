@@ -121,9 +121,8 @@ class EngineOptions:
     # everywhere (no kernel compile: for runs about plumbing, where the first compile would dominate). The twin reads
     # the routing on the host, which no CUDA graph can hold, so "reference" turns cuda_graphs off
     expert_impl: str = "auto"
-    # on CUDA (fp16/fp32): every forward (the decode graphs and the packed prefill steps) runs each layer's norms,
-    # RoPE, routing and shared-expert elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False:
-    # torch's ops)
+    # on CUDA (fp16/fp32): the whole-step decode graphs run each layer's norms, RoPE, routing and shared-expert
+    # elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
     layer_kernels: bool = True
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap

@@ -349,7 +349,8 @@ class DecodeGraphs:
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, batch_sizes: list[int], max_blocks: int,
                  capture: bool, layer_kernels: bool = False) -> None:
         """`layer_kernels`: the steps run the model with its fused layer kernels (`use_layer_kernels`) where the
-        device takes them (the packed steps too: `ModelRunner.run`)."""
+        device takes them; only these steps do: packed steps vary in shape, and each new shape would cost the
+        kernels' launcher new Numba views."""
         self.model, self.kv, self.max_blocks, self.capture = model, kv, max_blocks, capture
         self.layer_kernels = layer_kernels
         self.num_layers = model.config.num_hidden_layers
@@ -573,10 +574,8 @@ class ModelRunner:
                  max_model_len: int | None = None, capture: bool | None = None, layer_kernels: bool = False) -> None:
         """`max_num_seqs` > 0 runs decode-only steps of up to that many sequences at static shapes (`DecodeGraphs`),
         captured in CUDA graphs when `capture` (default: on CUDA), eagerly otherwise (slower than the packed step:
-        for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`, in those steps
-        and in the packed ones (prefill, mixed): their launches go through the driver (cuda/launcher.py), so a new
-        shape costs no Numba view, and each replaces several of torch's ops, whose host time bounds a prefill step."""
-        self.model, self.kv, self.device, self.layer_kernels = model, kv, device, layer_kernels
+        for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`."""
+        self.model, self.kv, self.device = model, kv, device
         self._rows: torch.Tensor | None = None
         self._score: torch.Tensor | None = None  # rows whose final hidden states `_keep_sampled_rows` keeps
         self._scored: torch.Tensor | None = None
@@ -640,14 +639,10 @@ class ModelRunner:
         packed = torch.tensor(ids + positions + sampled + score, dtype=torch.long).to(self.device)
         self._rows = None if every_row else packed[2 * t:2 * t + len(sampled)]
         self._score = packed[2 * t + len(sampled):] if score else None
-        if self.layer_kernels:  # norms, RoPE, routing and the shared expert's elementwise work: one launch each
-            self.model.use_layer_kernels()
         try:
             logits = self.model(packed[None, :t], packed[None, t:2 * t], cache=self.kv)[0]
             prompt = PromptRows(spans, self._scored) if score else None
         finally:
-            if self.layer_kernels:
-                self.model.use_layer_kernels(False)
             self._rows = self._score = self._scored = None
             self.kv.layout = None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):

@@ -310,9 +310,6 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     assert ours[slot] == 12
     # the kernel `launch` looks up is compiled for each array's Numba layout (a transposed matrix is "F", not "A")
     assert [lm._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
-    # derived once per shape and strides: the same slice at another address builds no Numba view
-    misses = lm._device_view.cache_info().misses
-    assert lm._layout(takes_all, base[:, 2:6, ::2]) == "A" and lm._device_view.cache_info().misses == misses
 
 
 def test_launch_params_refill_one_block_per_thread_and_count() -> None:
