@@ -36,6 +36,7 @@ from pagedweight.apformat import MANIFEST, load_ap
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
 from pagedweight.models import MoEForCausalLM, load_model, parse_dtype
+from pagedweight.models.layers import expert_rows
 from pagedweight.mover import PageMover, ReloadPace
 from pagedweight.page_table import WeightPageTable
 from pagedweight.planner import BlockTables, KVState, Planner
@@ -357,6 +358,9 @@ class LLM:
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
                                   max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels)
+        t0 = time.perf_counter()
+        expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)  # compiled / loaded here, not
+        logger.info("prefill layout ready in {:.2f} s (measured)", time.perf_counter() - t0)  # in a request's step
         if graphs:  # each batch size's first decode step runs eagerly here, not in a request's step
             t0 = time.perf_counter()
             n = self.runner.decode.warm_up()

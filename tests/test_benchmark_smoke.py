@@ -596,3 +596,12 @@ def test_result_files_keep_lists_of_values_on_one_line(tmp_path):
     assert saved["rows"] == json.loads(json.dumps(record["rows"])) and saved["benchmark"] == "smoke"
     lines = result_json(record).splitlines()
     assert '     [1.5, null],' in lines and '     [2, "x, y"]' in lines and '    "columns": ["a", "b"],' in lines
+
+
+def test_layout_bench_times_each_shape_and_token_count(tmp_path):
+    from benchmarks import layout_bench
+
+    assert layout_bench.main(["--tokens", "16,40", "--calls", "2", "--rounds", "1", "--out-dir", str(tmp_path)]) == 0
+    out = json.loads(next(tmp_path.glob("layout_bench-*.json")).read_text())
+    assert [(r["shape"], r["tokens"]) for r in out["rows"]] == [(s, t) for s in layout_bench.SHAPES for t in (16, 40)]
+    assert all(r["us_per_call_best"] > 0 for r in out["rows"]) and out["first_call_s"] >= 0

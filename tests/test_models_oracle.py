@@ -280,6 +280,7 @@ def test_expert_rows_place_every_pair_once_in_its_experts_slot(t, num_experts, k
             covered[rows] = True
             assert real[rows].sum() == counts[plan.slots[s]]
             assert (ids.reshape(-1)[plan.pair[rows[real[rows]]]] == plan.slots[s]).all()
+            assert (np.diff(plan.pair[rows[real[rows]]]) > 0).all()  # a slot's pairs in pair order
             assert pad or real[rows].all()
         assert r1 == (r0 + n * width if pad else r0 + plan.ends[s0 + n - 1])
         if pad:

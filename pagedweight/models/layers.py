@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
+from numba import njit
 import torch.nn.functional as F
 from torch import nn
 
@@ -249,32 +250,130 @@ class ExpertRows:
         return flat.split([len(p) for p in parts])
 
 
+@njit(cache=True)
 def split_groups(counts: np.ndarray, first: np.ndarray, bound: float) -> np.ndarray:
     """Group starts over pair counts sorted most first (a group pads to its first count): starting from `first`, the
     group split that saves the most padded rows is made until all rows are within `bound` (>= the pairs; a group of
     one slot never pads). Few splits where a per-group limit on padding split every small group at the tail too."""
-    starts = np.zeros(len(counts), dtype=bool)
-    starts[first] = True
-    idx = np.arange(len(counts))
+    n = counts.size
+    starts = np.zeros(n, np.bool_)
+    for f in first:
+        starts[f] = True
     while True:
         st = np.flatnonzero(starts)
-        sizes = np.diff(st, append=len(counts))
-        if counts[st] @ sizes <= bound:
+        total = 0
+        for j in range(st.size):
+            total += counts[st[j]] * ((st[j + 1] if j + 1 < st.size else n) - st[j])
+        if total <= bound:
             return st
-        gid = np.cumsum(starts) - 1
-        saved = (st + sizes)[gid] - idx  # slots from each slot to its group's end ...
-        saved *= counts[st][gid] - counts  # ... times the rows each would stop padding
-        starts[int(np.argmax(saved))] = True
+        best, split, j, group_end, width = -1, 0, -1, 0, 0
+        for i in range(n):  # the rows slot i would stop padding, for each slot up to its group's end
+            if starts[i]:
+                j += 1
+                group_end, width = (st[j + 1] if j + 1 < st.size else n), counts[i]
+            saved = (group_end - i) * (width - counts[i])
+            if saved > best:
+                best, split = saved, i
+        starts[split] = True
 
 
+@njit(cache=True)
 def row_bucket(width: np.ndarray) -> np.ndarray:
     """Padded rows per slot rounded up to a quarter octave above 8 (9..16 by 2, 17..32 by 4, ...; at most 1/4 more),
     so that a padded group's batched matmul takes one of a few shapes: cuBLAS chooses a kernel on each shape's first
     sight (a median 112-2,221 us of host time on an H100 against 12-14 us after, h100-nvidia-h100-80gb-hbm3-20261206-
     s51-calls.log call 3), and exact widths give a new shape to many prefill calls
     (test_bucketed_rows_take_few_shapes)."""
-    quarter = np.left_shift(1, np.maximum(np.frexp(np.maximum(width, 1))[1] - 3, 0))
-    return np.where(width <= 8, width, -(-width // quarter) * quarter)
+    out = np.empty(width.size, np.int64)
+    for i in range(width.size):
+        w = np.int64(width[i])
+        if w > 8:
+            bits, v = 0, w
+            while v:
+                v >>= 1
+                bits += 1
+            quarter = np.int64(1) << (bits - 3)
+            w = (w + quarter - 1) // quarter * quarter
+        out[i] = w
+    return out
+
+
+@njit(cache=True)
+def _plan_rows(flat: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool, bound: float,
+               bucket: bool, t: int, k: int):
+    """`expert_rows`' layout, compiled: (slots, groups [G, 5], token, pair, ends). bound < 0: no padding bound.
+    Compiled because it runs once per MoE layer of every prefill step, and as ~35 numpy calls on arrays of a few dozen
+    slots it took ~110 us on the CPU box (~0.2 ms under cProfile on the H100's host, cprofile-nvidia-h100-80gb-hbm3-
+    20261206-s52-prefill-b1.txt): per-call overhead, not work."""
+    n = flat.size
+    counts = np.zeros(num_experts, np.int64)
+    for i in range(n):
+        counts[flat[i]] += 1
+    if routed_only:  # routed experts, most pairs first, ties by id
+        routed = 0
+        for e in range(num_experts):
+            routed += counts[e] > 0
+        slots = np.argsort(-counts, kind="mergesort")[:routed].copy()
+    else:
+        slots = np.arange(num_experts)
+    s = slots.size
+    c = counts[slots]
+    first = np.arange(0, s, max_group)  # each group's first slot
+    widths = np.zeros(first.size, np.int64)  # each group's rows per slot (padded)
+    if pad:
+        widths = _largest(c, first)
+        if bound >= 0 and _padded(widths, first, s) > bound:
+            first = split_groups(c, first, bound)
+            widths = _largest(c, first)
+        if bucket:
+            rounded = row_bucket(widths)
+            if bound < 0 or _padded(rounded, first, s) <= bound:
+                widths = rounded
+    rows = c.copy()
+    if pad:
+        for j in range(first.size):
+            rows[first[j]:(first[j + 1] if j + 1 < first.size else s)] = widths[j]
+    base = np.zeros(s, np.int64)  # each slot's first row
+    for j in range(1, s):
+        base[j] = base[j - 1] + rows[j - 1]
+    total = base[s - 1] + rows[s - 1] if s else 0
+    rank = np.full(num_experts, s, np.int64)
+    for j in range(s):
+        rank[slots[j]] = j
+    token, pair, at = np.full(total, t, np.int64), np.zeros(total, np.int64), base.copy()
+    for i in range(n):  # each slot's pairs in pair order (a stable counting sort)
+        r = rank[flat[i]]
+        token[at[r]], pair[at[r]] = i // k, i
+        at[r] += 1
+    groups = np.zeros((first.size, 5), np.int64)
+    ends = np.empty(s, np.int64)
+    g = 0
+    for j in range(first.size):
+        s0, s1 = first[j], (first[j + 1] if j + 1 < first.size else s)
+        ends[s0:s1] = base[s0:s1] + c[s0:s1] - base[s0]
+        r1 = base[s1 - 1] + rows[s1 - 1]
+        if r1 > base[s0]:
+            groups[g] = s0, s1 - s0, base[s0], r1, widths[j]
+            g += 1
+    return slots, groups[:g], token, pair, ends
+
+
+@njit(cache=True)
+def _largest(c: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Each group's largest count (groups of consecutive slots starting at `first`)."""
+    out = np.empty(first.size, np.int64)
+    for j in range(first.size):
+        out[j] = c[first[j]:(first[j + 1] if j + 1 < first.size else c.size)].max()
+    return out
+
+
+@njit(cache=True)
+def _padded(widths: np.ndarray, first: np.ndarray, s: int) -> int:
+    """Rows of groups starting at `first` (of s slots in all) that pad every slot to their width."""
+    total = 0
+    for j in range(first.size):
+        total += widths[j] * ((first[j + 1] if j + 1 < first.size else s) - first[j])
+    return total
 
 
 def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, routed_only: bool,
@@ -284,46 +383,16 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     [E, ...] parameters. Padded groups of no rows (unrouted experts only) are left out. slack (routed_only): where
     groups of max_group slots would pad to more than (1 + slack) * T * k rows in all, groups are split where that
     saves most until they do not (`split_groups`). bucket (padded): each group's width rounded up by `row_bucket`
-    where the rows stay within that bound (else exact)."""
+    where the rows stay within that bound (else exact). Each slot's pairs keep their order."""
     if slack is not None and (slack < 0 or not routed_only):
         raise ValueError(f"a slack >= 0 splits groups of counts sorted most first (routed_only=True); got {slack}")
     t, k = ids.shape
-    flat = ids.reshape(-1).astype(np.int64)
-    counts = np.bincount(flat, minlength=num_experts)
-    slots = np.argsort(-counts, kind="stable")[:np.count_nonzero(counts)] if routed_only else np.arange(num_experts)
-    rank = np.full(num_experts, len(slots))
-    rank[slots] = np.arange(len(slots))
-    # pairs in slot order; numpy's stable sort of 8- or 16-bit keys is a radix sort (int64 keys take a merge sort,
-    # which was most of this function's host time at 2,048 tokens)
-    order = np.argsort(rank.astype(np.min_scalar_type(len(slots)))[flat], kind="stable")
-    c = counts[slots]
-    first = np.arange(0, len(slots), max_group)  # each group's first slot
-    group_of = np.arange(len(slots)) // max_group
-    rows = np.maximum.reduceat(c, first)[group_of] if pad else c
-    if pad and slack is not None and rows.sum() > (1 + slack) * len(flat):  # one sum in the usual case
-        first = split_groups(c, first, (1 + slack) * len(flat))
-        group_of = np.repeat(np.arange(len(first)), np.diff(first, append=len(slots)))
-        rows = np.maximum.reduceat(c, first)[group_of]
-    if pad and bucket:
-        rounded = row_bucket(rows)
-        if slack is None or rounded.sum() <= (1 + slack) * len(flat):
-            rows = rounded
-    end = np.cumsum(rows)
-    base = end - rows  # each slot's first row
-    start = np.cumsum(c) - c  # each slot's first pair in `order`
-    slot_of = np.repeat(np.arange(len(slots)), c)
-    row_of = base[slot_of] + np.arange(len(order)) - start[slot_of]
-    token = np.full(int(end[-1]), t)
-    pair = np.zeros(int(end[-1]), dtype=np.int64)
-    token[row_of], pair[row_of] = order // k, order
-    groups = []
-    starts = first.tolist()  # plain ints: they size kernel grids, which take no numpy integers
-    for s0, s1 in zip(starts, starts[1:] + [len(slots)]):
-        n = s1 - s0
-        r0, r1 = int(base[s0]), int(end[s1 - 1])
-        if r1 > r0:
-            groups.append((s0, n, r0, r1, int(rows[s0]) if pad else 0))
-    return ExpertRows(slots, groups, token, pair, base + c - base[first][group_of])
+    bound = -1.0 if slack is None else (1 + slack) * t * k
+    slots, groups, token, pair, ends = _plan_rows(ids.reshape(-1).astype(np.int64), num_experts, max_group, pad,
+                                                  routed_only, bound, bucket, t, k)
+    # plain ints: they size kernel grids, which take no numpy integers
+    return ExpertRows(slots, [(s0, n, r0, r1, w if pad else 0) for s0, n, r0, r1, w in groups.tolist()], token, pair,
+                      ends)
 
 
 class DenseExperts(nn.Module):
