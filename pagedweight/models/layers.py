@@ -11,8 +11,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-from numba import njit
 import torch.nn.functional as F
+from numba import njit
 from torch import nn
 
 from pagedweight.models.config import ModelConfig
@@ -390,9 +390,8 @@ def expert_rows(ids: np.ndarray, num_experts: int, max_group: int, pad: bool, ro
     bound = -1.0 if slack is None else (1 + slack) * t * k
     slots, groups, token, pair, ends = _plan_rows(ids.reshape(-1).astype(np.int64), num_experts, max_group, pad,
                                                   routed_only, bound, bucket, t, k)
-    # plain ints: they size kernel grids, which take no numpy integers
-    return ExpertRows(slots, [(s0, n, r0, r1, w if pad else 0) for s0, n, r0, r1, w in groups.tolist()], token, pair,
-                      ends)
+    # plain ints (tolist): they size kernel grids, which take no numpy integers
+    return ExpertRows(slots, [tuple(g) for g in groups.tolist()], token, pair, ends)
 
 
 class DenseExperts(nn.Module):
