@@ -60,9 +60,7 @@ class _PreparedLaunch:
         if SIMULATOR:
             self._args = [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
             return
-        from numba.cuda.cudadrv.driver import binding  # cuda.bindings.driver, as numba-cuda imports it
-
-        self._launch_kernel, self._ok = binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
+        self._launch_kernel, self._ok = _driver()
         self._func = _cufunc(dispatcher, args)
         ints, self._slot = kernel_params(args, var)
         self._vals, self._params = _param_block(ints)

@@ -358,9 +358,10 @@ class LLM:
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
                                   max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels)
+        # the prefill's compiled layout (models.layers._plan_rows) loaded or compiled here, not in a request's step
         t0 = time.perf_counter()
-        expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)  # compiled / loaded here, not
-        logger.info("prefill layout ready in {:.2f} s (measured)", time.perf_counter() - t0)  # in a request's step
+        expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)
+        logger.info("prefill layout ready in {:.2f} s (measured)", time.perf_counter() - t0)
         if graphs:  # each batch size's first decode step runs eagerly here, not in a request's step
             t0 = time.perf_counter()
             n = self.runner.decode.warm_up()
