@@ -6,6 +6,7 @@ by each source file's size and time), as they are: a GPU call that must compile 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 import threading
@@ -62,7 +63,7 @@ class _PreparedLaunch:
         self._launch_kernel, self._ok = _driver()
         self._func = _cufunc(dispatcher, args)
         ints, self._slot = kernel_params(args, var)
-        self._vals, self._params, self._address = _param_block(ints)
+        self._vals, self._params = _param_block(ints)
         self._stream = torch.cuda.current_stream().cuda_stream
 
     def __call__(self, grid: tuple[int, int, int], value: int) -> None:
@@ -72,7 +73,7 @@ class _PreparedLaunch:
             return
         self._vals[self._slot] = value
         err, = self._launch_kernel(self._func, *grid, self._block, 1, 1, self._shmem, self._stream,
-                                   self._address, 0)
+                                   ctypes.addressof(self._params), 0)
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._dispatcher.__name__}: {err}")
 
@@ -92,7 +93,7 @@ def launch(dispatcher, grid: int | tuple[int, ...], block: int, args: tuple, shm
     params = _launch_params(kernel_params(args)[0])
     grid = (*grid, 1, 1)[:3]
     err, = launch_kernel(_cufunc(dispatcher, args), *grid, block, 1, 1, shmem, torch.cuda.current_stream().cuda_stream,
-                         params, 0)
+                         ctypes.addressof(params), 0)
     if err != ok:
         raise RuntimeError(f"cuLaunchKernel of {dispatcher.__name__}: {err}")
 
@@ -106,32 +107,29 @@ def _driver():
     return binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS
 
 
-def _param_block(ints: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
-    """The driver's kernelParams for flat int64 parameters: the values, the array of their addresses (keep both alive
-    until the launch returns) and that array's address. Every parameter is int64 here (arrays' fields, ints, a bool):
-    the driver copies each parameter's own size from its address, little-endian, so a narrower one (the bool) reads
-    the low bytes. numpy arrays: ~5 us for the dequantize launch's 62 parameters on the CPU box, where ctypes arrays
-    took ~25 (once per prefill layer call, `_PreparedLaunch`)."""
-    vals = np.array(ints, dtype=np.int64)
-    base = vals.ctypes.data
-    params = np.arange(base, base + 8 * len(ints), 8, dtype=np.uint64)
-    return vals, params, params.ctypes.data
+def _param_block(ints: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The driver's kernelParams for flat int64 parameters: the values, and the array of their addresses (keep both
+    alive until the launch returns). Every parameter is int64 here (arrays' fields, ints, a bool): the driver copies
+    each parameter's own size from its address, little-endian, so a narrower one (the bool) reads the low bytes."""
+    vals = (ctypes.c_int64 * len(ints))(*ints)
+    base = ctypes.addressof(vals)
+    return vals, (ctypes.c_void_p * len(ints))(*range(base, base + 8 * len(ints), 8))
 
 
 _LAUNCH_PARAMS = threading.local()  # per thread: parameter count -> a `_param_block` that `launch` refills
 
 
-def _launch_params(ints: list[int]) -> int:
-    """The address of kernelParams of `ints` for one launch, in a block kept per thread and parameter count:
-    cuLaunchKernel copies the values when it is called (a captured launch too), so the next launch may overwrite them.
-    Building a block took ~20 us of host time a launch, refilling one ~1.5 us (CPU, 40 parameters)."""
+def _launch_params(ints: list[int]) -> ctypes.Array:
+    """kernelParams of `ints` for one launch, in a block kept per thread and parameter count: cuLaunchKernel copies
+    the values when it is called (a captured launch too), so the next launch may overwrite them. Building a block
+    took ~20 us of host time a launch, refilling one ~1.5 us (CPU, 40 parameters)."""
     blocks = _LAUNCH_PARAMS.__dict__.setdefault("blocks", {})
     block = blocks.get(len(ints))
     if block is None:
         block = blocks[len(ints)] = _param_block(ints)
     else:
         block[0][:] = ints
-    return block[2]
+    return block[1]
 
 
 def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:

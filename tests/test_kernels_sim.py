@@ -320,26 +320,25 @@ def test_launch_params_refill_one_block_per_thread_and_count() -> None:
 
     import pagedweight.cuda.launcher as lm
 
-    def read(params: int, n: int) -> list[int]:  # what the driver reads: the i-th pointer's int64
-        return [ctypes.c_int64.from_address(ctypes.c_uint64.from_address(params + 8 * i).value).value
-                for i in range(n)]
+    def read(params: ctypes.Array, n: int) -> list[int]:
+        return [ctypes.c_int64.from_address(params[i]).value for i in range(n)]
 
-    *prepared_block, prepared = lm._param_block([1, 2, -3])  # all held, as _PreparedLaunch holds them
+    prepared_vals, prepared = lm._param_block([1, 2, 3])  # both held, as _PreparedLaunch holds them
     first = lm._launch_params([1, -2, 3])
     assert read(first, 3) == [1, -2, 3]
-    assert lm._launch_params([4, 5, 6]) == first and read(first, 3) == [4, 5, 6]
+    assert lm._launch_params([4, 5, 6]) is first and read(first, 3) == [4, 5, 6]
     two = lm._launch_params([7, 8])
-    assert two != first and read(two, 2) == [7, 8] and read(first, 3) == [4, 5, 6]
+    assert two is not first and read(two, 2) == [7, 8] and read(first, 3) == [4, 5, 6]
     other: list = []
     def in_thread() -> None:  # read there: a thread's blocks go with it
         params = lm._launch_params([9, 9, 9])
-        other.append((params == first, read(params, 3)))
+        other.append((params is first, read(params, 3)))
 
     thread = threading.Thread(target=in_thread)
     thread.start()
     thread.join()
     assert other == [(False, [9, 9, 9])] and read(first, 3) == [4, 5, 6]
-    assert read(prepared, 3) == [1, 2, -3]
+    assert read(prepared, 3) == [1, 2, 3]
 
 
 ROUTE_CHILD = textwrap.dedent(r"""
