@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as tf
 
 from pagedweight.bitplanes import num_words
-from pagedweight.models.layers import expert_rows
+from pagedweight.models.layers import expert_rows, row_bucket
 from pagedweight.runner import NARROW_WIDTH
 
 from ._compat import SIMULATOR, cuda
@@ -735,6 +735,54 @@ class PrefillBuffers:
                 for o, (shape, _, dtype) in zip(offsets, parts)]
 
 
+def _call_tensors(buffers: PrefillBuffers, dev: torch.device, T: int, rows: int, slots: int, D: int, F: int, k: int,
+                  E: int, G: int, ht: torch.dtype, wdt: torch.dtype, grouped: bool) -> list[torch.Tensor]:
+    """A prefill call's tensors in `buffers` (xp, x, gu, act, y, yw, out, scratch), each bounded whatever the routing:
+    the rows (padded: at most (1 + PAD_SLACK) * T*k, groups split where they would pad more, and at most E*T, no
+    expert having more than T rows) through the gather, gate_up, activation, down and the fp32 weighting; the scratch
+    of `slots` experts (at most G)."""
+    tb = max(T, buffers.tokens)  # the token count the regions are bounded for
+    bound = tb * k if grouped else min(int((1 + PAD_SLACK) * tb * k), tb * E)
+    pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
+    slot_elems, f32 = sum(_slot_elems(D, F)), torch.float32
+    return buffers.take(dev, [
+        ((T + 1, D), (tb + 1) * D, ht), ((rows, D), bound * D, ht), ((pad_rows, 2 * F), pad_bound * 2 * F, ht),
+        ((pad_rows, F), pad_bound * F, ht), ((rows, D), bound * D, ht), ((rows, D), bound * D, f32),
+        ((T + 1, D), (tb + 1) * D, f32), ((slots * slot_elems,), G * slot_elems, wdt)])
+
+
+def warm_prefill_gemms(buffers: PrefillBuffers, D: int, F: int, E: int, k: int, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    """Run once each padded group GEMM shape (n experts of `width` rows, both projections) that a prefill call of up
+    to buffers.tokens tokens can take with bucketed widths (`layers.row_bucket`); returns the shapes run. Why: cuBLAS
+    chooses a kernel on a shape's first sight, ~0.1 ms of host time and up to 2 ms against ~0.03 ms after (H100,
+    step_host's bmm_us), and a fresh engine's prefill steps met dozens each (probe_phase, s53 calls log: a 453-token
+    step's GEMMs 31-55 ms of host time in its first steps, 6-15 later). The tensors are the call's own regions of
+    `buffers`, given back after (the first real call allocates them again, where the activation reserve's profile
+    measures them). Nothing to do without a token bound, or where the grouped GEMM runs instead (bf16 on sm90)."""
+    grouped = dtype == torch.bfloat16 and _has_grouped_kernel(device) and D % 8 == 0 and F % 8 == 0
+    if grouped or buffers.tokens < 1:
+        return 0
+    T, G = buffers.tokens, min(prefill_group(D, F), GROUPED_MAX, E)
+    bound = min(int((1 + PAD_SLACK) * T * k), T * E)
+    wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    _, x, gu, act, y, _, _, scratch = _call_tensors(buffers, device, T, bound, G, D, F, k, E, G, dtype, wdt, False)
+    w_gu, w_d = scratch_views(scratch, D, F)
+    w_gu, w_d = w_gu[:, :D], w_d[:, :F]
+    widths = np.unique(row_bucket(np.arange(1, T + 1))).tolist()
+    shapes = 0
+    for n in range(1, G + 1):
+        for width in widths:
+            rows = n * width
+            if rows > bound:
+                break
+            _grouped_mm(x[:rows].view(n, width, D), w_gu[:n], None, gu[:rows].view(n, width, 2 * F))
+            _grouped_mm(act[:rows].view(n, width, F), w_d[:n], None, y[:rows].view(n, width, D))
+            shapes += 1
+    buffers.data = None
+    return shapes
+
+
 def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width,
              buffers: PrefillBuffers | None = None):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
@@ -758,20 +806,10 @@ def _prefill(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_o
     slots, token, pair, ends = plan.to(dev)
     if grouped:
         ends = ends.to(torch.int32)
-    # per-call tensors in `buffers`, each bounded whatever the routing: the rows (padded: at most (1 + PAD_SLACK) *
-    # T*k, groups split where they would pad more, and at most E*T, no expert having more than T rows) through the
-    # gather, gate_up, activation, down and the fp32 weighting; the scratch
     sizes = [r1 - r0 for _, _, r0, r1, _ in plan.groups]
     buffers = buffers or PrefillBuffers()
-    tb = max(T, buffers.tokens)  # the token count the regions are bounded for
-    rows, ht, f32 = len(plan.token), hidden.dtype, torch.float32
-    bound = tb * k if grouped else min(int((1 + PAD_SLACK) * tb * k), tb * q.shape[0])
-    pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
-    slot_elems = sum(_slot_elems(D, F))
-    xp, x, gu, act, y, yw, out, scratch = buffers.take(dev, [
-        ((T + 1, D), (tb + 1) * D, ht), ((rows, D), bound * D, ht), ((pad_rows, 2 * F), pad_bound * 2 * F, ht),
-        ((pad_rows, F), pad_bound * F, ht), ((rows, D), bound * D, ht), ((rows, D), bound * D, f32),
-        ((T + 1, D), (tb + 1) * D, f32), ((min(G, len(plan.slots)) * slot_elems,), G * slot_elems, wdt)])
+    xp, x, gu, act, y, yw, out, scratch = _call_tensors(buffers, dev, T, len(plan.token), min(G, len(plan.slots)),
+                                                        D, F, k, q.shape[0], G, hidden.dtype, wdt, grouped)
     xp[:T].copy_(hidden)
     xp[T].zero_()
     torch.index_select(xp, 0, token, out=x)  # padding rows read the zero row T

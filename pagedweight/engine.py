@@ -43,7 +43,7 @@ from pagedweight.planner import BlockTables, KVState, Planner
 from pagedweight.pool import (PAGE_ALIGN, SEGMENT_OWN_MIN, SEGMENT_ROUND, PagePool, PoolExhausted, release_cached,
                               resolve_budget)
 from pagedweight.runner import (NARROW_WIDTH, APWeights, ModelRunner, PromptRows, ap_weights, build_ap_model,
-                                default_store_dir, install_ap_experts, planes_id)
+                                default_store_dir, install_ap_experts, planes_id, warm_prefill_gemms)
 from pagedweight.sampling import MAX_LOGPROBS, Sampler, SamplingParams, make_generator
 from pagedweight.scheduler import Scheduler
 from pagedweight.sequence import Sequence
@@ -125,6 +125,9 @@ class EngineOptions:
     # on CUDA (fp16/fp32): the whole-step decode graphs run each layer's norms, RoPE, routing and shared-expert
     # elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
     layer_kernels: bool = True
+    # on CUDA, at start: the fused kernel's prefill GEMM shapes run once each (runner.warm_prefill_gemms), so that
+    # cuBLAS's choice of kernel for a new shape (up to ms of host time) falls there, not in a request's prefill step
+    prefill_warm_up: bool = True
     # reload bytes issued per step: None = derived (ReloadPace: link speed x duty x measured step time),
     # 0 = unpaced, > 0 = that fixed cap
     reload_bytes_per_step: int | None = None
@@ -362,6 +365,11 @@ class LLM:
         t0 = time.perf_counter()
         expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)
         logger.info("prefill layout ready in {:.2f} s (measured)", time.perf_counter() - t0)
+        if self.device.type == "cuda" and opts.prefill_warm_up:  # cuBLAS's kernel choices, not in a request's step
+            t0 = time.perf_counter()
+            n = warm_prefill_gemms(model, self.dtype)
+            if n:
+                logger.info("prefill GEMMs: {} shapes warmed up in {:.2f} s (measured)", n, time.perf_counter() - t0)
         if graphs:  # each batch size's first decode step runs eagerly here, not in a request's step
             t0 = time.perf_counter()
             n = self.runner.decode.warm_up()

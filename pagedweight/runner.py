@@ -278,6 +278,22 @@ def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: Page
                                            graph_pool))
 
 
+@torch.inference_mode()
+def warm_prefill_gemms(model: MoEForCausalLM, dtype: torch.dtype) -> int:
+    """The fused kernel's prefill GEMM shapes run once each (`moe_kernels.warm_prefill_gemms`, through the buffers the
+    layers share), so that a request's prefill step does not pay cuBLAS's choice of kernel; returns the shapes run
+    (0 where the layers have no such buffers: the torch reference, dense experts, no token bound)."""
+    experts = model.layers[0].mlp.experts
+    buffers = getattr(getattr(experts, "fn", None), "keywords", {}).get("buffers")
+    if buffers is None:
+        return 0
+    from pagedweight.cuda.moe_kernels import warm_prefill_gemms as warm
+
+    cfg = model.config
+    return warm(buffers, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, dtype,
+                experts.pool.device)
+
+
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
     """Padded batch sizes of static decode steps: the powers of two below max_num_seqs, then max_num_seqs."""
     return [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]

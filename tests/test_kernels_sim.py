@@ -442,3 +442,43 @@ def test_split_sizing_covers_k_and_widens_mixed_layers_from_eight_tokens():
     for cls in (4, 8):
         for W in (1, 5, 44, 64, 448):
             assert len({tuple(res[f"{cls}/{W}/{T}"]) for T in (1, 4, 7, 8, 32)}) == 1, (cls, W)
+
+
+def test_prefill_warm_up_runs_every_bucketed_group_shape() -> None:
+    """`warm_prefill_gemms` runs both projections' GEMM at every (experts, bucketed width) a prefill call of up to
+    the buffers' tokens can pad a group to (groups of 7 as on Qwen1.5's shape, 60 experts, top-4), through the
+    buffers' regions, and gives the buffers back; every group of 30 random layouts with a bucketed width is one of
+    them. Shapes only (the GEMMs are recorded, not run: the host-side plan is what is checked here)."""
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    import pagedweight.cuda.moe_kernels as mk
+    from pagedweight.models.layers import expert_rows, row_bucket
+
+    D, F, E, k, T = 64, 32, 60, 4, 1024
+    seen: list[tuple[int, int, int, int]] = []
+
+    def record(a, b, offs, out=None):
+        assert out is not None and out.shape == (*a.shape[:2], b.shape[2]) and b.shape[:2] == (a.shape[0], a.shape[2])
+        seen.append((*a.shape[:2], *b.shape[1:]))
+
+    buffers = mk.PrefillBuffers(T)
+    with mock.patch.object(mk, "_grouped_mm", record), \
+            mock.patch.object(mk, "PREFILL_SCRATCH_BYTES", 7 * 2 * sum(mk._slot_elems(D, F))):
+        assert mk.prefill_group(D, F) == 7
+        shapes = mk.warm_prefill_gemms(buffers, D, F, E, k, torch.float32, torch.device("cpu"))
+    assert buffers.data is None and len(seen) == 2 * shapes
+    warmed = {(n, w) for n, w, K, N in seen if (K, N) == (D, 2 * F)}
+    assert {(n, w) for n, w, K, N in seen if (K, N) == (F, D)} == warmed and len(warmed) == shapes
+    buckets = np.unique(row_bucket(np.arange(1, T + 1)))
+    assert shapes == sum(1 for n in range(1, 8) for w in buckets if n * w <= 2 * T * k)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        t = int(rng.integers(mk.DECODE_MAX_T + 1, T + 1))
+        popularity = rng.dirichlet(np.full(E, 0.3))
+        ids = np.stack([rng.choice(E, k, replace=False, p=popularity) for _ in range(t)])
+        plan = expert_rows(ids, E, 7, pad=True, routed_only=True, slack=mk.PAD_SLACK, bucket=True)
+        for _, n, _, _, width in plan.groups:
+            assert row_bucket(np.array([width]))[0] != width or (n, width) in warmed, (t, n, width)
