@@ -365,7 +365,7 @@ class LLM:
         t0 = time.perf_counter()
         expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)
         logger.info("prefill layout ready in {:.2f} s (measured)", time.perf_counter() - t0)
-        if self.device.type == "cuda" and opts.prefill_warm_up:  # cuBLAS's kernel choices, not in a request's step
+        if opts.prefill_warm_up and self.device.type == "cuda":  # cuBLAS's kernel choices, not in a request's step
             t0 = time.perf_counter()
             n = warm_prefill_gemms(model, self.dtype)
             if n:

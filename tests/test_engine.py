@@ -847,6 +847,30 @@ def test_prompt_logprobs_chunk_the_lm_head(hf_dir, monkeypatch):
 
 
 # ---------------------------------------------------------------- any-precision path and paging
+def test_prefill_gemm_warm_up_walks_the_engines_layers(ap_dir):
+    """`runner.warm_prefill_gemms` (run at engine start on CUDA) finds the prefill buffers the layers' experts share
+    and runs every group GEMM shape through them, then gives them back; experts without such buffers (the torch
+    twin, as on this CPU) run none. Here layer 0's experts are given the CUDA path's buffers."""
+    import functools
+
+    from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.models.layers import row_bucket
+    from pagedweight.runner import warm_prefill_gemms
+
+    llm = LLM(ap_dir, device="cpu", block_size=4, max_num_batched_tokens=32, page_store_dir=str(ap_dir / "store"))
+    assert llm.options.prefill_warm_up and warm_prefill_gemms(llm.model, llm.dtype) == 0
+    buffers = mk.PrefillBuffers(32)
+    experts = llm.model.layers[0].mlp.experts
+    experts.fn = functools.partial(mk.moe_forward, buffers=buffers)
+    cfg = llm.model.config
+    D, F, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    G = min(mk.prefill_group(D, F), mk.GROUPED_MAX, E)
+    bound = min(int((1 + mk.PAD_SLACK) * 32 * k), 32 * E)
+    want = sum(1 for n in range(1, G + 1) for w in np.unique(row_bucket(np.arange(1, 33))) if n * w <= bound)
+    assert warm_prefill_gemms(llm.model, llm.dtype) == want > 0 and buffers.data is None
+    llm.close()
+
+
 def test_ap_no_pressure_8bit_equals_uniform_8bit(ap_dir):
     llm = LLM(ap_dir, device=DEVICE, block_size=4, page_store_dir=str(ap_dir / "store"))  # all 8-bit + KV
     outs = llm.generate(PROMPTS, greedy(12), use_tqdm=False)

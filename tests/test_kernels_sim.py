@@ -473,7 +473,7 @@ def test_prefill_warm_up_runs_every_bucketed_group_shape() -> None:
     warmed = {(n, w) for n, w, K, N in seen if (K, N) == (D, 2 * F)}
     assert {(n, w) for n, w, K, N in seen if (K, N) == (F, D)} == warmed and len(warmed) == shapes
     buckets = np.unique(row_bucket(np.arange(1, T + 1)))
-    assert shapes == sum(1 for n in range(1, 8) for w in buckets if n * w <= 2 * T * k)
+    assert shapes == sum(1 for n in range(1, 8) for w in buckets if n * w <= (1 + mk.PAD_SLACK) * T * k)
     rng = np.random.default_rng(1)
     for _ in range(30):
         t = int(rng.integers(mk.DECODE_MAX_T + 1, T + 1))
