@@ -1,6 +1,6 @@
 """Host time of the prefill's expert layout (`models.layers.expert_rows`), which runs once per MoE layer of every
 prefill step: Qwen1.5-MoE's (60 experts, top-4) and Qwen3-30B-A3B's (128, top-8) routing under a skewed popularity,
-padded groups as the AP prefill plans them (`cuda/moe_kernels._prefill`: its group size, slack and buckets), at
+padded groups as the AP prefill plans them (`cuda/prefill.prefill_forward`: its group size, slack and buckets), at
 several token counts. Per case the best of --rounds timings of --calls calls (us per call, measured on this host).
 
     python -m benchmarks.layout_bench --label s52
@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from benchmarks.common import write_result
-from pagedweight.cuda.moe_kernels import GROUPED_MAX, PAD_SLACK, prefill_group
+from pagedweight.cuda.prefill import GROUPED_MAX, PAD_SLACK, prefill_group
 from pagedweight.models.layers import expert_rows
 
 SHAPES = {"qwen1.5-moe": (60, 4, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768)}  # E, k, D, F

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
 from pagedweight.bitplanes import lut_bytes, num_words, plane_bytes  # noqa: E402
 from pagedweight.cuda import moe_kernels as mk  # noqa: E402
+from pagedweight.cuda import prefill as pf  # noqa: E402
 from pagedweight.cuda.moe_kernels import moe_forward  # noqa: E402
 from pagedweight.cuda.reference import moe_forward_reference  # noqa: E402
 from pagedweight.cuda.synthetic import build_synthetic_moe  # noqa: E402
@@ -403,7 +404,7 @@ def prefill(shapes: list[str]) -> None:
                      plan="mixed3-8", rel_err=err, passed=ok))
             log(f"{name} prefill correctness {dtype}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
         moe.write_tables(torch.full((E, 2), 4), q_dev, lo_dev)
-        G = mk.prefill_group(D, F)
+        G = pf.prefill_group(D, F)
         for T in (64, 256, 2048):
             ids, w = routing(T, E, k, gen)
             n_routed = int(torch.unique(ids).numel())
@@ -411,20 +412,20 @@ def prefill(shapes: list[str]) -> None:
                 h = torch.randn(T, D, generator=gen, device=DEV).to(dtype)
                 # the LUT width the runner passes for a uniform 4-bit layer (until 2badfdb the prefill took P)
                 args = (h, ids, w, moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, D, F, lut_class(4))
-                us = time_cycle([lambda: mk._prefill(*args)], reps=5, warm=1)
+                us = time_cycle([lambda: pf.prefill_forward(*args)], reps=5, warm=1)
                 host = []
                 for _ in range(5):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    mk._prefill(*args)
+                    pf.prefill_forward(*args)
                     host.append((time.perf_counter() - t0) * 1e6)
                 # one dequantize launch of a full group (the first G routed experts), both kinds
                 n = min(G, n_routed)
                 wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-                scratch = mk.prefill_scratch(n, D, F, wdt, DEV)
+                scratch = pf.prefill_scratch(n, D, F, wdt, DEV)
                 slots = torch.unique(ids).long()
                 us_dq, us_dq_p = (time_cycle([functools.partial(dequantize, 0, n)], reps=10) for dequantize in (
-                    mk._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw, scratch)
+                    pf._dequantizer(moe.pool_words, moe.pool_halves, q_dev, po_dev, lo_dev, slots, D, F, lw, scratch)
                     for lw in (lut_class(4), P)))
                 dq_bytes = scratch.numel() * 2 + n * block_bytes(D, F, 4, 4)
                 tbs = dq_bytes / (us_dq * 1e-6) / 1e12
@@ -435,7 +436,7 @@ def prefill(shapes: list[str]) -> None:
                            us_dequant_launch_lut_P=us_dq_p,
                            dequant_experts=n, dequant_bytes=dq_bytes, dequant_tb_per_s=tbs,
                            dequant_frac_of_copy_ceiling=tbs / CEIL["copy_tb_per_s"],
-                           grouped_mm_kernel=dtype == torch.bfloat16 and mk._has_grouped_kernel(h.device),
+                           grouped_mm_kernel=dtype == torch.bfloat16 and pf._has_grouped_kernel(h.device),
                            us_before=before.get((name, T)) if dtype == torch.float16 else None,
                            before_file=BEFORE.name)
                 add(row)

@@ -16,16 +16,17 @@ import numpy as np
 sys.path.insert(0, os.getcwd())
 import torch
 import pagedweight.cuda.moe_kernels as mk
+import pagedweight.cuda.prefill as pf
 from pagedweight.models.layers import MoEBlock
 from benchmarks import kv_pressure
 from benchmarks.common import write_result
 
 src = open(".ab/old_moe_kernels.py").read()
-ns = dict(vars(mk))
+ns = {**vars(mk), **vars(pf)}
 for node in ast.parse(src).body:
     if isinstance(node, ast.FunctionDef) and node.name in ("_grouped_mm", "_prefill"):
         exec(compile(ast.Module([node], []), "old_moe_kernels.py", "exec"), ns)
-old_prefill, new_prefill, fuse = ns["_prefill"], mk._prefill, MoEBlock.fuse_inputs
+old_prefill, new_prefill, fuse = ns["_prefill"], pf.prefill_forward, MoEBlock.fuse_inputs
 assert old_prefill is not new_prefill
 KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s", "requests_waited", "preemptions",
         "offload_triggers", "reload_triggers", "bytes_offloaded", "bytes_reloaded", "mean_width_min",
@@ -36,7 +37,7 @@ arms = ["new", "oldprefill", "unfused"]
 rows, tmp = [], tempfile.mkdtemp()
 for rep in range(-1, reps):  # rep -1: warm-up (compiles), not kept
     for arm in (arms if rep % 2 == 0 else arms[::-1]) if rep >= 0 else ["new"]:
-        mk._prefill = old_prefill if arm == "oldprefill" else new_prefill
+        pf.prefill_forward = old_prefill if arm == "oldprefill" else new_prefill
         MoEBlock.fuse_inputs = (lambda self: None) if arm == "unfused" else fuse
         label = f"{arm}{rep}"
         kv_pressure.main(["--static-bits", "none", "--paged-runs", "1", "--warmup-replays", "0", "--trace", "--out-dir", tmp,

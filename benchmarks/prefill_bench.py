@@ -6,10 +6,11 @@ process (ABBA...), so that the host's drift, which moved prefill times by up to 
     python3 -m benchmarks.prefill_bench --old _ab/old_moe_kernels.py --label L        # on the H200
 
 Layer (Qwen1.5-MoE expert shapes, synthetic planes at 4 bits, fp16): one routed-expert prefill call
-(`moe_kernels._prefill`) at T tokens: GPU time per call (CUDA events over back-to-back calls) and host time (from an
+(`prefill.prefill_forward`) at T tokens: GPU time per call (CUDA events over back-to-back calls) and host time (from an
 idle GPU until the call returns). Engine (engine_bench's random Qwen1.5-shaped model, fp16 dense experts and uniform
 4-bit experts, 512-token chunks): the time until every request of a batch of 2016-token prompts has its first token.
-`--old FILE`: the "old" arm runs FILE's `_prefill` (loaded into the kernel module's namespace; `--old-names`: with
+`--old FILE`: the "old" arm runs FILE's `_prefill` (an older moe_kernels.py, before the prefill moved to
+cuda/prefill.py; loaded into the two modules' namespace; `--old-names`: with
 FILE's versions of those helpers too); `--old-parent-width`: given the parent width where the new arm gets the
 runner's LUT width (4 bits: `runner.lut_width`), as the revisions before 2badfdb passed it. At the layer level each
 arm that takes them has its own `PrefillBuffers`, as an engine's layers share one, and the rows carry how far each
@@ -30,6 +31,7 @@ import time
 import torch
 
 import pagedweight.cuda.moe_kernels as mk
+import pagedweight.cuda.prefill as pf
 from benchmarks import engine_bench as eb
 from benchmarks.common import old_functions, write_result
 from benchmarks.moe_kernel_bench import SHAPES, routing
@@ -43,7 +45,7 @@ def load_old(path: str, names: list[str], parent_width: bool) -> dict:
     """The arms' `_prefill`: FILE's (`old_functions`: with FILE's `names` too) and the current one. The old arm takes
     the current call's arguments: the parent width in place of the LUT width when `parent_width`, no buffers when
     FILE's `_prefill` takes none (before 917ff2d)."""
-    old = old_functions(path, ["_prefill", *names], vars(mk))["_prefill"]
+    old = old_functions(path, ["_prefill", *names], {**vars(mk), **vars(pf)})["_prefill"]
     takes_buffers = "buffers" in inspect.signature(old).parameters
 
     def old_arm(*args):
@@ -51,14 +53,14 @@ def load_old(path: str, names: list[str], parent_width: bool) -> dict:
         if parent_width:
             head = head[:-1] + (PARENT_BITS[0],)
         return old(*head, *(buffers if takes_buffers else ()))
-    return {"old": old_arm, "new": mk._prefill}
+    return {"old": old_arm, "new": pf.prefill_forward}
 
 
 PARENT_BITS = [8]  # of the planes the running level reads (the old arm sizes its LUT by it)
 
 
 def use(arms: dict, arm: str) -> None:
-    mk._prefill = arms[arm]
+    pf.prefill_forward = arms[arm]  # moe_forward looks it up at each prefill call
 
 
 def skewed_routing(T: int, E: int, k: int, skew: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +82,7 @@ def layer_rows(arms: dict, tokens: list[int], reps: int, profile: str | None = N
     moe = build_synthetic_moe(E, D, F, 8, 3, device="cuda", seed=21, shuffle=False)
     q, po, lo = moe.tables(torch.full((E, 2), 4))
     gen = torch.Generator(device="cuda").manual_seed(9)
-    rows, buffers = [], {a: mk.PrefillBuffers() for a in arms}
+    rows, buffers = [], {a: pf.PrefillBuffers() for a in arms}
     for T in tokens:
         ids, w = skewed_routing(T, E, k, skew, gen)
         h = torch.randn(T, D, generator=gen, device="cuda").half()
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
     arms = load_old(args.old, [n for n in args.old_names.split(",") if n], args.old_parent_width) if args.old \
-        else {"new": mk._prefill}
+        else {"new": pf.prefill_forward}
     rows = layer_rows(arms, [int(t) for t in args.tokens.split(",")], args.reps, args.profile, args.skew)
     extra = {"old_file": args.old, "old_names": args.old_names, "old_parent_width": args.old_parent_width,
              "complete": False}

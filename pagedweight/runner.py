@@ -110,7 +110,8 @@ def moe_function(device: torch.device, reference: bool = False, max_tokens: int 
     gets buffers of its own (`PrefillBuffers`, sized for calls of up to `max_tokens` tokens), which every layer shares
     and which go with the layers' experts."""
     if device.type == "cuda" and not reference:
-        from pagedweight.cuda.moe_kernels import PrefillBuffers, moe_forward
+        from pagedweight.cuda.moe_kernels import moe_forward
+        from pagedweight.cuda.prefill import PrefillBuffers
         return functools.partial(moe_forward, buffers=PrefillBuffers(max_tokens))
     from pagedweight.cuda.reference import moe_forward_reference
     return moe_forward_reference
@@ -280,14 +281,14 @@ def install_ap_experts(model: MoEForCausalLM, table: WeightPageTable, pool: Page
 
 @torch.inference_mode()
 def warm_prefill_gemms(model: MoEForCausalLM, dtype: torch.dtype) -> int:
-    """The fused kernel's prefill GEMM shapes run once each (`moe_kernels.warm_prefill_gemms`, through the buffers the
+    """The fused kernel's prefill GEMM shapes run once each (`cuda.prefill.warm_prefill_gemms`, through the buffers the
     layers share), so that a request's prefill step does not pay cuBLAS's choice of kernel; returns the shapes run
     (0 where the layers have no such buffers: the torch reference, dense experts, no token bound)."""
     experts = model.layers[0].mlp.experts
     buffers = getattr(getattr(experts, "fn", None), "keywords", {}).get("buffers")
     if buffers is None:
         return 0
-    from pagedweight.cuda.moe_kernels import warm_prefill_gemms as warm
+    from pagedweight.cuda.prefill import warm_prefill_gemms as warm
 
     cfg = model.config
     return warm(buffers, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, dtype,

@@ -854,18 +854,19 @@ def test_prefill_gemm_warm_up_walks_the_engines_layers(ap_dir):
     import functools
 
     from pagedweight.cuda import moe_kernels as mk
+    from pagedweight.cuda import prefill as pf
     from pagedweight.models.layers import row_bucket
     from pagedweight.runner import warm_prefill_gemms
 
     llm = LLM(ap_dir, device="cpu", block_size=4, max_num_batched_tokens=32, page_store_dir=str(ap_dir / "store"))
     assert llm.options.prefill_warm_up and warm_prefill_gemms(llm.model, llm.dtype) == 0
-    buffers = mk.PrefillBuffers(32)
+    buffers = pf.PrefillBuffers(32)
     experts = llm.model.layers[0].mlp.experts
     experts.fn = functools.partial(mk.moe_forward, buffers=buffers)
     cfg = llm.model.config
     D, F, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
-    G = min(mk.prefill_group(D, F), mk.GROUPED_MAX, E)
-    bound = min(int((1 + mk.PAD_SLACK) * 32 * k), 32 * E)
+    G = min(pf.prefill_group(D, F), pf.GROUPED_MAX, E)
+    bound = min(int((1 + pf.PAD_SLACK) * 32 * k), 32 * E)
     want = sum(1 for n in range(1, G + 1) for w in np.unique(row_bucket(np.arange(1, 33))) if n * w <= bound)
     assert warm_prefill_gemms(llm.model, llm.dtype) == want > 0 and buffers.data is None
     llm.close()

@@ -23,8 +23,9 @@ CHILD = textwrap.dedent(r"""
     torch.set_num_threads(1)
     from pagedweight.bitplanes import num_words
     import pagedweight.cuda.moe_kernels as mk
-    from pagedweight.cuda.moe_kernels import (_bf16_bits, _dequantizer, _grouped_mm, moe_forward, prefill_group,
-                                              prefill_scratch, scratch_views)
+    import pagedweight.cuda.prefill as pf
+    from pagedweight.cuda.moe_kernels import _bf16_bits, moe_forward
+    from pagedweight.cuda.prefill import _dequantizer, _grouped_mm, prefill_group, prefill_scratch, scratch_views
     from pagedweight.cuda.reference import block_weight, moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
     from pagedweight.models.layers import expert_rows
@@ -82,17 +83,17 @@ CHILD = textwrap.dedent(r"""
     # pairs given one padded row overwrite each other, and a slot or row past the group's [n, maxc] raises (slots not
     # made group-local raise in the second group only). Rows permuted within their slot are harmless: scatter and gather agree.
     moe = build_synthetic_moe(E=8, D=80, F=40, P=6, seed_bits=3, seed=3)
-    default_scratch = mk.PREFILL_SCRATCH_BYTES
-    mk.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
+    default_scratch = pf.PREFILL_SCRATCH_BYTES
+    pf.PREFILL_SCRATCH_BYTES = 4 * 2 * (num_words(moe.D) * 32 * 2 * moe.F + num_words(moe.F) * 32 * moe.D)
     T = 80
     first = [0] * 70 + [4] * 10
     second = [3] * 50 + [1] * 3 + [5] + [7] * 26
     ids = torch.tensor([first, second], dtype=torch.int32).t()
     swap = torch.rand(T, generator=g) < 0.5
     ids = torch.where(swap[:, None], ids.flip(1), ids)[torch.randperm(T, generator=g)].contiguous()
-    default_slack = mk.PAD_SLACK
+    default_slack = pf.PAD_SLACK
     for slack in (default_slack, 0.5):
-        mk.PAD_SLACK = slack
+        pf.PAD_SLACK = slack
         for dtype in (torch.float16, torch.bfloat16):
             q = torch.randint(3, 7, (moe.E, 2), generator=g)
             w = torch.rand(T, 2, generator=g)
@@ -100,11 +101,11 @@ CHILD = textwrap.dedent(r"""
                 check(moe, q, torch.randn(T, moe.D, generator=g).to(dtype), ids, w / w.sum(1, keepdim=True)),
                 G=prefill_group(moe.D, moe.F), counts=torch.bincount(ids.reshape(-1).long(), minlength=moe.E).tolist(),
                 groups=[n for _, n, *_ in expert_rows(ids.numpy(), moe.E, 4, True, True, slack).groups])
-    mk.PAD_SLACK = default_slack
+    pf.PAD_SLACK = default_slack
     # PrefillBuffers shared by calls, as an engine's layers share one: each output equals that of a call without
     # (its own buffers), and stays so after the next call reuses them; buffers sized for 80 tokens allocate that bound
     # at a first call of 72 and keep the allocation through a call of 80 (other routing)
-    buffers, outs = mk.PrefillBuffers(tokens=80), []
+    buffers, outs = pf.PrefillBuffers(tokens=80), []
     qd, po, lo = moe.tables(torch.randint(3, 7, (moe.E, 2), generator=g))
     for n in (72, 80):
         w = torch.rand(n, 2, generator=g)
@@ -117,12 +118,12 @@ CHILD = textwrap.dedent(r"""
     # a layer of fewer experts than the scratch holds (as the bundled model's 16 small experts, where the default
     # scratch holds 1,023): its regions are bounded by (1 + PAD_SLACK) * T * k padded rows (at most E * T) and E
     # scratch slots, not T * (k + G) rows and G slots
-    mk.PREFILL_SCRATCH_BYTES = default_scratch
-    small = mk.PrefillBuffers(tokens=T)
+    pf.PREFILL_SCRATCH_BYTES = default_scratch
+    small = pf.PrefillBuffers(tokens=T)
     moe_forward(*args, buffers=small)
-    E, D, F, rows = moe.E, moe.D, moe.F, min(int((1 + mk.PAD_SLACK) * T * 2), moe.E * T)
+    E, D, F, rows = moe.E, moe.D, moe.F, min(int((1 + pf.PAD_SLACK) * T * 2), moe.E * T)
     parts = [(T + 1) * D * 2, rows * D * 2, rows * 2 * F * 2, rows * F * 2, rows * D * 2, rows * D * 4,
-             (T + 1) * D * 4, E * sum(mk._slot_elems(D, F)) * 2]  # fp16 rows, fp32 weighting and output, scratch
+             (T + 1) * D * 4, E * sum(pf._slot_elems(D, F)) * 2]  # fp16 rows, fp32 weighting and output, scratch
     results["bounded"] = dict(bytes=small.data.numel(), want=sum(-(-n // 256) * 256 for n in parts))
     # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
     # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
@@ -222,7 +223,7 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
     shared memory is sized for 4 bits (as the runner passes for such a layer)."""
     import torch
 
-    import pagedweight.cuda.moe_kernels as mk
+    import pagedweight.cuda.prefill as pf
     from pagedweight.cuda.reference import block_weight
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
@@ -232,10 +233,10 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
     q = torch.randint(3, widest + 1, (E, 2), generator=g)
     qd, po, lo = moe.tables(q)
     dt = getattr(torch, dtype)
-    scratch = mk.prefill_scratch(3, D, F, dt, "cuda")
-    w_gu, w_d = mk.scratch_views(scratch, D, F)
+    scratch = pf.prefill_scratch(3, D, F, dt, "cuda")
+    w_gu, w_d = pf.scratch_views(scratch, D, F)
     slots = torch.randperm(E, generator=g).cuda()
-    dequantize = mk._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch)
+    dequantize = pf._dequantizer(moe.pool_words, moe.pool_halves, qd, po, lo, slots, D, F, widest, scratch)
     for s0, n in ((0, 3), (3, 3), (6, 1)):
         scratch.fill_(float("nan"))
         dequantize(s0, n)
@@ -455,6 +456,7 @@ def test_prefill_warm_up_runs_every_bucketed_group_shape() -> None:
     import torch
 
     import pagedweight.cuda.moe_kernels as mk
+    import pagedweight.cuda.prefill as pf
     from pagedweight.models.layers import expert_rows, row_bucket
 
     D, F, E, k, T = 64, 32, 60, 4, 1024
@@ -464,21 +466,21 @@ def test_prefill_warm_up_runs_every_bucketed_group_shape() -> None:
         assert out is not None and out.shape == (*a.shape[:2], b.shape[2]) and b.shape[:2] == (a.shape[0], a.shape[2])
         seen.append((*a.shape[:2], *b.shape[1:]))
 
-    buffers = mk.PrefillBuffers(T)
-    with mock.patch.object(mk, "_grouped_mm", record), \
-            mock.patch.object(mk, "PREFILL_SCRATCH_BYTES", 7 * 2 * sum(mk._slot_elems(D, F))):
-        assert mk.prefill_group(D, F) == 7
-        shapes = mk.warm_prefill_gemms(buffers, D, F, E, k, torch.float32, torch.device("cpu"))
+    buffers = pf.PrefillBuffers(T)
+    with mock.patch.object(pf, "_grouped_mm", record), \
+            mock.patch.object(pf, "PREFILL_SCRATCH_BYTES", 7 * 2 * sum(pf._slot_elems(D, F))):
+        assert pf.prefill_group(D, F) == 7
+        shapes = pf.warm_prefill_gemms(buffers, D, F, E, k, torch.float32, torch.device("cpu"))
     assert buffers.data is None and len(seen) == 2 * shapes
     warmed = {(n, w) for n, w, K, N in seen if (K, N) == (D, 2 * F)}
     assert {(n, w) for n, w, K, N in seen if (K, N) == (F, D)} == warmed and len(warmed) == shapes
     buckets = np.unique(row_bucket(np.arange(1, T + 1)))
-    assert shapes == sum(1 for n in range(1, 8) for w in buckets if n * w <= (1 + mk.PAD_SLACK) * T * k)
+    assert shapes == sum(1 for n in range(1, 8) for w in buckets if n * w <= (1 + pf.PAD_SLACK) * T * k)
     rng = np.random.default_rng(1)
     for _ in range(30):
         t = int(rng.integers(mk.DECODE_MAX_T + 1, T + 1))
         popularity = rng.dirichlet(np.full(E, 0.3))
         ids = np.stack([rng.choice(E, k, replace=False, p=popularity) for _ in range(t)])
-        plan = expert_rows(ids, E, 7, pad=True, routed_only=True, slack=mk.PAD_SLACK, bucket=True)
+        plan = expert_rows(ids, E, 7, pad=True, routed_only=True, slack=pf.PAD_SLACK, bucket=True)
         for _, n, _, _, width in plan.groups:
             assert row_bucket(np.array([width]))[0] != width or (n, width) in warmed, (t, n, width)
