@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                         "plan's move requests spend their host time in; slows the boundaries)")
     p.add_argument("--observe-every", type=int, default=None, metavar="N",
                    help="PagedWeight reads routing statistics every N-th step (default: the engine's)")
+    p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
+                   help="engines skip the prefill GEMM warm-up at start (EngineOptions.prefill_warm_up; an A/B arm)")
     p.add_argument("--planner-knobs", default=None, metavar="JSON",
                    help='PagedWeight planner knob overrides, e.g. \'{"reload_dwell_steps": 64}\' (pagedweight/knobs.py)')
     p.add_argument("--out-dir", default=None)
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                                          args.shared_prefix + hi + (args.turns - 1) * (hi // 4) + gen
                                          + (args.turns - 1) * gen * (args.think_s is not None))
     options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching,
-                   prefix_retention_s=args.prefix_retention_s)  # static widths: no reload, no retention
+                   prefix_retention_s=args.prefix_retention_s,  # static widths: no reload, no retention
+                   prefill_warm_up=args.prefill_warm_up)
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns, args.think_s)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "observe_every": paged[1].get("observe_every", EngineOptions.observe_every),
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
             "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching,
-            "prefix_retention_s": args.prefix_retention_s}
+            "prefix_retention_s": args.prefix_retention_s, "prefill_warm_up": args.prefill_warm_up}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result. `complete`:

@@ -47,8 +47,9 @@ def timed(fn: Callable[[], object], n: int, device: str) -> list[float]:
     return out
 
 
-def build(tiny: bool, device: str) -> tuple[LLM, int]:
-    """kv_pressure's PagedWeight engine (its budget: every expert at 6 bits and 128 KV blocks) and the vocabulary."""
+def build(tiny: bool, device: str, prefill_warm_up: bool = True) -> tuple[LLM, int]:
+    """kv_pressure's PagedWeight engine (its budget: every expert at 6 bits and 128 KV blocks) and the vocabulary;
+    `prefill_warm_up`: EngineOptions' (the prefill GEMM shapes run at start)."""
     cfg = model_config(tiny)
     dtype = torch.float16 if device == "cuda" else torch.float32
     page = page_bytes(cfg, 16, dtype)
@@ -56,7 +57,8 @@ def build(tiny: bool, device: str) -> tuple[LLM, int]:
     budget, options = kv_pressure.budget_and_options(cfg, weights, 6, outside_bytes(cfg, dtype, device), page,
                                                      6 if tiny else 128, 64 if tiny else 1024, 4096)
     llm = LLM.from_parts(random_model(cfg, False, dtype, device), weights, None, budget, device,
-                         model_name="step_host", bits=6, paging=True, detokenize=False, **options)
+                         model_name="step_host", bits=6, paging=True, detokenize=False,
+                         prefill_warm_up=prefill_warm_up, **options)
     return llm, cfg.vocab_size
 
 
@@ -157,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8", help="decode rows to run eagerly, capture and replay")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--launches", type=int, default=400, help="launches per arm of the launch A/B (CUDA)")
+    p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
+                   help="skip the engine's prefill GEMM warm-up at start (an A/B arm: the prefill steps then meet "
+                        "cuBLAS's first sight of each group shape)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    llm, vocab = build(args.tiny, args.device)
+    llm, vocab = build(args.tiny, args.device, args.prefill_warm_up)
     graphs = llm.runner.decode
     row = {"engine_build_s": round(time.perf_counter() - t0, 3),
            "decode_stats_at_start": None if graphs is None else dict(vars(graphs.stats))}
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print(row, file=sys.stderr)
     print(write_result("step_host", [row], out_dir=args.out_dir, label=args.label,
                        extra={"model": "tiny" if args.tiny else "Qwen1.5-MoE-A2.7B shape, random planes",
-                              "prompt_tokens": args.prompt or (40 if args.tiny else 453)}))
+                              "prompt_tokens": args.prompt or (40 if args.tiny else 453),
+                              "prefill_warm_up": args.prefill_warm_up}))
     return 0
 
 
