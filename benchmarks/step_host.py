@@ -162,9 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
                    help="skip the engine's prefill GEMM warm-up at start (an A/B arm: the prefill steps then meet "
                         "cuBLAS's first sight of each group shape)")
+    p.add_argument("--prefill-scratch-mib", type=int, default=None, metavar="MIB",
+                   help="the prefill's dequantize scratch (cuda/prefill.PREFILL_SCRATCH_BYTES, default 128 MiB): "
+                        "how many experts a group holds, so how many groups, GEMMs and launches a layer call runs")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
+    if args.prefill_scratch_mib is not None:
+        from pagedweight.cuda import prefill
+
+        prefill.PREFILL_SCRATCH_BYTES = args.prefill_scratch_mib << 20
     t0 = time.perf_counter()
     llm, vocab = build(args.tiny, args.device, args.prefill_warm_up)
     graphs = llm.runner.decode
@@ -181,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     print(write_result("step_host", [row], out_dir=args.out_dir, label=args.label,
                        extra={"model": "tiny" if args.tiny else "Qwen1.5-MoE-A2.7B shape, random planes",
                               "prompt_tokens": args.prompt or (40 if args.tiny else 453),
-                              "prefill_warm_up": args.prefill_warm_up}))
+                              "prefill_warm_up": args.prefill_warm_up,
+                              "prefill_scratch_mib": args.prefill_scratch_mib}))
     return 0
 
 
