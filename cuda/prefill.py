@@ -142,7 +142,7 @@ def warm_prefill_gemms(buffers: PrefillBuffers, D: int, F: int, E: int, k: int, 
                        device: torch.device) -> int:
     """Run once each padded group GEMM shape (n experts of `width` rows, both projections) that a prefill call of up
     to buffers.tokens tokens can take with bucketed widths (`layers.row_bucket`); returns the shapes run. Why: cuBLAS
-    chooses a kernel on a shape's first sight, ~0.1 ms of host time and up to 2 ms against ~0.03 ms after (H100,
+    chooses a kernel on a shape's first sight, ~0.1 ms of host time and up to 2 ms against ~0.01 ms again (H100,
     step_host's bmm_us), and a fresh engine's prefill steps met dozens each (probe_phase, s53 calls log: a 453-token
     step's GEMMs 31-55 ms of host time in its first steps, 6-15 later). The tensors are the call's own regions of
     `buffers`, given back after (the first real call allocates them again, where the activation reserve's profile
@@ -171,7 +171,7 @@ def warm_prefill_gemms(buffers: PrefillBuffers, D: int, F: int, E: int, k: int, 
 
 
 def prefill_forward(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, plane_off, lut_off, D, F, lut_width,
-             buffers: PrefillBuffers | None = None):
+                    buffers: PrefillBuffers | None = None):
     """Large T: the routing read once and laid out on the host (`expert_rows`: routed experts, most pairs first, in
     groups that fill PREFILL_SCRATCH_BYTES), uploaded once; the pairs' rows gathered once; per group one dequantize
     launch (both kinds) and two grouped GEMMs; one weighted scatter back to the tokens at the end. Without the
