@@ -92,17 +92,17 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, out
 
 class PrefillBuffers:
     """One device allocation that `prefill_forward`'s per-call tensors are views of, the dequantize scratch included,
-    each in a region sized by the bound of a call of T tokens (min((1 + PAD_SLACK) * T * k, E * T) padded rows, whatever the
-    routing). Why: those tensors' sizes follow each call's routing, and the caching allocator, given a size that no
-    cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the segments first mapped at
-    the prefill's combine held 452-478 MiB beyond the engine's budget
-    (memory_gap-nvidia-h200-20261201-memgap-pressure-s22.json). An engine's layers share one (they run one after
-    another on one stream), bounded for at least `tokens` (the engine's max_num_batched_tokens), so its first prefill
-    allocates it for good; grown from a smaller first call instead, the auto reserve ran 56 MiB over under
-    kv_pressure (…-s23-buffers-kv.json). Measured on the Qwen1.5 shape (…-s23-buffers-tok.json against
-    …-s23-kv.json): peak above the budget with no reserve 389 -> 371 MiB (batch 1), 413 -> 391 (batch 4), 812 -> 620
-    (kv_pressure); the auto reserve 508 / 508 / 958 -> 460 / 464 / 750 MiB, each run within its budget; a layer call
-    as fast (prefill_buffers_ab-nvidia-h200-20261201-s23-prefillab.json)."""
+    each in a region sized by the bound of a call of T tokens (`_padded_bound`: min((1 + PAD_SLACK) * T * k, E * T)
+    padded rows, whatever the routing). Why: those tensors' sizes follow each call's routing, and the caching allocator,
+    given a size that no cached free block fits, maps a new segment; under kv_pressure's arrivals on the H200 the
+    segments first mapped at the prefill's combine held 452-478 MiB beyond the engine's budget
+    (memory_gap-nvidia-h200-20261201-memgap-pressure-s22.json). An engine's layers share one (they run one after another
+    on one stream), bounded for at least `tokens` (the engine's max_num_batched_tokens), so its first prefill allocates
+    it for good; grown from a smaller first call instead, the auto reserve ran 56 MiB over under kv_pressure
+    (…-s23-buffers-kv.json). Measured on the Qwen1.5 shape (…-s23-buffers-tok.json against …-s23-kv.json): peak above
+    the budget with no reserve 389 -> 371 MiB (batch 1), 413 -> 391 (batch 4), 812 -> 620 (kv_pressure); the auto
+    reserve 508 / 508 / 958 -> 460 / 464 / 750 MiB, each run within its budget; a layer call as fast
+    (prefill_buffers_ab-nvidia-h200-20261201-s23-prefillab.json)."""
 
     def __init__(self, tokens: int = 0) -> None:
         self.tokens = tokens
@@ -122,6 +122,21 @@ class PrefillBuffers:
                 for o, (shape, _, dtype) in zip(offsets, parts)]
 
 
+def _padded_bound(T: int, k: int, E: int) -> int:
+    """Padded rows of a call of T tokens at most: (1 + PAD_SLACK) * T * k, and E * T (no expert has more than T)."""
+    return min(int((1 + PAD_SLACK) * T * k), T * E)
+
+
+def _layer_setup(dtype: torch.dtype, device: torch.device, D: int, F: int, E: int
+                 ) -> tuple[bool, int, torch.dtype]:
+    """(grouped, G, scratch dtype) of a layer's prefill: torch's grouped GEMM where it has a CUTLASS kernel (bf16 on
+    sm90/sm100, K and N multiples of 8 for TMA), else padded bmm; G experts a group (never more than the layer's);
+    a bf16 scratch under bf16 activations, else fp16."""
+    grouped = dtype == torch.bfloat16 and _has_grouped_kernel(device) and D % 8 == 0 and F % 8 == 0
+    wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    return grouped, min(prefill_group(D, F), GROUPED_MAX, E), wdt
+
+
 def _call_tensors(buffers: PrefillBuffers, dev: torch.device, T: int, rows: int, slots: int, D: int, F: int, k: int,
                   E: int, G: int, ht: torch.dtype, wdt: torch.dtype, grouped: bool) -> list[torch.Tensor]:
     """A prefill call's tensors in `buffers` (xp, x, gu, act, y, yw, out, scratch), each bounded whatever the routing:
@@ -129,7 +144,7 @@ def _call_tensors(buffers: PrefillBuffers, dev: torch.device, T: int, rows: int,
     expert having more than T rows) through the gather, gate_up, activation, down and the fp32 weighting; the scratch
     of `slots` experts (at most G)."""
     tb = max(T, buffers.tokens)  # the token count the regions are bounded for
-    bound = tb * k if grouped else min(int((1 + PAD_SLACK) * tb * k), tb * E)
+    bound = tb * k if grouped else _padded_bound(tb, k, E)
     pad_rows, pad_bound = (0, 0) if grouped else (rows, bound)  # the grouped GEMM allocates its own outputs
     slot_elems, f32 = sum(_slot_elems(D, F)), torch.float32
     return buffers.take(dev, [
@@ -147,12 +162,11 @@ def warm_prefill_gemms(buffers: PrefillBuffers, D: int, F: int, E: int, k: int, 
     step's GEMMs 31-55 ms of host time in its first steps, 6-15 later). The tensors are the call's own regions of
     `buffers`, given back after (the first real call allocates them again, where the activation reserve's profile
     measures them). Nothing to do without a token bound, or where the grouped GEMM runs instead (bf16 on sm90)."""
-    grouped = dtype == torch.bfloat16 and _has_grouped_kernel(device) and D % 8 == 0 and F % 8 == 0
+    grouped, G, wdt = _layer_setup(dtype, device, D, F, E)
     if grouped or buffers.tokens < 1:
         return 0
-    T, G = buffers.tokens, min(prefill_group(D, F), GROUPED_MAX, E)
-    bound = min(int((1 + PAD_SLACK) * T * k), T * E)
-    wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    T = buffers.tokens
+    bound = _padded_bound(T, k, E)
     _, x, gu, act, y, _, _, scratch = _call_tensors(buffers, device, T, bound, G, D, F, k, E, G, dtype, wdt, False)
     w_gu, w_d = scratch_views(scratch, D, F)
     w_gu, w_d = w_gu[:, :D], w_d[:, :F]
@@ -185,9 +199,7 @@ def prefill_forward(hidden, topk_ids, topk_weights, pool_words, pool_halves, q, 
     (cuda/KERNEL_NOTES.md, session 19)."""
     T, k = topk_ids.shape
     dev = hidden.device
-    wdt = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float16
-    grouped = hidden.dtype == torch.bfloat16 and _has_grouped_kernel(dev) and D % 8 == 0 and F % 8 == 0  # TMA
-    G = min(prefill_group(D, F), GROUPED_MAX, q.shape[0])  # a group never holds more than the layer's experts
+    grouped, G, wdt = _layer_setup(hidden.dtype, dev, D, F, q.shape[0])
     plan = expert_rows(topk_ids.cpu().numpy(), q.shape[0], G, pad=not grouped, routed_only=True, slack=PAD_SLACK,
                        bucket=True)  # padded widths of few shapes: cuBLAS picks a kernel per new shape
     slots, token, pair, ends = plan.to(dev)
