@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -320,7 +321,9 @@ class LLM:
         self.model, self.config = model, cfg
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layer_bytes = kv_layer_block_bytes(cfg, opts.block_size, self.dtype)
-        self.page_bytes = round_up(layer_bytes, PAGE_ALIGN)
+        # whole PAGE_ALIGN units and whole rows of one token's K or V (the KV cache's `rows`): layer_bytes itself
+        # wherever a token's K is a multiple of 8 bytes at block_size 16
+        self.page_bytes = round_up(layer_bytes, math.lcm(PAGE_ALIGN, layer_bytes // (2 * opts.block_size)))
         self.weights_outside_bytes = outside
         kv_block = self.page_bytes * cfg.num_hidden_layers
         if budget is None:

@@ -82,10 +82,8 @@ class DecodeRows:
 class StepLayout:
     """Index tensors of one packed step (device tensors, built once and read by every layer)."""
 
-    write_pages: torch.Tensor  # [L, T] pool KV block of each new token, per layer
-    write_slots: torch.Tensor  # [T] slot inside its block
-    ctx_pages: torch.Tensor  # [L, S] pool KV block of each context token of the prefill chunks, per layer
-    ctx_slots: torch.Tensor  # [S]
+    write_rows: torch.Tensor  # [L, 2T] row of `PagedKVCache.rows` of each new token's K, then of each one's V
+    ctx_rows: torch.Tensor  # [L, 2, S] rows of the K and of the V of each context token of the prefill chunks
     chunks: list[tuple[int, int, int, int]]  # per prefill chunk: its rows [r0, r1) and its context [c0, c1) of S
     decode: DecodeRows | None
 
@@ -128,6 +126,16 @@ class PagedKVCache:
             raise ValueError("the paged KV cache wants one page per pool KV block")
         self.view = rows[:, :self.layer_bytes].view(dtype).view(
             rows.shape[0], 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # the same bytes as rows of one token's K or V ([capacity * page_rows, Hkv, hd]): a packed step writes and
+        # reads them by row number, one index_copy_ and one index_select a layer, where indexing `view` by block and
+        # slot is torch's advanced indexing with two index tensors (more host work a call; a prefill step's pace is
+        # its host's: cuda/KERNEL_NOTES.md, session 54)
+        token_bytes = cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        if rows.shape[1] % token_bytes:
+            raise ValueError(f"the pool's page of {rows.shape[1]} B is not a whole number of a token's K or V "
+                             f"({token_bytes} B)")
+        self.page_rows = rows.shape[1] // token_bytes  # rows a page holds: K of block slot s is row s, its V bs + s
+        self.rows = rows.view(dtype).view(-1, cfg.num_key_value_heads, cfg.head_dim)
         self.block_pages: dict[int, list[int]] = {}  # logical block id -> its L pool blocks (layer order)
         # pool block -> logical block * L + layer, -1 if none: one array write per allocation (a dict entry per page
         # cost ~0.1 us each, prefix_cost-cpu-2c-20261204-s38-after2.json); read only when the pool relocates pages
@@ -460,9 +468,11 @@ class PagedKVCache:
                 ctx += end
             row += n
         t, s = row, ctx
-        parts = [np.concatenate(w_pages).T.ravel(), np.concatenate(w_slot)]
+        k_rows = np.concatenate(w_pages).T * self.page_rows + np.concatenate(w_slot)  # [L, T]
+        parts = [np.concatenate((k_rows, k_rows + bs), axis=1).ravel()]
         if chunks:
-            parts += [np.concatenate(c_pages).T.ravel(), np.concatenate(c_slot)]
+            k_rows = np.concatenate(c_pages).T * self.page_rows + np.concatenate(c_slot)  # [L, S]
+            parts.append(np.stack((k_rows, k_rows + bs), axis=1).ravel())
         b = len(d_rows)
         if b:
             m = max(x.shape[1] for x in d_tables)
@@ -471,15 +481,14 @@ class PagedKVCache:
                 tables[i, :, :x.shape[1]], tables[i, :, x.shape[1]:] = x, x[:, -1:]
             parts += [np.array(d_rows), tables.ravel(), np.array(d_lens)]
         dev = torch.from_numpy(np.concatenate(parts)).to(self.view.device)  # every part is int64
-        ctx_pages, ctx_slots = dev[L * t + t:L * (t + s) + t].view(L, s), dev[L * (t + s) + t:L * (t + s) + t + s]
         decode = None
         if b:
-            off = L * (t + s) + t + s
+            off = 2 * L * (t + s)
             rows, tables, lengths = dev[off:].split([b, b * L * m, b])
             decode = DecodeRows(rows, tables.view(b, L, m), lengths,
                                 None if self._kernels is not None else self._length_mask(m, lengths))
-        self.layout = StepLayout(write_pages=dev[:L * t].view(L, t), write_slots=dev[L * t:L * t + t],
-                                 ctx_pages=ctx_pages, ctx_slots=ctx_slots, chunks=chunks, decode=decode)
+        self.layout = StepLayout(write_rows=dev[:2 * L * t].view(L, 2 * t),
+                                 ctx_rows=dev[2 * L * t:2 * L * (t + s)].view(L, 2, s), chunks=chunks, decode=decode)
 
     def decode_layout(self, positions: torch.Tensor, src_rows: torch.Tensor, tables: torch.Tensor) -> DecodeLayout:
         """The layout of a static decode step from device tensors alone (graph-capturable): positions [B] of the
@@ -508,9 +517,8 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.attend called before prepare()")
         if isinstance(lay, DecodeLayout):
             return self._attend_decode(lay, layer, q, k, v, scale)
-        # view[pages, :, slots] is [tokens, 2 (k|v), Hkv, hd]: one scatter of the step's new K/V
-        new = torch.stack((k[0], v[0])).permute(2, 0, 1, 3)  # [T, 2, Hkv, hd]
-        self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
+        new = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1))).to(self.dtype)  # [2 (k|v), T, Hkv, hd]
+        self.rows.index_copy_(0, lay.write_rows[layer], new.view(-1, *new.shape[2:]))
         if lay.decode is None and len(lay.chunks) == 1:  # one prefill chunk alone: its attention is the step's
             return self._attend_chunk(lay, layer, q, *lay.chunks[0][2:], scale)
         out = torch.empty_like(q)
@@ -531,7 +539,8 @@ class PagedKVCache:
         """A prefill chunk's queries [1, H, t, hd] over its context, rows [c0, c1) of the step's context: its new
         tokens are the context's last t, so `sdpa` aligns the causal mask to the end (or runs a fused causal kernel
         for a first chunk)."""
-        kv = self.view[lay.ctx_pages[layer, c0:c1], :, lay.ctx_slots[c0:c1]].permute(1, 2, 0, 3)  # [2, Hkv, S, hd]
+        rows = lay.ctx_rows[layer, :, c0:c1].reshape(-1)  # a view where the chunk is the step's whole context
+        kv = self.rows.index_select(0, rows).view(2, c1 - c0, *self.rows.shape[1:]).transpose(1, 2)  # [2, Hkv, S, hd]
         return sdpa(q, kv[0:1], kv[1:2], None, scale)
 
     def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

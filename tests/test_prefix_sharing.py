@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pagedweight.kv_cache import PagedKVCache
 from pagedweight.models import ModelConfig
+from pagedweight.models.layers import causal_mask
 from pagedweight.pool import PAGE_ALIGN, PagePool, PoolExhausted
 from pagedweight.sampling import SamplingParams
 from pagedweight.scheduler import Scheduler
@@ -434,3 +435,53 @@ def test_a_request_that_looked_its_prefix_up_but_never_started_reports_none_cach
     sched.abort("c")
     assert late.num_cached_tokens == 0 and late.finish_reason == "abort"
     check(kv, sched)
+
+
+def test_a_packed_step_writes_and_reads_each_token_s_k_and_v_in_its_block_slot():
+    """`attend` of packed steps (a prompt in two chunks, then a second prompt's chunk beside the first's decode row)
+    writes each new token's K and V to view[its block's page, k|v, its slot] through the flat `rows`, and every query
+    attends over its own request's K/V so far: the outputs equal SDPA over the K/V kept here, layer by layer."""
+    kv, sched = make(budget=5, seats=4)
+    gen = torch.Generator().manual_seed(0)
+    kept: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (request, layer, pos) -> K, V
+    steps = []
+    sched.add(Sequence("a", list(range(3, 10)), SamplingParams(max_tokens=4)))
+    for step in range(3):
+        if step == 2:
+            sched.add(Sequence("b", list(range(20, 24)), SamplingParams(max_tokens=2)))
+        batch = sched.schedule()
+        steps.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+        kv.prepare(batch.seqs, batch.num_new_tokens)
+        t = sum(batch.num_new_tokens)
+        for layer in range(LAYERS):
+            q, k, v = (torch.randn(1, 1, t, CFG.head_dim, generator=gen) for _ in range(3))
+            out = kv.attend(layer, q, k, v, CFG.head_dim ** -0.5)
+            row = 0
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                start = seq.num_computed_tokens
+                for i in range(n):
+                    kept[seq.request_id, layer, start + i] = k[0, :, row + i], v[0, :, row + i]
+                    page, slot = pages(kv, seq, start + i)[layer], (start + i) % BS
+                    assert torch.equal(kv.view[page, 0, slot], k[0, :, row + i])
+                    assert torch.equal(kv.view[page, 1, slot], v[0, :, row + i])
+                ks, vs = (torch.stack([kept[seq.request_id, layer, p][j] for p in range(start + n)], dim=1)[None]
+                          for j in (0, 1))
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, row:row + n], ks, vs, attn_mask=causal_mask(n, start + n, q.device),
+                    scale=CFG.head_dim ** -0.5)
+                assert torch.allclose(out[:, :, row:row + n], want, atol=1e-6), (step, seq.request_id, layer)
+                row += n
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_uncomputed_tokens == 0:
+                seq.append_token(50 + step, 0.0)
+        kv.layout = None
+    assert steps == [[("a", 5)], [("a", 2)], [("a", 1), ("b", 4)]]
+
+
+def test_a_page_of_part_of_a_token_s_k_is_refused():
+    """The flat rows need pages of whole tokens' K or V: 256 B pages for 24 B ones (6 fp32 of one head) are refused
+    with a clear error, not misread."""
+    cfg = ModelConfig(**{**vars(CFG), "head_dim": 6})
+    with pytest.raises(ValueError, match="whole number of a token's K or V"):
+        PagedKVCache(cfg, PagePool(BLOCKS * LAYERS * PAGE_ALIGN, PAGE_ALIGN), torch.float32, block_size=BS)
