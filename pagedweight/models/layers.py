@@ -152,9 +152,10 @@ class Attention(nn.Module):
             q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv, head_norm)
             v = qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             return self._attend(q, k, v, cache)
-        if self.qkv_proj is not None and self.qk_norm == "none" and self.clip_qkv is None:
+        if t > 1 and self.qkv_proj is not None and self.qk_norm == "none" and self.clip_qkv is None:
             # q's and k's heads are adjacent in the fused output: RoPE on both in one pass (one op each where two
-            # passes ran two: a prefill step's host time is bound by torch calls, ~10 us each on the H100's host)
+            # passes ran two: a prefill step's host time is bound by torch calls, ~10 us each on the H100's host).
+            # Not in decode steps, whose q and k stay whole tensors for the decode kernels (store_kv, attention)
             qkv, qk_out = self.qkv_proj(x), self._qkv_sizes[0] + self._qkv_sizes[1]
             qk = apply_rope(qkv[..., :qk_out].view(b, t, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2),
                             cos, sin)
