@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -62,6 +63,20 @@ def package_versions() -> dict[str, str | None]:
             **{name: version(name) for name in ("torch", "numba", "numba-cuda", "numpy", "ray")}}
 
 
+def host_loop_ms() -> float:
+    """Wall ms of a fixed pure-Python loop (measured): an index of the host's speed when a result is written. Why: on
+    one H100 machine, processes of the same code ran their host-bound steps at two speeds (eager decode steps ~25 ms
+    in some, 39-44 in others; h100-nvidia-h100-80gb-hbm3-20261206-s54-calls.log), so arms compare only at like
+    speed. Best of three, ~5-15 ms."""
+    best = float("inf")
+    for _ in range(3):
+        t0, acc = time.perf_counter(), 0
+        for i in range(100_000):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 3)
+
+
 def write_result(benchmark: str, rows: list[dict], command: str | None = None, ceilings: dict | None = None,
                  out_dir: str | os.PathLike | None = None, extra: dict | None = None, label: str | None = None) -> Path:
     """Write `<benchmark>-<machine>-<YYYYMMDD>[-<label>].json` with the fields DESIGN.md §9 asks for; returns its
@@ -78,6 +93,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command or " ".join([Path(sys.executable).name] + sys.argv),
         "versions": package_versions(),
+        "host_loop_ms": host_loop_ms(),
         "ceilings": ceilings or {},
         "rows": rows,
     }
