@@ -82,7 +82,7 @@ class DecodeRows:
 class StepLayout:
     """Index tensors of one packed step (device tensors, built once and read by every layer)."""
 
-    write_rows: torch.Tensor  # [L, 2T] row of `PagedKVCache.rows` of each new token's K, then of each one's V
+    write_rows: torch.Tensor  # [L, 2, T] rows of `PagedKVCache.rows` of the K and of the V of each new token
     ctx_rows: torch.Tensor  # [L, 2, S] rows of the K and of the V of each context token of the prefill chunks
     chunks: list[tuple[int, int, int, int]]  # per prefill chunk: its rows [r0, r1) and its context [c0, c1) of S
     decode: DecodeRows | None
@@ -468,11 +468,9 @@ class PagedKVCache:
                 ctx += end
             row += n
         t, s = row, ctx
-        k_rows = np.concatenate(w_pages).T * self.page_rows + np.concatenate(w_slot)  # [L, T]
-        parts = [np.concatenate((k_rows, k_rows + bs), axis=1).ravel()]
+        parts = [self._kv_rows(w_pages, w_slot)]
         if chunks:
-            k_rows = np.concatenate(c_pages).T * self.page_rows + np.concatenate(c_slot)  # [L, S]
-            parts.append(np.stack((k_rows, k_rows + bs), axis=1).ravel())
+            parts.append(self._kv_rows(c_pages, c_slot))
         b = len(d_rows)
         if b:
             m = max(x.shape[1] for x in d_tables)
@@ -487,8 +485,13 @@ class PagedKVCache:
             rows, tables, lengths = dev[off:].split([b, b * L * m, b])
             decode = DecodeRows(rows, tables.view(b, L, m), lengths,
                                 None if self._kernels is not None else self._length_mask(m, lengths))
-        self.layout = StepLayout(write_rows=dev[:2 * L * t].view(L, 2 * t),
+        self.layout = StepLayout(write_rows=dev[:2 * L * t].view(L, 2, t),
                                  ctx_rows=dev[2 * L * t:2 * L * (t + s)].view(L, 2, s), chunks=chunks, decode=decode)
+
+    def _kv_rows(self, pages: list[np.ndarray], slots: list[np.ndarray]) -> np.ndarray:
+        """[L, 2, N] (flat): the `rows` of the K, then of the V, of N tokens, from their pages [N, L] and slots [N]."""
+        k = np.concatenate(pages).T * self.page_rows + np.concatenate(slots)
+        return np.stack((k, k + self.block_size), axis=1).ravel()
 
     def decode_layout(self, positions: torch.Tensor, src_rows: torch.Tensor, tables: torch.Tensor) -> DecodeLayout:
         """The layout of a static decode step from device tensors alone (graph-capturable): positions [B] of the
@@ -518,7 +521,7 @@ class PagedKVCache:
         if isinstance(lay, DecodeLayout):
             return self._attend_decode(lay, layer, q, k, v, scale)
         new = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1))).to(self.dtype)  # [2 (k|v), T, Hkv, hd]
-        self.rows.index_copy_(0, lay.write_rows[layer], new.view(-1, *new.shape[2:]))
+        self.rows.index_copy_(0, lay.write_rows[layer].view(-1), new.view(-1, *new.shape[2:]))
         if lay.decode is None and len(lay.chunks) == 1:  # one prefill chunk alone: its attention is the step's
             return self._attend_chunk(lay, layer, q, *lay.chunks[0][2:], scale)
         out = torch.empty_like(q)
