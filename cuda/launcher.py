@@ -84,18 +84,28 @@ def launch(dispatcher, grid: int | tuple[int, ...], block: int, args: tuple, shm
     Numba's own launch (`kernel[grid, block, stream, shmem](...)`) costs ~0.1 ms of host time for a dozen arguments
     (`_PreparedLaunch`): ~290 launches made an eager decode step of the Qwen1.5 shape 40 ms of host work for 3.5 ms
     of kernels, and each CUDA graph capture as long (step_host-nvidia-h100-80gb-hbm3-20261206-s51-*.json).
+    The arguments are walked once for both the parameters and the kernel's signature, and the stream is torch's raw
+    handle: a prefill step makes ~145 of these launches besides the MoE's.
     The simulator launches through Numba (tensors must be contiguous there: `_dev` copies a strided one)."""
     grid = (grid,) if isinstance(grid, int) else grid
     if SIMULATOR:
         dispatcher[grid, block, 0, shmem](*[_dev(a) if isinstance(a, torch.Tensor) else a for a in args])
         return
     launch_kernel, ok = _driver()
-    params = _launch_params(kernel_params(args)[0])
+    ints, key = _flatten(dispatcher, args)
+    func = _CUFUNCS.get(key)
+    if func is None:
+        func = _cufunc(dispatcher, args)
     grid = (*grid, 1, 1)[:3]
-    err, = launch_kernel(_cufunc(dispatcher, args), *grid, block, 1, 1, shmem, torch.cuda.current_stream().cuda_stream,
-                         ctypes.addressof(params), 0)
+    err, = launch_kernel(func, *grid, block, 1, 1, shmem, _current_stream(), ctypes.addressof(_launch_params(ints)), 0)
     if err != ok:
         raise RuntimeError(f"cuLaunchKernel of {dispatcher.__name__}: {err}")
+
+
+def _current_stream() -> int:
+    """Torch's current stream on the current device as a raw handle, without building a torch.cuda.Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return torch.cuda.current_stream().cuda_stream if raw is None else raw(torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,16 +152,31 @@ def kernel_params(args: tuple, var: int = -1) -> tuple[list[int], int]:
     for i, a in enumerate(args):
         if i == var:
             slot = len(ints)
-        if isinstance(a, torch.Tensor):
-            size = a.element_size()
-            ints += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(s * size for s in a.stride())]
-        elif isinstance(a, np.float32):
-            ints.append(struct.unpack("<i", struct.pack("<f", a))[0])
-        elif isinstance(a, float):
-            ints.append(struct.unpack("<q", struct.pack("<d", a))[0])
-        else:
-            ints.append(int(a))
+        _flatten_one(a, ints)
     return ints, slot
+
+
+def _flatten(dispatcher, args: tuple) -> tuple[list[int], tuple]:
+    """`kernel_params(args)` and, from the same walk, the `_CUFUNCS` key of the kernel they call."""
+    ints: list[int] = []
+    key: list = [dispatcher]
+    for a in args:
+        _flatten_one(a, ints)
+        key.append(_arg_key(dispatcher, a))
+    return ints, tuple(key)
+
+
+def _flatten_one(a, ints: list[int]) -> None:
+    """Append one argument's parameters to `ints`."""
+    if isinstance(a, torch.Tensor):
+        size = a.element_size()
+        ints += (0, 0, a.numel(), size, a.data_ptr(), *a.shape, *[s * size for s in a.stride()])
+    elif isinstance(a, np.float32):
+        ints.append(struct.unpack("<i", struct.pack("<f", a))[0])
+    elif isinstance(a, float):
+        ints.append(struct.unpack("<q", struct.pack("<d", a))[0])
+    else:
+        ints.append(int(a))
 
 
 _CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction handle
@@ -159,14 +184,21 @@ _CUFUNCS: dict[tuple, int] = {}  # (kernel, argument signature) -> CUfunction ha
 
 def _cufunc(dispatcher, args: tuple) -> int:
     """The CUfunction of `dispatcher` specialised for args, compiled (or loaded from the cache) on first sight of the
-    signature (dtype, rank, Numba layout and device of each tensor; type of each scalar)."""
-    key = (dispatcher, *((a.dtype, a.dim(), _layout(dispatcher, a), a.device.index) if isinstance(a, torch.Tensor)
-                         else type(a) for a in args))
+    signature (`_arg_key` of each argument)."""
+    key = (dispatcher, *(_arg_key(dispatcher, a) for a in args))
     func = _CUFUNCS.get(key)
     if func is None:
         sig = tuple(dispatcher.typeof_pyval(_dev(a) if isinstance(a, torch.Tensor) else a) for a in args)
         func = _CUFUNCS[key] = dispatcher.compile(sig)._codelibrary.get_cufunc().handle
     return func
+
+
+def _arg_key(dispatcher, a) -> tuple | type:
+    """What one argument decides of a kernel's specialisation: a tensor's dtype, rank, Numba layout and device, a
+    scalar's type."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.dim(), "C" if a.is_contiguous() else _layout(dispatcher, a), a.device.index
+    return type(a)
 
 
 def _layout(dispatcher, t: torch.Tensor) -> str:

@@ -311,6 +311,8 @@ def test_prepared_launch_params_are_numbas_on_gpu() -> None:
     assert ours[slot] == 12
     # the kernel `launch` looks up is compiled for each array's Numba layout (a transposed matrix is "F", not "A")
     assert [lm._layout(takes_all, a) for a in args[:4]] == ["C", "A", "C", "F"]
+    # launch's one walk: the same parameters, and _cufunc's key
+    assert lm._flatten(takes_all, args) == (ours, (takes_all, *(lm._arg_key(takes_all, a) for a in args)))
 
 
 def test_launch_params_refill_one_block_per_thread_and_count() -> None:
@@ -340,6 +342,26 @@ def test_launch_params_refill_one_block_per_thread_and_count() -> None:
     thread.join()
     assert other == [(False, [9, 9, 9])] and read(first, 3) == [4, 5, 6]
     assert read(prepared, 3) == [1, 2, 3]
+
+
+def test_launch_walks_arguments_once_as_kernel_params_and_cufunc_do() -> None:
+    """`launch`'s one walk over the arguments (`_flatten`) gives `kernel_params`' parameters and the key `_cufunc`
+    files the kernel under, for tensors of several dtypes and ranks and each scalar type: a key that differed would
+    compile a kernel per launch, parameters that differed would launch it on wrong memory. (Strided tensors, whose
+    layout needs a device view: test_prepared_launch_params_are_numbas_on_gpu.)"""
+    import numpy as np
+    import torch
+
+    import pagedweight.cuda.launcher as lm
+    from pagedweight.cuda.moe_kernels import _route_kernel as kernel
+
+    args = (torch.arange(24, dtype=torch.int32).view(2, 3, 4), torch.zeros(3, 7, dtype=torch.float16),
+            torch.ones(5, dtype=torch.int64), 12, True, np.float32(-1.5), 2.75)
+    ints, key = lm._flatten(kernel, args)
+    assert ints == lm.kernel_params(args)[0]
+    assert key == (kernel, *(lm._arg_key(kernel, a) for a in args))
+    assert key[1:4] == ((torch.int32, 3, "C", None), (torch.float16, 2, "C", None), (torch.int64, 1, "C", None))
+    assert key[4:] == (int, bool, np.float32, float)
 
 
 ROUTE_CHILD = textwrap.dedent(r"""
