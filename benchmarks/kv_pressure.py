@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="PagedWeight reads routing statistics every N-th step (default: the engine's)")
     p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
                    help="engines skip the prefill GEMM warm-up at start (EngineOptions.prefill_warm_up; an A/B arm)")
+    p.add_argument("--packed-layer-kernels", action="store_true",
+                   help="engines run the fused layer kernels in the prefill steps too "
+                        "(EngineOptions.packed_layer_kernels; an A/B arm)")
     p.add_argument("--planner-knobs", default=None, metavar="JSON",
                    help='PagedWeight planner knob overrides, e.g. \'{"reload_dwell_steps": 64}\' (pagedweight/knobs.py)')
     p.add_argument("--out-dir", default=None)
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                                          + (args.turns - 1) * gen * (args.think_s is not None))
     options.update(detokenize=False, block_size=args.block_size, prefix_caching=args.prefix_caching,
                    prefix_retention_s=args.prefix_retention_s,  # static widths: no reload, no retention
-                   prefill_warm_up=args.prefill_warm_up)
+                   prefill_warm_up=args.prefill_warm_up, packed_layer_kernels=args.packed_layer_kernels)
     requests = workload(n, rate, lo, hi, cfg.vocab_size, args.seed, args.shared_prefix, args.turns, args.think_s)
     knobs = json.loads(args.planner_knobs) if args.planner_knobs else None
     paged = ("pagedweight", dict(bits=args.parent_bits, paging=True, planner_knobs=knobs))
@@ -412,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             "observe_every": paged[1].get("observe_every", EngineOptions.observe_every),
             "residual_heads": "random" if args.heads else None, "shared_prefix": args.shared_prefix,
             "turns": args.turns, "think_s": args.think_s, "prefix_caching": args.prefix_caching,
-            "prefix_retention_s": args.prefix_retention_s, "prefill_warm_up": args.prefill_warm_up}
+            "prefix_retention_s": args.prefix_retention_s, "prefill_warm_up": args.prefill_warm_up,
+            "packed_layer_kernels": args.packed_layer_kernels}
 
     def save(complete: bool = False) -> Path:
         """Rewrite the JSON with every row so far: a run cut short still leaves a valid partial result. `complete`:

@@ -47,9 +47,11 @@ def timed(fn: Callable[[], object], n: int, device: str) -> list[float]:
     return out
 
 
-def build(tiny: bool, device: str, prefill_warm_up: bool = True) -> tuple[LLM, int]:
+def build(tiny: bool, device: str, prefill_warm_up: bool = True, packed_layer_kernels: bool = False
+          ) -> tuple[LLM, int]:
     """kv_pressure's PagedWeight engine (its budget: every expert at 6 bits and 128 KV blocks) and the vocabulary;
-    `prefill_warm_up`: EngineOptions' (the prefill GEMM shapes run at start)."""
+    `prefill_warm_up`, `packed_layer_kernels`: EngineOptions' (the prefill GEMM shapes run at start; the fused layer
+    kernels in the prefill steps too)."""
     cfg = model_config(tiny)
     dtype = torch.float16 if device == "cuda" else torch.float32
     page = page_bytes(cfg, 16, dtype)
@@ -58,7 +60,7 @@ def build(tiny: bool, device: str, prefill_warm_up: bool = True) -> tuple[LLM, i
                                                      6 if tiny else 128, 64 if tiny else 1024, 4096)
     llm = LLM.from_parts(random_model(cfg, False, dtype, device), weights, None, budget, device,
                          model_name="step_host", bits=6, paging=True, detokenize=False,
-                         prefill_warm_up=prefill_warm_up, **options)
+                         prefill_warm_up=prefill_warm_up, packed_layer_kernels=packed_layer_kernels, **options)
     return llm, cfg.vocab_size
 
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
                    help="skip the engine's prefill GEMM warm-up at start (an A/B arm: the prefill steps then meet "
                         "cuBLAS's first sight of each group shape)")
+    p.add_argument("--packed-layer-kernels", action="store_true",
+                   help="the prefill steps run the fused layer kernels too (EngineOptions.packed_layer_kernels)")
     p.add_argument("--prefill-scratch-mib", type=int, default=None, metavar="MIB",
                    help="the prefill's dequantize scratch (cuda/prefill.PREFILL_SCRATCH_BYTES, default 128 MiB): "
                         "how many experts a group holds, so how many groups, GEMMs and launches a layer call runs")
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prefill.PREFILL_SCRATCH_BYTES = args.prefill_scratch_mib << 20
     t0 = time.perf_counter()
-    llm, vocab = build(args.tiny, args.device, args.prefill_warm_up)
+    llm, vocab = build(args.tiny, args.device, args.prefill_warm_up, args.packed_layer_kernels)
     graphs = llm.runner.decode
     row = {"engine_build_s": round(time.perf_counter() - t0, 3),
            "decode_stats_at_start": None if graphs is None else dict(vars(graphs.stats))}
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                        extra={"model": "tiny" if args.tiny else "Qwen1.5-MoE-A2.7B shape, random planes",
                               "prompt_tokens": args.prompt or (40 if args.tiny else 453),
                               "prefill_warm_up": args.prefill_warm_up,
-                              "prefill_scratch_mib": args.prefill_scratch_mib}))
+                              "prefill_scratch_mib": args.prefill_scratch_mib,
+                              "packed_layer_kernels": args.packed_layer_kernels}))
     return 0
 
 

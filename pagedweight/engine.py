@@ -126,6 +126,9 @@ class EngineOptions:
     # on CUDA (fp16/fp32): the whole-step decode graphs run each layer's norms, RoPE, routing and shared-expert
     # elementwise work as fused kernels (MoEForCausalLM.use_layer_kernels; False: torch's ops)
     layer_kernels: bool = True
+    # with layer_kernels: the packed steps (prefill, mixed) run the fused layer kernels as well (kept on in the model
+    # for every forward)
+    packed_layer_kernels: bool = False
     # on CUDA, at start: the fused kernel's prefill GEMM shapes run once each (runner.warm_prefill_gemms), so that
     # cuBLAS's choice of kernel for a new shape (up to ms of host time) falls there, not in a request's prefill step
     prefill_warm_up: bool = True
@@ -363,7 +366,8 @@ class LLM:
         self.scheduler = Scheduler(self.kv, opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len)
         graphs = opts.cuda_graphs and self.device.type == "cuda"  # the CPU keeps the packed step (faster there)
         self.runner = ModelRunner(model, self.kv, self.device, max_num_seqs=opts.max_num_seqs if graphs else 0,
-                                  max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels)
+                                  max_model_len=self.max_model_len, layer_kernels=opts.layer_kernels,
+                                  packed_layer_kernels=opts.packed_layer_kernels)
         # the prefill's compiled layout (models.layers._plan_rows) loaded or compiled here, not in a request's step
         t0 = time.perf_counter()
         expert_rows(np.zeros((1, 1), dtype=np.int64), 1, 1, True, True, 0.0, True)

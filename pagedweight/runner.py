@@ -588,11 +588,15 @@ class PromptRows:
 
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, device: torch.device, max_num_seqs: int = 0,
-                 max_model_len: int | None = None, capture: bool | None = None, layer_kernels: bool = False) -> None:
+                 max_model_len: int | None = None, capture: bool | None = None, layer_kernels: bool = False,
+                 packed_layer_kernels: bool = False) -> None:
         """`max_num_seqs` > 0 runs decode-only steps of up to that many sequences at static shapes (`DecodeGraphs`),
         captured in CUDA graphs when `capture` (default: on CUDA), eagerly otherwise (slower than the packed step:
-        for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`."""
+        for tests of the code a graph captures); with the fused layer kernels when `layer_kernels`, and in the packed
+        steps (prefill, mixed) as well when `packed_layer_kernels`: then they are turned on once here, for every
+        forward, as turning them on and off walks the model's modules (~0.5 ms of host time each way)."""
         self.model, self.kv, self.device = model, kv, device
+        self._kernels_kept = layer_kernels and packed_layer_kernels and model.use_layer_kernels()
         self._rows: torch.Tensor | None = None
         self._score: torch.Tensor | None = None  # rows whose final hidden states `_keep_sampled_rows` keeps
         self._scored: torch.Tensor | None = None
@@ -606,11 +610,15 @@ class ModelRunner:
         if max_num_seqs > 0:
             max_len = max_model_len or model.config.max_position_embeddings
             self.decode = DecodeGraphs(model, kv, decode_batch_sizes(max_num_seqs), -(-max_len // kv.block_size),
-                                       device.type == "cuda" if capture is None else capture, layer_kernels)
+                                       device.type == "cuda" if capture is None else capture,
+                                       layer_kernels and not self._kernels_kept)
 
     def close(self) -> None:
-        """Unhook the model (an engine that rebuilds its runner over the same model: `LLM._release`)."""
+        """Unhook the model and turn its kernels off (an engine that rebuilds its runner over the same model:
+        `LLM._release`)."""
         self._hook.remove()
+        if self._kernels_kept:
+            self.model.use_layer_kernels(False)
         self.decode = None
 
     def _keep_sampled_rows(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

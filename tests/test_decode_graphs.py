@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from benchmarks.decode_inputs import Tables, stand_in
 
 from pagedweight.engine import LLM
+from pagedweight.models.model import MoEForCausalLM
 from pagedweight.runner import (CAPTURE_ATTEMPTS, APExperts, CaptureGate, DecodeGraphs, ModelRunner, decode_batch_sizes,
                                 lut_width)
 from pagedweight.sampling import SamplingParams
@@ -36,8 +37,10 @@ TOL = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=3e-2, atol=3e
 
 def static_decode(llm: LLM, max_num_seqs: int = 4) -> DecodeGraphs:
     """Give llm a runner whose decode steps take the static path (graphs on CUDA, eager on the CPU)."""
+    llm.runner.close()
     llm.runner = ModelRunner(llm.model, llm.kv, llm.device, max_num_seqs=max_num_seqs,
-                             max_model_len=llm.max_model_len, layer_kernels=llm.options.layer_kernels)
+                             max_model_len=llm.max_model_len, layer_kernels=llm.options.layer_kernels,
+                             packed_layer_kernels=llm.options.packed_layer_kernels)
     return llm.runner.decode
 
 
@@ -295,6 +298,26 @@ def test_layer_kernels_on_only_in_static_decode_steps(monkeypatch):
     assert not any("kernels" in vars(m) for m in llm.model.modules())
 
 
+def test_packed_layer_kernels_turn_on_once_per_runner(monkeypatch):
+    """With packed_layer_kernels the runner turns the model's fused layer kernels on once, at its start, and no step
+    turns them on or off (each turn walks the model's modules, ~0.5 ms of host time); closing the runner turns them
+    off. (The CPU takes no kernels: here the device is made to say it does, so the model still runs torch's ops.)"""
+    calls, use = [], MoEForCausalLM.use_layer_kernels
+
+    def recorded(self, on=True):
+        calls.append(on)
+        use(self, on)
+        return on
+    monkeypatch.setattr(MoEForCausalLM, "use_layer_kernels", recorded)
+    llm = LLM(BUNDLED, device=DEVICE, block_size=4, max_num_batched_tokens=16, packed_layer_kernels=True)
+    decode = static_decode(llm)
+    assert calls == [True, False, True]  # the engine's runner on, closed (off); static_decode's runner on
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert decode.stats.eager + decode.stats.captured > 0 and calls == [True, False, True]
+    llm.runner.close()
+    assert calls == [True, False, True, False]
+
+
 def _set_widths(llm: LLM, blocks: list[int], bits: int) -> None:
     """Commit `bits` for `blocks` now (between steps), as the mover does at a step boundary."""
     for i in blocks:
@@ -521,3 +544,22 @@ def test_failed_capture_runs_the_step_eagerly_on_gpu(monkeypatch):
     assert broken and decode.stats.capture_failures == 1, decode.stats
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # torch's graph context left its side stream
     check_used(decode)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused layer kernels run on CUDA only: PAGEDWEIGHT_TEST_DEVICE=cuda")
+def test_prefill_with_layer_kernels_matches_torch_ops_on_gpu():
+    """Packed prefill steps with the fused layer kernels (packed_layer_kernels: norms, RoPE, routing, shared expert)
+    give the logits of torch's ops: two engines, kernels kept on and off, each step's sampled rows within fp16's
+    tolerance."""
+    logs = []
+    for kernels in (True, False):
+        llm = LLM(BUNDLED, device=DEVICE, block_size=4, max_num_batched_tokens=32, packed_layer_kernels=kernels)
+        assert any("kernels" in vars(m) for m in llm.model.modules()) == kernels
+        logs.append(log_logits(llm))
+        llm.generate(PROMPTS, SamplingParams(max_tokens=1))
+        llm.close()
+    on, off = logs
+    assert len(on) == len(off) > 1
+    for (ids_on, a), (ids_off, b) in zip(on, off):
+        assert ids_on == ids_off and a.shape == b.shape
+        torch.testing.assert_close(a, b, **TOL)
