@@ -365,9 +365,9 @@ class DecodeGraphs:
 
     def __init__(self, model: MoEForCausalLM, kv: PagedKVCache, batch_sizes: list[int], max_blocks: int,
                  capture: bool, layer_kernels: bool = False) -> None:
-        """`layer_kernels`: the steps run the model with its fused layer kernels (`use_layer_kernels`) where the
-        device takes them; only these steps do: packed steps vary in shape, and each new shape would cost the
-        kernels' launcher new Numba views."""
+        """`layer_kernels`: the steps turn the model's fused layer kernels (`use_layer_kernels`) on where the device
+        takes them, and off after; the packed steps run torch's ops unless the runner keeps the kernels on for every
+        step (`ModelRunner`'s packed_layer_kernels: then this is False)."""
         self.model, self.kv, self.max_blocks, self.capture = model, kv, max_blocks, capture
         self.layer_kernels = layer_kernels
         self.num_layers = model.config.num_hidden_layers
