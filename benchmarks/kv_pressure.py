@@ -360,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="PagedWeight reads routing statistics every N-th step (default: the engine's)")
     p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
                    help="engines skip the prefill GEMM warm-up at start (EngineOptions.prefill_warm_up; an A/B arm)")
-    p.add_argument("--packed-layer-kernels", action="store_true",
-                   help="engines run the fused layer kernels in the prefill steps too "
-                        "(EngineOptions.packed_layer_kernels; an A/B arm)")
+    p.add_argument("--no-packed-layer-kernels", dest="packed_layer_kernels", action="store_false",
+                   help="engines run torch's ops in the prefill steps, not the fused layer kernels "
+                        "(EngineOptions.packed_layer_kernels off; an A/B arm)")
     p.add_argument("--planner-knobs", default=None, metavar="JSON",
                    help='PagedWeight planner knob overrides, e.g. \'{"reload_dwell_steps": 64}\' (pagedweight/knobs.py)')
     p.add_argument("--out-dir", default=None)

@@ -47,7 +47,7 @@ def timed(fn: Callable[[], object], n: int, device: str) -> list[float]:
     return out
 
 
-def build(tiny: bool, device: str, prefill_warm_up: bool = True, packed_layer_kernels: bool = False
+def build(tiny: bool, device: str, prefill_warm_up: bool = True, packed_layer_kernels: bool = True
           ) -> tuple[LLM, int]:
     """kv_pressure's PagedWeight engine (its budget: every expert at 6 bits and 128 KV blocks) and the vocabulary;
     `prefill_warm_up`, `packed_layer_kernels`: EngineOptions' (the prefill GEMM shapes run at start; the fused layer
@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill-warm-up", dest="prefill_warm_up", action="store_false",
                    help="skip the engine's prefill GEMM warm-up at start (an A/B arm: the prefill steps then meet "
                         "cuBLAS's first sight of each group shape)")
-    p.add_argument("--packed-layer-kernels", action="store_true",
-                   help="the prefill steps run the fused layer kernels too (EngineOptions.packed_layer_kernels)")
+    p.add_argument("--no-packed-layer-kernels", dest="packed_layer_kernels", action="store_false",
+                   help="the prefill steps run torch's ops, not the fused layer kernels (EngineOptions."
+                        "packed_layer_kernels off; an A/B arm)")
     p.add_argument("--prefill-scratch-mib", type=int, default=None, metavar="MIB",
                    help="the prefill's dequantize scratch (cuda/prefill.PREFILL_SCRATCH_BYTES, default 128 MiB): "
                         "how many experts a group holds, so how many groups, GEMMs and launches a layer call runs")
