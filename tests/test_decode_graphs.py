@@ -281,10 +281,10 @@ def test_slot_tables_under_random_operations(ops):
 
 
 def test_layer_kernels_on_only_in_static_decode_steps(monkeypatch):
-    """Each static decode forward (what a CUDA graph captures) turns the model's fused layer kernels on (they stay
-    off where the device does not take them: the CPU) and off again after it; packed steps (prefill, mixed) never
-    turn them on."""
-    llm = LLM(BUNDLED, device=DEVICE, block_size=4, max_num_batched_tokens=16)
+    """With packed_layer_kernels off, each static decode forward (what a CUDA graph captures) turns the model's fused
+    layer kernels on (they stay off where the device does not take them: the CPU) and off again after it; packed steps
+    (prefill, mixed) never turn them on."""
+    llm = LLM(BUNDLED, device=DEVICE, block_size=4, max_num_batched_tokens=16, packed_layer_kernels=False)
     decode = static_decode(llm)
     calls, use = [], llm.model.use_layer_kernels
 
