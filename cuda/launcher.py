@@ -64,7 +64,7 @@ class _PreparedLaunch:
         self._func = _cufunc(dispatcher, args)
         ints, self._slot = kernel_params(args, var)
         self._vals, self._params = _param_block(ints)
-        self._stream = torch.cuda.current_stream().cuda_stream
+        self._stream = _current_stream()
 
     def __call__(self, grid: tuple[int, int, int], value: int) -> None:
         if SIMULATOR:
