@@ -77,6 +77,11 @@ def host_loop_ms() -> float:
     return round(best * 1e3, 3)
 
 
+# the same index when this module was imported (the benchmark process's start): with the one at the write it shows
+# whether the host's speed moved during the run (session 56, call 1: processes of one machine wrote 3.6-8.2 ms)
+HOST_LOOP_MS_AT_START = host_loop_ms()
+
+
 def write_result(benchmark: str, rows: list[dict], command: str | None = None, ceilings: dict | None = None,
                  out_dir: str | os.PathLike | None = None, extra: dict | None = None, label: str | None = None) -> Path:
     """Write `<benchmark>-<machine>-<YYYYMMDD>[-<label>].json` with the fields DESIGN.md §9 asks for; returns its
@@ -94,6 +99,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
         "command": command or " ".join([Path(sys.executable).name] + sys.argv),
         "versions": package_versions(),
         "host_loop_ms": host_loop_ms(),
+        "host_loop_ms_at_start": HOST_LOOP_MS_AT_START,
         "ceilings": ceilings or {},
         "rows": rows,
     }

@@ -21,6 +21,7 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     res = json.loads(path.read_text())
     assert res["versions"]["torch"] == torch.__version__ and res["versions"]["python"]  # what the figures ran on
     assert 0 < res["host_loop_ms"] < 1000  # the host's speed index, measured at the write
+    assert 0 < res["host_loop_ms_at_start"] < 1000  # and at the process's start
     assert [r["config"] for r in res["rows"]] == ["ap3-uniform", "pagedweight@ap3-memory", "pagedweight-home3@ap3-memory"]
     assert set(res["decode_ratio_paged_over_uniform"]) == {"ap3/b1", "ap3/b1/home3"}
     assert all(r["step_trace"]["rows"] for r in res["rows"]) and res["complete"]
