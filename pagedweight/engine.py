@@ -128,7 +128,7 @@ class EngineOptions:
     layer_kernels: bool = True
     # with layer_kernels: the packed steps (prefill, mixed) run the fused layer kernels as well (kept on in the model
     # for every forward). On an H100 at like host speed: a 453-token prefill step's median alike (39.2-39.8 ms against
-    # 39.1-40.7), a fresh engine's first one 201-226 against 265-322, an eager decode step 0.5-1 ms less
+    # 39.1-40.7), a fresh engine's first one 201-226 against 265-322, an eager decode step 0.2-1.6 ms less
     # (step_host-nvidia-h100-80gb-hbm3-20261206-s56-{n,p}-{3..7}.json); conversations alike (s56 kv_pressure)
     packed_layer_kernels: bool = True
     # on CUDA, at start: the fused kernel's prefill GEMM shapes run once each (runner.warm_prefill_gemms), so that
