@@ -108,6 +108,24 @@ for s in "${steps[@]}"; do case $s in
                      --time-budget-s 130 $([ $arm = off ] && echo --no-prefix-caching) \
                      --label "conv-$arm${CONV_LABEL:-}" ${CONV_ARGS:-}
                  done ;;
+  # A/B arms alternating in separate processes (arm order reversed every other round: a b b a ...), compared by each
+  # result's host_loop_ms (the host's speed moves between processes on some machines; session 56's calls log).
+  # ARMS="p n", ARM_FLAGS_n="--no-packed-layer-kernels" (an arm without ARM_FLAGS_<arm> runs the defaults), ROUNDS=2;
+  # abhost: step_host (a fresh 453-token prompt per prefill step; eager decode, capture and replay);
+  # abconv: the closed-loop conversations (3 turns, 1 s think time, no prefix retention, traced; static 4 bits beside)
+  abhost|abconv) for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
+                   arms=(${ARMS:-p n}); ((r % 2)) || arms=($(printf '%s\n' "${arms[@]}" | tac))
+                   for a in "${arms[@]}"; do flags=ARM_FLAGS_$a
+                     if [ $s = abhost ]; then
+                       step 60 python3 -m benchmarks.step_host --prompts 12 --launches 0 ${!flags:-} \
+                         --label "${AB_LABEL:-ab}-$a-$r"
+                     else
+                       step 100 python3 -m benchmarks.kv_pressure --turns 3 --think-s 1 --static-bits 4 --paged-runs 1 \
+                         --prefix-retention-s 0 --trace --time-budget-s 70 ${!flags:-} \
+                         --label "${AB_LABEL:-ab}-conv3-ret0-trace-$a-$r"
+                     fi
+                   done
+                 done ;;
   pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
   # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
