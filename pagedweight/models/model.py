@@ -119,8 +119,9 @@ class MoEForCausalLM(nn.Module):
         """Turn the fused layer kernels (cuda/layer_kernels.py) on or off: each layer's norms (the residual add fused
         in), RoPE, routing and the shared expert's elementwise work, one launch each. Only where the device takes
         them (CUDA, fp16/fp32): returns whether they are on. RoPE's kernel needs q/k/v fused (`fuse_projections`) and
-        not clipped; it folds in a per-head q/k norm (Qwen3), not one over the whole projection (OLMoE). The serving engine has them on only for its static decode steps (what its CUDA
-        graphs capture: runner.DecodeGraphs)."""
+        not clipped; it folds in a per-head q/k norm (Qwen3), not one over the whole projection (OLMoE). The serving
+        engine keeps them on for every step (EngineOptions.packed_layer_kernels, the default), or else turns them on
+        for its static decode steps only (what its CUDA graphs capture: runner.DecodeGraphs)."""
         kernels = None
         if on:
             from pagedweight.cuda import layer_kernels
