@@ -8,7 +8,8 @@ Why: a batch-1 decode step of a Qwen1.5-MoE on the H200 ran ~1,280 kernels, 53 p
 between launches (benchmarks/results/decode_profile-nvidia-h200-20261129-s6-attn2.txt). Per layer torch runs RMSNorm
 as 4 kernels (cast, norm, cast, scale) twice, the residual adds as 2, RoPE as 5 per tensor (q and k: two products,
 a negation, a cat and a sum, on transposed views), the router as 3 (softmax, top-k's gather and sort) and the shared
-expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 6 launches (two norms).
+expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 6 launches (two norms), 5 with a gated
+shared expert, whose output is added in the next layer's input norm (`moe_out_norm`, models.layers.MoEOut).
 
 Rounding: every kernel rounds where the torch ops it replaces round (an fp16 op's result is rounded to fp16 before
 the next op reads it; `_rnd`), so the results equal torch's bit for bit except where a float32 reduction runs in
@@ -75,6 +76,14 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
         i = min(t + u * NORM_THREADS, D - 1)
         vals[u] = float32(x[n, i]) + float32(res[n, i]) if add else float32(x[n, i])
         ws[u] = float32(w[i])
+    _norm_row(red, vals, ws, n, t, h, y, eps, add, half)
+
+
+@cuda.jit(device=True, inline=True)
+def _norm_row(red, vals, ws, n, t, h, y, eps, add, half):
+    """A norm row's second half, its elements and weights loaded (`_rms_norm_kernel`): v = vals (rounded as a stored
+    sum when add, then stored to h[n]), y[n] = ws * (v * rsqrt(mean(v^2) + eps)), the product rounded first."""
+    D = y.shape[1]
     ss = float32(0.0)
     for u in range(NORM_ELEMS):
         v = _rnd(vals[u], half) if add else vals[u]
@@ -88,6 +97,26 @@ def _rms_norm_kernel(x, res, h, y, w, eps, add, half):
             if add:
                 h[n, i] = vals[u]
             y[n, i] = ws[u] * _rnd(vals[u] * r, half)
+
+
+@cuda.jit(cache=True)
+def _moe_out_norm_kernel(res, routed, gate, shared, h, y, w, eps, half):
+    """Row n: v = res[n] + (routed[n] + sigmoid(gate[n]) * shared[n]) as `_shared_out_kernel` computes it, stored to
+    h[n], and y[n] = its norm as `_rms_norm_kernel` computes it: an MoE block's output with a gated shared expert and
+    the next layer's input norm in one launch where they took two. res, routed, shared, h, y [N, D] (any strides),
+    gate [N, 1], w [D], D <= MAX_NORM_DIM; NORM_THREADS threads a row."""
+    n = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    D = res.shape[1]
+    red = cuda.shared.array(NORM_THREADS, np.float32)
+    vals = cuda.local.array(NORM_ELEMS, np.float32)
+    ws = cuda.local.array(NORM_ELEMS, np.float32)
+    sg = _sigmoid(float32(gate[n, 0]), half)
+    for u in range(NORM_ELEMS):
+        i = min(t + u * NORM_THREADS, D - 1)
+        vals[u] = _moe_sum(res[n, i], routed[n, i], sg, shared[n, i], half)
+        ws[u] = float32(w[i])
+    _norm_row(red, vals, ws, n, t, h, y, eps, True, half)
 
 
 @cuda.jit(cache=True)
@@ -235,15 +264,26 @@ def _swiglu_kernel(gate_up, out, half):
         out[n, i] = _rnd(g / (float32(1.0) + float32(math.exp(-g))), half) * float32(gate_up[n, F + i])
 
 
+@cuda.jit(device=True, inline=True)
+def _sigmoid(g, half):
+    """sigmoid(g), rounded as a result of the model's dtype."""
+    return _rnd(float32(1.0) / (float32(1.0) + float32(math.exp(-g))), half)
+
+
+@cuda.jit(device=True, inline=True)
+def _moe_sum(x, routed, sg, shared, half):
+    """x + (routed + sg * shared) in float32, each op's result but the last rounded as torch rounds it (sg: the
+    shared expert's `_sigmoid` gate)."""
+    return float32(x) + _rnd(float32(routed) + _rnd(sg * float32(shared), half), half)
+
+
 @cuda.jit(cache=True)
 def _shared_out_kernel(x, routed, gate, shared, out, half):
     """out [N, D] = x + (routed + sigmoid(gate) * shared), each op's result rounded as torch rounds it; gate [N, 1]."""
     n = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < out.shape[1]:
-        g = float32(gate[n, 0])
-        s = _rnd(_rnd(float32(1.0) / (float32(1.0) + float32(math.exp(-g))), half) * float32(shared[n, i]), half)
-        out[n, i] = float32(x[n, i]) + _rnd(float32(routed[n, i]) + s, half)
+        out[n, i] = _moe_sum(x[n, i], routed[n, i], _sigmoid(float32(gate[n, 0]), half), shared[n, i], half)
 
 
 @cuda.jit(cache=True)
@@ -307,6 +347,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     launch(_rms_norm_kernel, x2.shape[0], NORM_THREADS, (x2, res, _rows(h), _rows(y), weight, float32(eps),
                                                          residual is not None, x.dtype == torch.float16))
     return y if residual is None else (h, y)
+
+
+def moe_out_norm(residual: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
+                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h)) for h = residual + (routed + sigmoid(gate) * shared): `shared_expert_out` and the next layer's
+    `rms_norm` in one launch (the same values). residual, routed, shared [N, D], gate [N, 1]."""
+    _check(residual, routed, gate, shared, weight)
+    if residual.shape[-1] > MAX_NORM_DIM:
+        raise ValueError(f"moe_out_norm takes rows of up to {MAX_NORM_DIM} elements, got {residual.shape[-1]}")
+    h, y = torch.empty_like(residual), torch.empty_like(residual)
+    launch(_moe_out_norm_kernel, residual.shape[0], NORM_THREADS,
+           (residual, routed, gate, shared, h, y, weight, float32(eps), residual.dtype == torch.float16))
+    return h, y
 
 
 def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,

@@ -117,8 +117,12 @@ COMPARE = textwrap.dedent(r"""
         out["swiglu"] = stats(lk.swiglu(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
         xs, routed, shared = r(3, D), r(3, D), r(3, D)
         gate = proj[:, -1:]
-        out["shared_expert_out"] = stats(lk.shared_expert_out(xs, routed, gate, shared),
-                                         xs + (routed + torch.sigmoid(gate) * shared))
+        summed = lk.shared_expert_out(xs, routed, gate, shared)
+        out["shared_expert_out"] = stats(summed, xs + (routed + torch.sigmoid(gate) * shared))
+        # the same sum and the next norm in one launch: the two kernels' values (fp16: bit for bit)
+        h, y = lk.moe_out_norm(xs, routed, gate, shared, norm.weight, norm.eps)
+        out["moe_out_norm_sum"] = stats(h, summed)
+        out["moe_out_norm"] = stats(y, lk.rms_norm(summed, norm.weight, norm.eps))
         # routing statistics of 3 of 4 layers in one launch, against RouterStats' torch fold of the same step
         import numpy as np
         from pagedweight.signals import RouterStats
@@ -171,13 +175,16 @@ COMPARE = textwrap.dedent(r"""
         model = build_model(cfg, seed=0, std=0.2).to(device=device, dtype=getattr(torch, dtype_name)).eval()
         model.fuse_projections()
         ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(1)).to(device)
+        fused, moe_out_norm = [], lk.moe_out_norm
+        lk.moe_out_norm = lambda *a: fused.append(1) or moe_out_norm(*a)  # where a block's output meets a norm
         with torch.no_grad():
             want = model(ids)
             on = model.use_layer_kernels()
             used = sorted({type(m).__name__ for m in model.modules() if m.__dict__.get("kernels") is not None})
             got = model(ids)
+        lk.moe_out_norm = moe_out_norm
         return dict(on=on, used=used, max_err=float((got - want).abs().max()), scale=float(want.abs().max()),
-                    argmax=torch.equal(got.argmax(-1), want.argmax(-1)))
+                    argmax=torch.equal(got.argmax(-1), want.argmax(-1)), fused=len(fused))
 """)
 
 # The whole-model check wires the kernels into each family once, in one dtype each: the per-kernel comparisons cover
@@ -200,7 +207,8 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
     kernels = lk
 
     sigs = {name: [] for name in ["_rms_norm_kernel", "_rope_kernel", "_topk_kernel", "_router_kernel",
-                                  "_swiglu_kernel", "_shared_out_kernel", "_route_stats_kernel"]}
+                                  "_swiglu_kernel", "_shared_out_kernel", "_moe_out_norm_kernel",
+                                  "_route_stats_kernel"]}
 
     %(recorder)s
 
@@ -214,7 +222,7 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
 ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out", "rope_norm_q", "rope_norm_k")
-BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k")
+BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k", "moe_out_norm_sum", "moe_out_norm")
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +269,8 @@ def test_model_with_kernels_matches_without_under_simulator(sim: dict, dtype: st
     r = sim[f"model/{family}/{dtype}"]
     want = ["Attention", "MLP", "MoEBlock", "RMSNorm"] if family == "qwen2_moe" else ["Attention", "MoEBlock", "RMSNorm"]
     assert r["on"] and r["used"] == want, r  # Qwen3's attention too: its per-head q/k norm runs in RoPE's kernel
+    # layer 0's shared-expert output added in layer 1's input norm (the last layer's before the final norm, apart)
+    assert r["fused"] == (1 if family == "qwen2_moe" else 0), r
     assert r["argmax"], r
     assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
 
@@ -292,7 +302,7 @@ def test_kernels_match_torch_on_gpu(dtype: str) -> None:
     check_case(ns["compare"]("cuda", dtype, 0), dtype, 0)
     for family in ("qwen2_moe", "qwen3_moe"):
         r = ns["model_pair"]("cuda", dtype, family)
-        assert r["on"] and r["argmax"], (family, r)
+        assert r["on"] and r["argmax"] and r["fused"] == (1 if family == "qwen2_moe" else 0), (family, r)
         assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), (family, r)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -68,6 +68,24 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+class MoEOut(NamedTuple):
+    """An MoE block's output with a gated shared expert, not yet added to the residual stream (the layer kernels on):
+    the next norm adds it and normalises the sum in one launch (`RMSNorm.forward`, layer_kernels.moe_out_norm), one
+    launch a layer fewer than the block's own output kernel and then the norm. Rows [N, D] (gate [N, 1]); `shape`:
+    the block's input shape."""
+    residual: torch.Tensor
+    routed: torch.Tensor
+    gate: torch.Tensor
+    shared: torch.Tensor
+    shape: torch.Size
+
+    def added(self) -> torch.Tensor:
+        """residual + (routed + sigmoid(gate) * shared), in `shape` (where no norm of the kernels follows)."""
+        from pagedweight.cuda import layer_kernels
+
+        return layer_kernels.shared_expert_out(self.residual, self.routed, self.gate, self.shared).view(self.shape)
+
+
 class RMSNorm(nn.Module):
     # here and in Attention, MLP and MoEBlock: cuda/layer_kernels.py while the model's layer kernels are on
     # (MoEForCausalLM.use_layer_kernels), else None (torch's ops)
@@ -78,9 +96,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | MoEOut, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with `residual`: (residual + x, its norm), one launch on the kernel path (vLLM's convention)."""
+        """norm(x); with `residual`: (residual + x, its norm), one launch on the kernel path (vLLM's convention); of
+        an `MoEOut`: (its sum, the sum's norm), one launch."""
+        if isinstance(x, MoEOut):
+            if self.kernels is None:
+                h = x.added()
+                return h, self._norm(h)
+            h, y = self.kernels.moe_out_norm(x.residual, x.routed, x.gate, x.shared, self.weight, self.eps)
+            return h.view(x.shape), y.view(x.shape)
         if self.kernels is not None:
             return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
@@ -527,8 +552,9 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's output for x [..., D]; with `residual` (x's shape), residual + that output."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | MoEOut:
+        """The block's output for x [..., D]; with `residual` (x's shape), residual + that output (with the kernels
+        and a gated shared expert: as an `MoEOut`, which the next norm adds)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.in_proj is not None:
@@ -544,8 +570,7 @@ class MoEBlock(nn.Module):
         if self.in_proj is not None:
             shared = self.shared_expert.down(shared_gate_up)
             if self.kernels is not None and residual is not None:
-                out = self.kernels.shared_expert_out(residual.reshape(x.shape), out, shared_gate, shared)
-                return out.reshape(shape)
+                return MoEOut(residual.reshape(x.shape), out, shared_gate, shared, shape)
             out = out + torch.sigmoid(shared_gate) * shared
         elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -578,9 +603,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEBlock(cfg, layer)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
-                ) -> torch.Tensor:
-        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache), residual=x)
+    def forward(self, x: torch.Tensor | MoEOut, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+                ) -> torch.Tensor | MoEOut:
+        """The residual stream after this layer; an `MoEOut` (the previous layer's, and this one's) is added in the
+        norm that follows it."""
+        if isinstance(x, MoEOut):
+            x, h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x)
+        x, h = self.post_attention_layernorm(self.self_attn(h, cos, sin, cache), residual=x)
         return self.mlp(h, residual=x)
 
 
