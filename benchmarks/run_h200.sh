@@ -126,6 +126,24 @@ for s in "${steps[@]}"; do case $s in
                      fi
                    done
                  done ;;
+  # A/B of source files: arm n = the tree, arm o = the files under OLD_DIR (same relative paths, made before the call,
+  # e.g. `mkdir -p build/old/cuda && git show REV:cuda/layer_kernels.py > build/old/cuda/layer_kernels.py`, build
+  # carried) put in place for its runs with a Numba cache of its own, then the tree's back (cp -p both ways: each
+  # file keeps its mtime, which Numba's cache keys on). AB_CMD: the benchmark command, its label AB_LABEL-<arm>-<round>;
+  # ROUNDS=2 (n o o n ...)
+  abfiles) files=$(cd "${OLD_DIR:?}" && find . -type f -name '*.py')
+           for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
+             arms=(n o); ((r % 2)) || arms=(o n)
+             for a in "${arms[@]}"; do
+               if [ $a = o ]; then
+                 for f in $files; do mkdir -p "/tmp/ab-keep/$(dirname "$f")"; cp -p "$f" "/tmp/ab-keep/$f"
+                   cp -p "$OLD_DIR/$f" "$f"; done
+               fi
+               step "${AB_LIMIT:-120}" env NUMBA_CACHE_DIR="$([ $a = o ] && echo /tmp/nc-old || echo "$NUMBA_CACHE_DIR")" \
+                 ${AB_CMD:?} --label "${AB_LABEL:-ab}-$a-$r"
+               if [ $a = o ]; then for f in $files; do cp -p "/tmp/ab-keep/$f" "$f"; done; fi
+             done
+           done ;;
   pressure) step "${PRESSURE_LIMIT:-150}" python3 -m benchmarks.kv_pressure --time-budget-s "${PRESSURE_BUDGET:-130}" ${PRESSURE_ARGS:-} ;;  # --trace, --profile $OUT/f, --paged-runs N
   # Ray steps (carry the --ray wheels and the Serve/dashboard deps listed in benchmarks/multi_engine.py).
   # NGPUS=1 (default): two half-GPU engines share one GPU; NGPUS=2 on a two-GPU box: one engine per GPU.
