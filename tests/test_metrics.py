@@ -68,15 +68,17 @@ def value(samples: dict, name: str, **labels) -> float | None:
     return hits[0] if hits else None
 
 
-def scrape_until(port: int, ready, timeout: float = 45.0) -> dict:
-    """Metrics reach the agent every few seconds: poll until `ready(samples)` holds."""
+def scrape_until(port: int, ready, timeout: float = 90.0) -> dict:
+    """Metrics reach the agent every few seconds: poll until `ready(samples)` holds (a falsy answer may say why:
+    the failure shows the last one). A loaded 2-core CI machine once took over 45 s (session 56)."""
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(port)
-        if ready(samples):
+        if ready(samples) is True:
             return samples
         if time.monotonic() > deadline:
-            pytest.fail(f"metrics not exported within {timeout} s; have {sorted({n for n, _ in samples})}")
+            pytest.fail(f"metrics not exported within {timeout} s: {ready(samples)}; have "
+                        f"{sorted({n for n, _ in samples})}")
         time.sleep(1.0)
 
 
@@ -100,7 +102,8 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
         # their own, which made a sum over every engine ready before this one's histogram arrived (CI, 36bc75c)
         served = value(s, "ray_pagedweight_request_latency_seconds_count", engine=live["engine_id"],
                        finish_reason="length", work="generate")
-        return value(s, "ray_pagedweight_preemptions_total", engine="probe") == 2 and (served or 0) >= 2
+        preempted = value(s, "ray_pagedweight_preemptions_total", engine="probe")
+        return preempted == 2 and (served or 0) >= 2 or {"probe preemptions": preempted, "replica served": served}
 
     s = scrape_until(ray_cluster.metrics_port, ready)
     probe_v = lambda name, **kw: value(s, f"ray_pagedweight_{name}", engine="probe", **kw)  # noqa: E731
