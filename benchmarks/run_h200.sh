@@ -128,12 +128,13 @@ for s in "${steps[@]}"; do case $s in
                  done ;;
   # A/B of source files: arm n = the tree, arm o = the files under OLD_DIR (same relative paths, made before the call,
   # e.g. `mkdir -p build/old/cuda && git show REV:cuda/layer_kernels.py > build/old/cuda/layer_kernels.py`, build
-  # carried) put in place for its runs with a Numba cache of its own, then the tree's back (cp -p both ways: each
-  # file keeps its mtime, which Numba's cache keys on). AB_CMD: the benchmark command, its label AB_LABEL-<arm>-<round>;
-  # ROUNDS=2 (n o o n ...). The old arm's cache starts as a copy of the tree's (only the files that differ compile);
-  # AB_WARM=1 first runs each arm once into /tmp/ab-warm (not returned), so no measured process pays a compile
-  abfiles) files=$(cd "${OLD_DIR:?}" && find . -type f -name '*.py')
-           [ -d /tmp/nc-old ] || { [ -d "$NUMBA_CACHE_DIR" ] && cp -a "$NUMBA_CACHE_DIR" /tmp/nc-old; }
+  # carried) put in place for its runs with a Numba cache of its own (one per OLD_DIR), then the tree's back (cp -p
+  # both ways: each file keeps its mtime, which Numba's cache keys on). AB_CMD: the benchmark command, its label
+  # AB_LABEL-<arm>-<round>; ROUNDS=2 (n o o n ...). The old arm's cache starts as a copy of the tree's (only the
+  # files that differ compile); AB_WARM=1 first runs each arm once into /tmp/ab-warm (not returned), so no measured
+  # process pays a compile
+  abfiles) files=$(cd "${OLD_DIR:?}" && find . -type f -name '*.py'); old_nc=/tmp/nc-old-$(basename "$OLD_DIR")
+           [ -d "$old_nc" ] || { [ -d "$NUMBA_CACHE_DIR" ] && cp -a "$NUMBA_CACHE_DIR" "$old_nc"; }
            r0=1; [ -n "${AB_WARM:-}" ] && r0=0
            for ((r = r0; r <= ${ROUNDS:-2}; r++)); do
              arms=(n o); ((r % 2)) || arms=(o n)
@@ -142,7 +143,8 @@ for s in "${steps[@]}"; do case $s in
                  for f in $files; do mkdir -p "/tmp/ab-keep/$(dirname "$f")"; cp -p "$f" "/tmp/ab-keep/$f"
                    cp -p "$OLD_DIR/$f" "$f"; done
                fi
-               step "${AB_LIMIT:-120}" env NUMBA_CACHE_DIR="$([ $a = o ] && echo /tmp/nc-old || echo "$NUMBA_CACHE_DIR")" \
+               nc=$NUMBA_CACHE_DIR; [ $a = o ] && nc=$old_nc
+               step "${AB_LIMIT:-120}" env NUMBA_CACHE_DIR="$nc" \
                  ${AB_CMD:?} --label "${AB_LABEL:-ab}-$a-$r" $( ((r)) || echo "--out-dir /tmp/ab-warm")
                if [ $a = o ]; then for f in $files; do cp -p "/tmp/ab-keep/$f" "$f"; done; fi
              done

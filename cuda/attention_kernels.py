@@ -25,8 +25,9 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    1.01-2.63x the time of gather + SDPA across shapes (-s15-attn-new.json): 128 registers (offline), 4 blocks per SM.
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
-into the pages before them (one launch where torch stacks, gathers and scatters). K/V may be fp16 or fp32 (q the
-same dtype); bf16 stays on the torch path (Numba has no bf16 arrays).
+into the pool's rows before them (one launch where torch stacks, gathers and scatters), where RoPE's kernel does not
+(layer_kernels.rope with a store). K/V may be fp16 or fp32 (q the same dtype); bf16 stays on the torch path (Numba
+has no bf16 arrays).
 """
 from __future__ import annotations
 
@@ -203,19 +204,18 @@ def _combine_kernel(lengths, part_m, part_l, part_acc, out):
 
 
 @cuda.jit(cache=True)
-def _store_kernel(k, v, rows, pages, slots, src, block_size):
+def _store_kernel(k, v, rows, dst, src):
     """Block (b, h): the new key and value of row src[b] (a padding row rewrites its source row's) for KV head h into
-    slot slots[b] of pool block pages[b]. k, v [B, Hkv, 1, hd] (any strides); rows as in `_split_kernel`."""
+    rows dst[0, b] and dst[1, b] of the pool's token rows [R, Hkv, hd] (kv_cache.PagedKVCache.rows). k, v [B, Hkv,
+    1, hd] (any strides)."""
     b = cuda.blockIdx.x
     h = cuda.blockIdx.y
-    hkv, hd = k.shape[1], k.shape[3]
     s = src[b]
-    p = pages[b]
-    off = (slots[b] * hkv + h) * hd
-    v_off = off + block_size * hkv * hd  # V follows K in a block
-    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        rows[p, off + d] = k[s, h, 0, d]
-        rows[p, v_off + d] = v[s, h, 0, d]
+    rk = dst[0, b]
+    rv = dst[1, b]
+    for d in range(cuda.threadIdx.x, k.shape[3], cuda.blockDim.x):
+        rows[rk, h, d] = k[s, h, 0, d]
+        rows[rv, h, d] = v[s, h, 0, d]
 
 
 def supports(dtype: torch.dtype, head_dim: int, max_keys: int) -> bool:
@@ -238,16 +238,18 @@ def flat_rows(kv: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv.as_strided(((rows.shape[0] - 1) * rows.shape[1] + kv[0].numel(),), (1,)), rows.shape[1]
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
-             src_rows: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor
+             ) -> None:
     """A decode step's new keys and values into the pool, one launch (torch: a stack, a gather and a scatter):
-    row b's slot slots[b] of block pages[b] gets k, v [B, Hkv, 1, hd] of row src_rows[b]; kv as in
-    `paged_decode_attention`, of k's dtype."""
+    k, v [B, Hkv, 1, hd] of row src_rows[b] go to rows dst[0, b] (K) and dst[1, b] (V) of the pool's token rows
+    [R, Hkv, hd] (kv_cache.PagedKVCache.rows), of k's dtype."""
     b, hkv, t, hd = k.shape
-    if t != 1 or kv.dtype != k.dtype or v.dtype != k.dtype or kv.shape[3:] != (hkv, hd):
-        raise ValueError(f"store_kv takes one token per row and kv of its dtype and heads: k {tuple(k.shape)} "
-                         f"{k.dtype}, v {v.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
-    launch(_store_kernel, (b, hkv), min(THREADS, hd), (k, v, block_rows(kv), pages, slots, src_rows, kv.shape[2]))
+    if t != 1 or rows.dtype != k.dtype or v.dtype != k.dtype or tuple(rows.shape[1:]) != (hkv, hd) \
+            or tuple(dst.shape) != (2, b):
+        raise ValueError(f"store_kv takes one token per row, rows of its dtype and heads and dst [2, B]: k "
+                         f"{tuple(k.shape)} {k.dtype}, v {v.dtype}, rows {tuple(rows.shape)} {rows.dtype}, dst "
+                         f"{tuple(dst.shape)}")
+    launch(_store_kernel, (b, hkv), min(THREADS, hd), (k, v, rows, dst, src_rows))
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,

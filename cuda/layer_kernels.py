@@ -120,23 +120,33 @@ def _moe_out_norm_kernel(res, routed, gate, shared, h, y, w, eps, half):
 
 
 @cuda.jit(cache=True)
-def _rope_kernel(qkv, cos, sin, q, k, n_heads, qw, kw, eps, norm, half):
-    """Block (b * T + t, j): head j of token (b, t) in qkv [B, T, (H + 2 Hkv) * hd] (q heads, then k heads), rotated
-    with cos/sin [B, T, hd] (rotate-half: dim i < hd/2 pairs with i + hd/2) into q [B, H, T, hd] (j < H) or k [B, Hkv,
-    T, hd]. With `norm` the head is first RMS-normed over its hd dims and scaled by qw or kw [hd] (Qwen3's per-head
-    q/k norm, models.layers.RMSNorm's rounding). ROPE_THREADS threads; thread i takes dims i and i + hd/2 (and
-    i + ROPE_THREADS ..., when hd/2 is larger)."""
+def _rope_kernel(qkv, cos, sin, q, k, n_heads, n_kv, qw, kw, eps, norm, half, kv, dst, src, store):
+    """Block (b * T + t, j): head j of token (b, t) in qkv [B, T, (H + 2 Hkv) * hd] (q heads, k heads, v heads),
+    rotated with cos/sin [B, T, hd] (rotate-half: dim i < hd/2 pairs with i + hd/2) into q [B, H, T, hd] (j < H) or
+    k [B, Hkv, T, hd]. With `norm` the head is first RMS-normed over its hd dims and scaled by qw or kw [hd] (Qwen3's
+    per-head q/k norm, models.layers.RMSNorm's rounding). With `store` (1, or 2 where token i's K/V are token src[i]'s:
+    a decode step's padding row writes its source row's) the k heads go to row dst[0, b * T + t] of the KV pool's rows
+    kv [R, Hkv, hd] instead of k, and blocks j of H + Hkv and up copy the v heads to row dst[1, b * T + t]: the
+    step's K/V write in this launch. ROPE_THREADS threads; thread i takes dims i and i + hd/2 (and i + ROPE_THREADS
+    ..., when hd/2 is larger)."""
     T = qkv.shape[1]
     hd = cos.shape[2]
     half_dim = hd // 2
-    b = cuda.blockIdx.x // T
-    tok = cuda.blockIdx.x - b * T
+    bt = cuda.blockIdx.x
     j = cuda.blockIdx.y
     t = cuda.threadIdx.x
-    base = j * hd
     red = cuda.shared.array(ROPE_THREADS, np.float32)
+    s = src[bt] if store == 2 and j >= n_heads else bt
+    b = s // T
+    tok = s - b * T
+    base = j * hd
+    if j >= n_heads + n_kv:  # a v head (launched only with `store`): copied to its row, whole blocks return here
+        row = dst[1, bt]
+        for i in range(t, hd, ROPE_THREADS):
+            kv[row, j - n_heads - n_kv, i] = qkv[b, tok, base + i]
+        return
     r = float32(1.0)
-    if norm:  # the whole block takes part in the reduction (no early exit above)
+    if norm:  # the whole block takes part in the reduction (no early exit above but whole blocks')
         ss = float32(0.0)
         for i in range(t, hd, ROPE_THREADS):
             v = float32(qkv[b, tok, base + i])
@@ -154,6 +164,10 @@ def _rope_kernel(qkv, cos, sin, q, k, n_heads, qw, kw, eps, norm, half):
         if j < n_heads:
             q[b, j, tok, i] = lo
             q[b, j, tok, i + half_dim] = hi
+        elif store:
+            row = dst[0, bt]
+            kv[row, j - n_heads, i] = lo
+            kv[row, j - n_heads, i + half_dim] = hi
         else:
             k[b, j - n_heads, tok, i] = lo
             k[b, j - n_heads, tok, i + half_dim] = hi
@@ -363,21 +377,47 @@ def moe_out_norm(residual: torch.Tensor, routed: torch.Tensor, gate: torch.Tenso
 
 
 def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,
-         head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B, H, T, hd] and k [B, Hkv, T, hd] (contiguous) with RoPE applied, from a fused projection's qkv [B, T,
     (H + 2 Hkv) * hd] and cos/sin [B, 1, T, hd] (models.layers.rope_cos_sin); models.layers.apply_rope's result.
     head_norm = (q_weight [hd], k_weight [hd], eps): each head RMS-normed first, as models.layers.Attention does with
-    qk_norm "head" (Qwen3): one launch where the step ran two norm kernels and ~11 of torch's for RoPE."""
+    qk_norm "head" (Qwen3): one launch where the step ran two norm kernels and ~11 of torch's for RoPE.
+    store = (kv [R, Hkv, hd], dst [2, B * T], src [B * T] or None), a paged cache's `kv_store`: token i's k and v
+    (token src[i]'s where given) written to rows dst[0, i] and dst[1, i] of kv in the same launch, k not returned
+    (None): the K/V write's launch (decode) or torch calls (prefill) saved."""
     _check(qkv, cos, sin, *(() if head_norm is None else head_norm[:2]))
     b, t, _ = qkv.shape
     hd = cos.shape[-1]
     q = torch.empty(b, n_heads, t, hd, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(b, n_kv, t, hd, dtype=qkv.dtype, device=qkv.device)
     qw, kw, eps = head_norm if head_norm is not None else (cos[0, 0, 0], cos[0, 0, 0], 0.0)  # unread stand-ins
-    launch(_rope_kernel, (b * t, n_heads + n_kv), ROPE_THREADS, (
-        qkv, cos[:, 0], sin[:, 0], q, k, n_heads, qw, kw, float32(eps), head_norm is not None,
-        qkv.dtype == torch.float16))
-    return q, k
+    unread_k, unread_kv, unread_dst = _stand_ins(qkv.device, qkv.dtype)
+    if store is None:
+        k = torch.empty(b, n_kv, t, hd, dtype=qkv.dtype, device=qkv.device)
+        kv, dst, src, mode, heads = unread_kv, unread_dst, unread_dst[0], 0, n_heads + n_kv
+    else:
+        kv, dst, src = store
+        if (kv.dtype != qkv.dtype or kv.dim() != 3 or tuple(kv.shape[1:]) != (n_kv, hd)
+                or tuple(dst.shape) != (2, b * t) or (src is not None and tuple(src.shape) != (b * t,))):
+            raise ValueError(f"rope's store takes kv [R, {n_kv}, {hd}] of qkv's dtype, dst [2, {b * t}] and src "
+                             f"[{b * t}]; got kv {tuple(kv.shape)} {kv.dtype}, dst {tuple(dst.shape)}, src "
+                             f"{None if src is None else tuple(src.shape)}")
+        k, heads, mode = unread_k, n_heads + 2 * n_kv, 1 if src is None else 2
+        src = dst[0] if src is None else src  # unread in mode 1
+    launch(_rope_kernel, (b * t, heads), ROPE_THREADS, (
+        qkv, cos[:, 0], sin[:, 0], q, k, n_heads, n_kv, qw, kw, float32(eps), head_norm is not None,
+        qkv.dtype == torch.float16, kv, dst, src, mode))
+    return q, (k if store is None else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _stand_ins(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rope's unread arguments of the path not taken: k where it stores, kv and dst (and src, dst[0]) where it does
+    not (tensors of their own, one element or two, kept per device: the simulator copies each array argument back
+    after a launch, so q cannot stand in for k)."""
+    return (torch.zeros(1, 1, 1, 1, dtype=dtype, device=device), torch.zeros(1, 1, 1, dtype=dtype, device=device),
+            torch.zeros(2, 1, dtype=torch.int64, device=device))
 
 
 def _route_outputs(n: int, e: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

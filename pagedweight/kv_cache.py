@@ -93,8 +93,7 @@ class DecodeLayout:
     """One static-shape decode step: B rows of one token, derived on the device from the static inputs."""
 
     tables: torch.Tensor  # [B, L, M] pool KV block of each of the row's M (padded) logical blocks, per layer
-    write_pages: torch.Tensor  # [L, B] pool KV block of each row's new token, per layer
-    write_slots: torch.Tensor  # [B] slot inside its block
+    write_rows: torch.Tensor  # [L, 2, B] rows of `PagedKVCache.rows` of the K and of the V of each row's new token
     src_rows: torch.Tensor  # [B] whose K/V each row writes: a padding row rewrites its source row's exact values
     lengths: torch.Tensor | None  # [B] keys each row sees (its position + 1): the kernel's bound
     mask: torch.Tensor | None  # bool [B, 1, 1, M * block_size], key position <= the row's position: SDPA's bound
@@ -503,25 +502,37 @@ class PagedKVCache:
             lengths = positions + 1
         else:
             mask = self._length_mask(m, positions + 1)
-        return DecodeLayout(tables=tables, write_pages=tables.gather(2, block)[..., 0].t(),
-                            write_slots=positions % self.block_size, src_rows=src_rows, lengths=lengths, mask=mask)
+        k = tables.gather(2, block)[..., 0].t() * self.page_rows + positions % self.block_size  # [L, B]
+        return DecodeLayout(tables=tables, write_rows=torch.stack((k, k + self.block_size), dim=1), src_rows=src_rows,
+                            lengths=lengths, mask=mask)
 
     def _length_mask(self, blocks: int, lengths: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, 1, blocks * block_size]: key position < the row's length (SDPA's bound over gathered blocks)."""
         keys = torch.arange(blocks * self.block_size, device=lengths.device)
         return (keys[None, :] < lengths[:, None])[:, None, None, :]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write the step's new k, v of `layer` into their pages, then attend: the packed step's q [1, H, T, hd],
-        each prefill chunk over its own context and the one-token rows over their own blocks; a static decode
-        step's q [B, H, 1, hd] over each row's blocks."""
+    def kv_store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Where the step's new K/V of `layer` go, for a kernel that writes them as it makes them (layer_kernels.rope):
+        (rows [R, Hkv, hd], dst [2, N]: the rows of token i's K and V, src [N] or None: whose K/V token i writes).
+        `attend` with k and v None then writes nothing. None before `prepare`."""
+        lay = self.layout
+        if lay is None:
+            return None
+        return self.rows, lay.write_rows[layer], lay.src_rows if isinstance(lay, DecodeLayout) else None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
+               ) -> torch.Tensor:
+        """Write the step's new k, v of `layer` into their pages (None: already written, see `kv_store`), then
+        attend: the packed step's q [1, H, T, hd], each prefill chunk over its own context and the one-token rows
+        over their own blocks; a static decode step's q [B, H, 1, hd] over each row's blocks."""
         lay = self.layout
         if lay is None:
             raise RuntimeError("PagedKVCache.attend called before prepare()")
         if isinstance(lay, DecodeLayout):
             return self._attend_decode(lay, layer, q, k, v, scale)
-        new = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1))).to(self.dtype)  # [2 (k|v), T, Hkv, hd]
-        self.rows.index_copy_(0, lay.write_rows[layer].view(-1), new.view(-1, *new.shape[2:]))
+        if k is not None:
+            new = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1))).to(self.dtype)  # [2 (k|v), T, Hkv, hd]
+            self.rows.index_copy_(0, lay.write_rows[layer].view(-1), new.view(-1, *new.shape[2:]))
         if lay.decode is None and len(lay.chunks) == 1:  # one prefill chunk alone: its attention is the step's
             return self._attend_chunk(lay, layer, q, *lay.chunks[0][2:], scale)
         out = torch.empty_like(q)
@@ -546,16 +557,19 @@ class PagedKVCache:
         kv = self.rows.index_select(0, rows).view(2, c1 - c0, *self.rows.shape[1:]).transpose(1, 2)  # [2, Hkv, S, hd]
         return sdpa(q, kv[0:1], kv[1:2], None, scale)
 
-    def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-        """Write each row's new K/V; then the kernel reads every row's blocks in place, or (CPU, bf16) each row's M
-        blocks are gathered, per K and V, for SDPA under the length mask (`gathered_decode_attention`)."""
+    def _attend_decode(self, lay: DecodeLayout, layer: int, q: torch.Tensor, k: torch.Tensor | None,
+                       v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Write each row's new K/V (unless written: k None); then the kernel reads every row's blocks in place, or
+        (CPU, bf16) each row's M blocks are gathered, per K and V, for SDPA under the length mask
+        (`gathered_decode_attention`)."""
         pages = lay.tables[:, layer]  # [B, M]
+        if k is not None and self._kernels is not None:
+            self._kernels.store_kv(k, v, self.rows, lay.write_rows[layer], lay.src_rows)
+        elif k is not None:
+            new = torch.stack((k[:, :, 0], v[:, :, 0]))[:, lay.src_rows]  # [2 (k|v), B, Hkv, hd]
+            self.rows.index_copy_(0, lay.write_rows[layer].view(-1), new.flatten(0, 1).to(self.dtype))
         if self._kernels is not None:
-            self._kernels.store_kv(k, v, self.view, lay.write_pages[layer], lay.write_slots, lay.src_rows)
             return self._kernels.paged_decode_attention(q[:, :, 0], self.view, pages, lay.lengths, scale)[:, :, None]
-        new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)[lay.src_rows]  # [B, 2, Hkv, hd]
-        self.view[lay.write_pages[layer], :, lay.write_slots] = new.to(self.dtype)
         return gathered_decode_attention(q, self.view, pages, lay.mask, scale)
 
 

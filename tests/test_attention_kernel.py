@@ -51,21 +51,19 @@ BUILD = textwrap.dedent(r"""
         return tuple(t.to(device) for t in (q, view(rows.to(device)), clean, tables, lengths))
 
     def store_case(device):
-        # store_kv against the torch path it replaces (stack, gather by source row, scatter into the pages): 3 rows,
-        # the last a padding row that rewrites row 0's values into row 0's slot; v a strided view, as in the model
+        # store_kv against the torch path it replaces (stack, gather by source row, index_copy_ into the pool's token
+        # rows [R, Hkv, hd]): 3 rows, the last a padding row that rewrites row 0's values into row 0's rows; v a
+        # strided view, as in the model
         from pagedweight.cuda.attention_kernels import store_kv
-        _, kv, _, _, _ = build(3, 2, 2, 16, 4, 2, "float16", seed=7, device=device)
-        want = kv.clone()
         g = torch.Generator().manual_seed(8)
+        rows = torch.randn(20, 2, 16, generator=g).half().to(device)
+        before, want = rows.clone(), rows.clone()
         k = torch.randn(3, 2, 1, 16, generator=g).half().to(device)
         v = torch.randn(3, 1, 2 * 16 + 3, generator=g).half().to(device)[..., 3:].view(3, 1, 2, 16).transpose(1, 2)
-        pages, slots, src = (torch.tensor(a, device=device) for a in ([4, 1, 4], [3, 0, 3], [0, 1, 0]))
-        new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)[src]
-        want[pages, :, slots] = new
-        store_kv(k, v, kv, pages, slots, src)
-        return dict(equal=torch.equal(kv.float().nan_to_num(7.0), want.float().nan_to_num(7.0)),
-                    touched=int((kv.float().nan_to_num(7.0) != build(3, 2, 2, 16, 4, 2, "float16", seed=7,
-                                 device=device)[1].float().nan_to_num(7.0)).sum()))
+        dst, src = (torch.tensor(a, device=device) for a in ([[17, 2, 17], [5, 9, 5]], [0, 1, 0]))
+        want.index_copy_(0, dst.view(-1), torch.stack((k[:, :, 0], v[:, :, 0]))[:, src].flatten(0, 1))
+        store_kv(k, v, rows, dst, src)
+        return dict(equal=torch.equal(rows, want), touched=int((rows != before).sum()))
 """)
 
 # follows BUILD in the child, formatted with the cases and the child's part

@@ -67,6 +67,16 @@ COMPARE = textwrap.dedent(r"""
         out["rope_q"] = stats(q, apply_rope(q_in.view(B, T, H, hd).transpose(1, 2), cos, sin))
         out["rope_k"] = stats(kk, apply_rope(k_in.view(B, T, Hkv, hd).transpose(1, 2), cos, sin))
         out["rope_contiguous"] = q.is_contiguous() and kk.is_contiguous()
+        # the K/V write in the same launch (a paged cache's kv_store): token i's k and v into pool rows dst[:, i]
+        N = B * T
+        pool = r(2 * N + 3, Hkv, hd)
+        dst = torch.randperm(2 * N + 3, generator=g)[:2 * N].view(2, N).to(device)
+        v_tok = qkv[..., (H + Hkv) * hd:].reshape(N, Hkv, hd)
+        want = pool.clone()
+        want[dst[0]], want[dst[1]] = kk.transpose(1, 2).reshape(N, Hkv, hd), v_tok
+        qs, none = lk.rope(qkv, cos, sin, H, Hkv, None, (pool, dst, None))
+        out["rope_store_q"], out["rope_store_kv"] = stats(qs, q), stats(pool, want)
+        out["rope_store_no_k"] = none is None
         # Qwen3's per-head q/k norm folded into the same launch, against RMSNorm per head then RoPE
         qn, kn = RMSNorm(hd, 1e-6).to(device=device, dtype=dt), RMSNorm(hd, 1e-6).to(device=device, dtype=dt)
         with torch.no_grad():
@@ -74,6 +84,15 @@ COMPARE = textwrap.dedent(r"""
         q, kk = lk.rope(qkv, cos, sin, H, Hkv, (qn.weight, kn.weight, qn.eps))
         out["rope_norm_q"] = stats(q, apply_rope(qn(q_in.view(B, T, H, hd)).transpose(1, 2), cos, sin))
         out["rope_norm_k"] = stats(kk, apply_rope(kn(k_in.view(B, T, Hkv, hd)).transpose(1, 2), cos, sin))
+        # with the norm, and a decode step's padding row: the last token writes token 0's K/V into token 0's rows
+        src = torch.arange(N, device=device)
+        src[-1] = 0
+        dst[:, -1] = dst[:, 0]
+        pool = r(2 * N + 3, Hkv, hd)
+        want = pool.clone()
+        want[dst[0]], want[dst[1]] = kk.transpose(1, 2).reshape(N, Hkv, hd)[src], v_tok[src]
+        qs, _ = lk.rope(qkv, cos, sin, H, Hkv, (qn.weight, kn.weight, qn.eps), (pool, dst, src))
+        out["rope_store_norm_q"], out["rope_store_src_kv"] = stats(qs, q), stats(pool, want)
         # router logits as a slice of the fused input projection; distinct values, so the top-k is unambiguous
         proj = r(3, 2 * 24 + E + 1)
         vals = (torch.randperm(E * 3, generator=g).float() / 40 - 3).view(3, E).to(device=device, dtype=dt)
@@ -222,7 +241,8 @@ COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
 """) % {"recorder": KERNEL_RECORDER} + COMPILE_RECORDED
 
 ELEMENTWISE = ("rms_norm", "add_rms_norm", "swiglu", "shared_expert_out", "rope_norm_q", "rope_norm_k")
-BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k", "moe_out_norm_sum", "moe_out_norm")
+BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k", "moe_out_norm_sum", "moe_out_norm",
+             "rope_store_q", "rope_store_kv", "rope_store_norm_q", "rope_store_src_kv")  # the store's: against its own
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +260,7 @@ def check_case(r: dict, dtype: str, seed: int) -> None:
             assert r[name]["exact"] == 1.0, (name, r[name])
         else:  # exp, or a sum in another order: an fp16 ulp at most, on few elements
             assert r[name]["ulps"] <= 1.0 and r[name]["exact"] >= 0.95, (name, r[name])
-    assert r["rope_contiguous"]
+    assert r["rope_contiguous"] and r["rope_store_no_k"]
     for renorm in (False, True):
         assert r[f"route_ids_{renorm}"], r
         assert r[f"route_weights_{renorm}"] <= 1e-6, r  # float32 weights: a float32 ulp or two

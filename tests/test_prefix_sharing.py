@@ -479,6 +479,49 @@ def test_a_packed_step_writes_and_reads_each_token_s_k_and_v_in_its_block_slot()
     assert steps == [[("a", 5)], [("a", 2)], [("a", 1), ("b", 4)]]
 
 
+def test_kv_store_names_the_rows_attend_writes():
+    """A kernel that writes the new K/V itself (layer_kernels.rope given `kv_store`'s (rows, dst, src)) leaves the
+    pool as attend(q, k, v) does, and attend(q, None, None) then attends alike: token i's K at rows[dst[0, i]], its V
+    at rows[dst[1, i]], from token src[i] where given. In a packed step (a prompt's chunk) and in a static decode
+    step (decode_layout), whose second row is a padding row that rewrites row 0's K/V."""
+    kv, sched = make(budget=8, seats=4)
+    gen = torch.Generator().manual_seed(1)
+    kv.rows.copy_(torch.randn(kv.rows.shape, generator=gen))  # finite bytes everywhere (the pool is uninitialised)
+    sched.add(Sequence("a", list(range(3, 10)), SamplingParams(max_tokens=4)))
+
+    def both_ways(t: int, b: int, src: torch.Tensor | None) -> None:
+        for layer in range(LAYERS):
+            q = torch.randn(b, 1, t, CFG.head_dim, generator=gen)
+            k, v = (torch.randn(b, 1, t, CFG.head_dim, generator=gen) for _ in range(2))
+            before = kv.rows.clone()
+            want = kv.attend(layer, q, k, v, CFG.head_dim ** -0.5)
+            written = kv.rows.clone()
+            kv.rows.copy_(before)
+            rows, dst, got_src = kv.kv_store(layer)
+            assert rows is kv.rows and tuple(dst.shape) == (2, b * t)
+            assert (got_src is None) == (src is None) and (src is None or torch.equal(got_src, src))
+            k_tok, v_tok = (z.transpose(1, 2).reshape(b * t, *z.shape[1:2], z.shape[3]) for z in (k, v))
+            i = torch.arange(b * t) if src is None else src
+            rows[dst[0]], rows[dst[1]] = k_tok[i], v_tok[i]
+            assert torch.equal(kv.rows, written), layer
+            assert torch.equal(kv.attend(layer, q, None, None, CFG.head_dim ** -0.5), want), layer
+
+    batch = sched.schedule()
+    assert [n for n in batch.num_new_tokens] == [7]
+    kv.prepare(batch.seqs, batch.num_new_tokens)
+    both_ways(7, 1, None)
+    seq = batch.seqs[0]
+    seq.num_computed_tokens += 7
+    seq.append_token(50, 0.0)
+    batch = sched.schedule()  # the decode row's block
+    assert batch.num_new_tokens == [1]
+    table = torch.from_numpy(kv.block_tables(seq))[None]  # [1, L, blocks]
+    src = torch.tensor([0, 0])  # row 1: padding, row 0's position, table and K/V
+    kv.layout = kv.decode_layout(torch.tensor([7, 7]), src, table.expand(2, -1, -1).contiguous())
+    both_ways(1, 2, src)
+    kv.layout = None
+
+
 def test_a_page_of_part_of_a_token_s_k_is_refused():
     """The flat rows need pages of whole tokens' K or V: 256 B pages for 24 B ones (6 fp32 of one head) are refused
     with a clear error, not misread."""

@@ -23,9 +23,14 @@ RouterObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 class KVCache(Protocol):
     """What attention needs from a cache; `DenseKVCache` here, a paged one in the engine."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Store the new k, v [B, Hkv, T, hd] of `layer`, then attend q [B, H, T, hd] over the context they
-        extend; returns [B, H, T, hd]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
+               ) -> torch.Tensor:
+        """Store the new k, v [B, Hkv, T, hd] of `layer` (None: written through `kv_store`), then attend q [B, H, T,
+        hd] over the context they extend; returns [B, H, T, hd]."""
+        ...
+
+    def kv_store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Where a kernel may write the new K/V of `layer` itself (kv_cache.PagedKVCache.kv_store), or None."""
         ...
 
 
@@ -174,8 +179,12 @@ class Attention(nn.Module):
         if self.kernels is not None:
             qkv = self.qkv_proj(x)
             head_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm == "head" else None
-            q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv, head_norm)
-            v = qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            store = None if cache is None else cache.kv_store(self.layer)  # K/V written by RoPE's kernel: one launch
+            if store is not None and store[0].dtype != qkv.dtype:
+                store = None
+            q, k = self.kernels.rope(qkv, cos, sin, self.n_heads, self.n_kv, head_norm, store)
+            v = None if store is not None else (
+                qkv[..., -self._qkv_sizes[2]:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2))
             return self._attend(q, k, v, cache)
         if t > 1 and self.qkv_proj is not None and self.qk_norm == "none" and self.clip_qkv is None:
             # q's and k's heads are adjacent in the fused output: RoPE on both in one pass (one op each where two
@@ -203,8 +212,10 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         return self._attend(q, k, v, cache)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """q [B, H, T, hd], k, v [B, Hkv, T, hd] after RoPE -> the output projection's [B, T, D]."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cache: KVCache | None
+                ) -> torch.Tensor:
+        """q [B, H, T, hd], k, v [B, Hkv, T, hd] after RoPE (None: in the cache already) -> the output projection's
+        [B, T, D]."""
         b, _, t, _ = q.shape
         scale = self.head_dim ** -0.5
         out = sdpa(q, k, v, None, scale) if cache is None else cache.attend(self.layer, q, k, v, scale)
@@ -640,6 +651,10 @@ class DenseKVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def kv_store(self, layer: int) -> None:
+        """No kernel writes this cache's K/V: `attend` does."""
+        return None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         start = self.layer_lengths[layer]
