@@ -9,7 +9,8 @@ between launches (benchmarks/results/decode_profile-nvidia-h200-20261129-s6-attn
 as 4 kernels (cast, norm, cast, scale) twice, the residual adds as 2, RoPE as 5 per tensor (q and k: two products,
 a negation, a cat and a sum, on transposed views), the router as 3 (softmax, top-k's gather and sort) and the shared
 expert's tail as 5 (SiLU, product, sigmoid, product, sum). Here those are 6 launches (two norms), 5 with a gated
-shared expert, whose output is added in the next layer's input norm (`moe_out_norm`, models.layers.MoEOut).
+shared expert, whose output is added in the next layer's input norm (`moe_out_norm`, models.layers.MoEOut); with a
+paged cache RoPE's launch also writes the step's K/V (`rope`'s store, kv_cache.PagedKVCache.kv_store).
 
 Rounding: every kernel rounds where the torch ops it replaces round (an fp16 op's result is rounded to fp16 before
 the next op reads it; `_rnd`), so the results equal torch's bit for bit except where a float32 reduction runs in

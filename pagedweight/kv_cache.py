@@ -6,13 +6,14 @@ free run for KV, and every page that weights give back is usable by the cache at
 from their own counter, never from page ids: the pool may relocate KV pages (compaction for a weight reload), and
 the cache then only rewrites its page map; sequences' block tables stay as they are.
 
-The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new
-token's K/V go and which cached tokens each query may see. `attend` (the models' cache protocol) then writes the new
-K/V and attends per kind of sequence: each prefill chunk (several new tokens) over its own gathered context under a
-causal mask aligned to its end, and the one-token rows (decodes) together, each over its own blocks under a length
-mask, as a static decode step does. So prefill chunks and decodes of different sequences share one forward pass
-without attending to each other, and no query is scored against another sequence's keys: a block-diagonal mask
-over every sequence's context (before session 16) cost a [T, S_total] host-built mask and T x S_total scores.
+The engine packs a step's sequences into one row of tokens; `prepare` builds, once per step, where each new token's
+K/V go and which cached tokens each query may see. `attend` (the models' cache protocol) then writes the new K/V
+(unless the layer kernels' RoPE wrote them where `kv_store` says) and attends per kind of sequence: each prefill
+chunk (several new tokens) over its own gathered context under a causal mask aligned to its end, and the one-token
+rows (decodes) together, each over its own blocks under a length mask, as a static decode step does. So prefill
+chunks and decodes of different sequences share one forward pass without attending to each other, and no query is
+scored against another sequence's keys: a block-diagonal mask over every sequence's context (before session 16) cost
+a [T, S_total] host-built mask and T x S_total scores.
 
 Prefix sharing (`prefix_caching`): a block whose `block_size` tokens are all computed is published under a key,
 (the logical block before it, its token ids), so equal keys mean equal K/V all the way back to the first token. A
