@@ -14,6 +14,9 @@
 # instead of 168 s (h200-nvidia-h200-20261201-s22.log, calls 2-3).
 set -u
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-cache}
+# The device copy's git metadata is not the tree's (session 57's files read 30a48af-dirty for 8722133): write
+# `git rev-parse --short HEAD > build/rev` here before the call (build carried) and results name that revision
+export GIT_REV=${GIT_REV:-$(cat build/rev 2>/dev/null)}
 # Without an installed wheel, map the folders the way pyproject's package-dir does.
 [ -e pagedweight/cuda ] || ln -s ../cuda pagedweight/cuda
 [ -e pagedweight/actors ] || ln -s ../actors pagedweight/actors
