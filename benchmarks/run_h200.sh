@@ -78,6 +78,10 @@ for s in "${steps[@]}"; do case $s in
   # (the table's configurations run minutes apart and drift by more than the 2 % under test)
   paired) step "${PAIRED_LIMIT:-200}" python3 -m benchmarks.engine_bench --rounds 0 --paired-chunk 4 --bits 4,3,6,5 \
             --batches 1,4 --gen 64 --paged-home match --time-budget-s 170 ${PAIRED_ARGS:-} ;;
+  # issue 8(a) again on the tree: FP16 (dense, same engine) against uniform 4 bits at batch 1, three rounds (the
+  # ratio a median); the README's figure is session 19's (engine_bench-nvidia-h200-20261130-s19.json)
+  fp16ratio) step "${FP16RATIO_LIMIT:-240}" python3 -m benchmarks.engine_bench --bits 4 --batches 1 --rounds 3 --gen 64 \
+               --time-budget-s 220 --label "${FP16RATIO_LABEL:-fp16ratio}" ;;
   # host time before each step's launch and the graph's GPU time, per engine and observation-cycle place
   marks) step "${MARKS_LIMIT:-150}" python3 -m benchmarks.launch_marks --rounds 0 --paired-chunk 4 --bits 3,4 \
            --batches 1,4 --gen 64 --paged-home match --time-budget-s 110 --label "${MARKS_LABEL:-marks}" ${MARKS_ARGS:-} ;;
