@@ -503,9 +503,9 @@ class PagedKVCache:
             lengths = positions + 1
         else:
             mask = self._length_mask(m, positions + 1)
-        k = tables.gather(2, block)[..., 0].t() * self.page_rows + positions % self.block_size  # [L, B]
-        return DecodeLayout(tables=tables, write_rows=torch.stack((k, k + self.block_size), dim=1), src_rows=src_rows,
-                            lengths=lengths, mask=mask)
+        k_rows = tables.gather(2, block)[..., 0].t() * self.page_rows + positions % self.block_size  # [L, B]
+        return DecodeLayout(tables=tables, write_rows=torch.stack((k_rows, k_rows + self.block_size), dim=1),
+                            src_rows=src_rows, lengths=lengths, mask=mask)
 
     def _length_mask(self, blocks: int, lengths: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, 1, blocks * block_size]: key position < the row's length (SDPA's bound over gathered blocks)."""
