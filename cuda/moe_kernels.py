@@ -7,7 +7,8 @@ Decode path (T <= DECODE_MAX_T), four stream-ordered steps, all capturable in a 
 2. `_gemv_kernel` kind 0 (gate_up, W [2F, D]): h[pair, :] += W_q @ x[token] for every pair of the slot.
 3. `_gemv_kernel` kind 1 (down, W [D, F]): out[token] += w_pair * W_q @ (silu(h_gate) * h_up).
    At T = 1 steps 2 and 3 run `_gemv_t1_kernel` (`_gemv_t1_narrow_kernel` when every block has 4 bits or
-   less): the same source holding only the one-token bodies.
+   less): the same source holding only the one-token bodies; at T = 2..4 in the narrow class
+   `_gemv_t4_narrow_kernel` (its 1- and 4-token bodies).
 4. torch casts the fp32 accumulator to the activation dtype.
 
 Why this shape (GPU.md, H200 ~14 FLOP per HBM byte): one thread per output row so that plane words load
@@ -408,10 +409,25 @@ def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
 
 # Every width and token tile (~80 s of compile on the H200: cached). At T = 1 every slot holds one pair: kernels of
 # the 1-token bodies alone, all widths or the narrow class's, take fewer registers (more warps per SM) and less code.
+# At T <= 4 no slot holds more than 4 pairs (a token routes to an expert once): the narrow class's 1- and 4-token
+# bodies alone take 72 registers uncapped, no spills (ptxas offline, sm_90, session 29: 14 blocks per SM where the
+# general kernel's 128 allow 8); over all widths such a kernel took 130, no fewer than the general one's cap.
 _gemv_kernel = _gemv_variant("_gemv_kernel", _WORK, MAX_REGISTERS)
 _gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", {key: f for key, f in _WORK.items() if key[1] == 1}, None)
 _gemv_t1_narrow_kernel = _gemv_variant(
     "_gemv_t1_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] == 1 and key[0] <= NARROW_MAX_WIDTH}, None)
+SMALL_T = TILES[1]  # the largest T of `_gemv_t4_narrow_kernel`
+_gemv_t4_narrow_kernel = _gemv_variant(
+    "_gemv_t4_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] <= SMALL_T and key[0] <= NARROW_MAX_WIDTH},
+    None)
+
+
+def _decode_gemv(T: int, lut_width: int):
+    """The decode GEMV kernel of a step of T tokens whose blocks are at most `lut_width` bits wide."""
+    narrow = lut_width <= NARROW_MAX_WIDTH
+    if T == 1:
+        return _gemv_t1_narrow_kernel if narrow else _gemv_t1_kernel
+    return _gemv_t4_narrow_kernel if narrow and T <= SMALL_T else _gemv_kernel
 
 
 @cuda.jit(cache=True)  # reuse the compile across processes
@@ -623,7 +639,7 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                                                    n_active, pair_tok, pair_w))
     tables = (pool_words, pool_halves, q, plane_off, lut_off, slot_expert, slot_start, slot_count, n_active,
               pair_tok, pair_w)
-    gemv = _gemv_kernel if T > 1 else (_gemv_t1_narrow_kernel if lut_width <= NARROW_MAX_WIDTH else _gemv_t1_kernel)
+    gemv = _decode_gemv(T, lut_width)
     for kind, src, dst, N, K in ((0, xf, h, 2 * F, D), (1, h, out, D, F)):
         W = (K + 31) // 32
         tiles = -(-N // ROWS)

@@ -16,7 +16,8 @@ import pytest
 
 from helpers import KERNEL_RECORDER, run_children_json
 
-KERNELS = ("_route_kernel", "_gemv_kernel", "_gemv_t1_kernel", "_gemv_t1_narrow_kernel", "_dequant_kernel")
+KERNELS = ("_route_kernel", "_gemv_kernel", "_gemv_t1_kernel", "_gemv_t1_narrow_kernel", "_gemv_t4_narrow_kernel",
+           "_dequant_kernel")
 
 CHILD = textwrap.dedent(r"""
     import json, re, sys, types
@@ -38,9 +39,9 @@ CHILD = textwrap.dedent(r"""
     g = torch.Generator().manual_seed(0)
     with mock.patch.multiple(mk, **{name: Recorder(name) for name in KERNELS}), \
             mock.patch.object(lm, "SIMULATOR", True):  # `launch` and `_PreparedLaunch` through Numba
-        # decode (T=3, T=1 at widths 3..6 and at the narrow class's 3..4), then prefill
-        for T, dtype, widest in ((3, torch.float16, 6), (1, torch.float16, 6), (1, torch.float16, 4),
-                                 (mk.DECODE_MAX_T + 1, torch.bfloat16, 6)):
+        # decode (T=3 at widths 3..6 and at the narrow class's 3..4, T=1 likewise), then prefill
+        for T, dtype, widest in ((3, torch.float16, 6), (3, torch.float16, 4), (1, torch.float16, 6),
+                                 (1, torch.float16, 4), (mk.DECODE_MAX_T + 1, torch.bfloat16, 6)):
             qd, po, lo = moe.tables(torch.randint(3, widest + 1, (moe.E, 2), generator=g))
             ids = torch.stack([torch.randperm(moe.E, generator=g)[:2] for _ in range(T)]).to(torch.int32)
             mk.moe_forward(torch.randn(T, moe.D, generator=g).to(dtype), ids, torch.rand(T, 2, generator=g),

@@ -59,11 +59,12 @@ CHILD = textwrap.dedent(r"""
     # T=65 takes the prefill path (dequantize kernel + grouped matmuls); the others the fused decode kernels, whose
     # token tiles are 1, 4 and 16: T=12 and T=24 at top-4 of 5 experts give ~10 and ~19 tokens per expert (the
     # 16-token tile with 2..4 quads holding tokens, then a remainder tile). T=1 runs the one-token kernels: all
-    # widths (P=6, and P=8 with its fp16 LUTs), and the narrow class's when the widest block has 4 bits (the last case)
+    # widths (P=6, and P=8 with its fp16 LUTs), and the narrow class's when the widest block has 4 bits (case 9);
+    # T=4 at 4 bits the narrow class's kernel of 1- and 4-token bodies (the last case: top-3 of 5, so slots of 1..4)
     cases = [(1, 2, torch.float16, 6, 6), (3, 2, torch.bfloat16, 6, 6), (6, 3, torch.float16, 6, 6),
              (65, 2, torch.bfloat16, 6, 6), (65, 2, torch.float16, 8, 8), (65, 3, torch.bfloat16, 8, 8),
              (12, 4, torch.float16, 8, 8), (24, 4, torch.bfloat16, 6, 6), (1, 3, torch.bfloat16, 8, 8),
-             (1, 4, torch.float16, 8, 4)]
+             (1, 4, torch.float16, 8, 4), (4, 3, torch.bfloat16, 8, 4)]
     for case, (T, k, dtype, P, widest) in enumerate(cases):
         moe = moes[P]
         q = torch.randint(3, widest + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
@@ -172,7 +173,7 @@ def sim_results() -> dict:
     return run_children_json([f"PART = {part}\n" + CHILD for part in (0, 1)], timeout=1200, NUMBA_ENABLE_CUDASIM="1")
 
 
-@pytest.mark.parametrize("case", [f"case{i}" for i in range(10)])
+@pytest.mark.parametrize("case", [f"case{i}" for i in range(11)])
 def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> None:
     r = sim_results[case]
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
@@ -249,11 +250,12 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernels on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
-@pytest.mark.parametrize("T, k, P, widest", [(1, 2, 6, 6), (1, 3, 8, 8), (1, 4, 8, 4), (4, 2, 6, 6), (12, 4, 8, 8)])
+@pytest.mark.parametrize("T, k, P, widest", [(1, 2, 6, 6), (1, 3, 8, 8), (1, 4, 8, 4), (4, 2, 6, 6), (4, 3, 8, 4),
+                                             (12, 4, 8, 8)])
 def test_moe_decode_matches_its_twin_on_gpu(T: int, k: int, P: int, widest: int) -> None:
     """The decode path's launches on the GPU (`launcher.launch`: the route kernel, then the gate_up and down GEMVs
     with the LUT in dynamic shared memory) give the torch twin's result: one-token kernels at fp32 and fp16 LUTs and
-    the narrow class, the tiled kernel at 4 and 12 tokens."""
+    the narrow class, the tiled kernel at 4 and 12 tokens, the narrow class's at 4."""
     import torch
 
     from pagedweight.cuda.moe_kernels import moe_forward
