@@ -23,6 +23,10 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    SDPA was cuDNN's, which the engine no longer runs: against the engine's own it is used for them too, see
    kv_cache.PagedKVCache). A block of 4 query heads reading its KV head once (branch s15-grouped-attention) took 624 us,
    1.01-2.63x the time of gather + SDPA across shapes (-s15-attn-new.json): 128 registers (offline), 4 blocks per SM.
+   fp16 K/V of head dims 64 and 128 (the bundled model's and the usual MoE checkpoints') go through `_split_wide1_kernel` / `_split_wide2_kernel`
+   instead (`split_for`): the same layout and reductions, K and V read as 8-byte words (four fp16), all of a thread's
+   words of a chunk loaded before any is used: 25-43 % less time per call than `_split_kernel` at 4-16 rows on an
+   H100, 11 % at one row of 2,048 keys (see `_split_wide`).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
 into the pool's rows before them (one launch where torch stacks, gathers and scatters), where RoPE's kernel does not
@@ -32,11 +36,12 @@ has no bf16 arrays).
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import torch
 
-from ._compat import cuda
+from ._compat import SIMULATOR, cuda
 from .launcher import launch
 
 CHUNK = 64  # keys per split
@@ -52,6 +57,8 @@ COMBINE_SPLITS = 2048  # splits the combine can weigh
 CU = 8
 MAX_KEYS = CHUNK * COMBINE_SPLITS  # 131072
 DTYPES = (torch.float16, torch.float32)
+WORD = 4  # fp16 elements in one of the 8-byte words `_split_wide*_kernel` loads
+WIDE_WORDS = (1, 2)  # a thread's words per key in the wide kernels: head dims WORD * SUB * (1, 2) = 64 and 128
 
 float32 = np.float32
 
@@ -84,6 +91,45 @@ def _key_bases(base, flat_row_len, tables, b, start, count, block_size, hkv, hd,
                    + np.uint64((pos - blk * block_size) * hkv * hd + kvh * hd))
 
 
+@cuda.jit(device=True, inline=True)
+def _block_chunk(H, lengths):
+    """(row b, head h, split s, its first key, its key count) of this block of a (B * H, splits) grid."""
+    b = cuda.blockIdx.x // H
+    s = cuda.blockIdx.y
+    return b, cuda.blockIdx.x - b * H, s, s * CHUNK, min(CHUNK, lengths[b] - s * CHUNK)
+
+
+@cuda.jit(device=True, inline=True)
+def _chunk_softmax(part, red, probs, t, count):
+    """The chunk's max score m and sum of exp(score - m) from the key partials part[key * (SUB + 1) + sub] (written
+    before a barrier); probs[key] <- exp(score - m), 0 past count. Its last barriers publish probs and retire the
+    key partials."""
+    score = float32(-math.inf)
+    if t < count:
+        score = float32(0.0)
+        for k in range(SUB):
+            score += part[t * (SUB + 1) + k]
+    m = _block_reduce(red, score, t, True)
+    p = float32(math.exp(score - m)) if t < count else float32(0.0)
+    if t < CHUNK:
+        probs[t] = p  # 0 for the repeated keys past the length
+    return m, _block_reduce(red, p, t, False)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_split(part, part_m, part_l, part_acc, b, h, s, hd, t, m, total):
+    """The split's partials: the GROUPS V partials part[g * hd + d] (written before this barrier) summed, m, total."""
+    cuda.syncthreads()
+    for d in range(t, hd, THREADS):
+        v = float32(0.0)
+        for k in range(GROUPS):
+            v += part[k * hd + d]
+        part_acc[b, h, s, d] = v
+    if t == 0:
+        part_m[b, h, s] = m
+        part_l[b, h, s] = total
+
+
 @cuda.jit(cache=True)
 def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
     """q [B, H, hd]; flat: the pool's KV blocks as one C-ordered vector, block p's [2 (k|v), bs, Hkv, hd] at element
@@ -104,11 +150,7 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
     attention_bench-nvidia-h200-20261130-s15-attn-new.json against -attn-old.json and -attn-old2.json); that the
     register count is the cause is inferred, not measured."""
     H, hd = q.shape[1], q.shape[2]
-    b = cuda.blockIdx.x // H
-    h = cuda.blockIdx.x - b * H
-    s = cuda.blockIdx.y
-    start = s * CHUNK
-    count = min(CHUNK, lengths[b] - start)
+    b, h, s, start, count = _block_chunk(H, lengths)
     if count <= 0:  # uniform over the block: no thread reaches a barrier
         return
     dims = hd // SUB
@@ -139,16 +181,7 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
     for u in range(KEYS):
         part[(g + GROUPS * u) * (SUB + 1) + sub] = dot[u]  # padded rows: the summing threads hit distinct banks
     cuda.syncthreads()
-    score = float32(-math.inf)
-    if t < count:
-        score = float32(0.0)
-        for k in range(SUB):
-            score += part[t * (SUB + 1) + k]
-    m = _block_reduce(red, score, t, True)
-    p = float32(math.exp(score - m)) if t < count else float32(0.0)
-    if t < CHUNK:
-        probs[t] = p  # 0 for the repeated keys past the length
-    total = _block_reduce(red, p, t, False)  # its barriers also publish probs and retire the key partials
+    m, total = _chunk_softmax(part, red, probs, t, count)
     v_off = np.uint64(block_size * hkv * hd - hd)  # V follows K in a block (idx went hd past each key's start)
     for u in range(KEYS):
         dot[u] = probs[g + GROUPS * u]
@@ -159,15 +192,104 @@ def _split_kernel(q, flat, row_len, tables, lengths, scale, block_size, hkv, gro
             acc += dot[u] * float32(flat[idx[u]])
             idx[u] += np.uint64(SUB)
         part[g * hd + sub + SUB * i] = acc
+    _store_split(part, part_m, part_l, part_acc, b, h, s, hd, t, m, total)
+
+
+if SIMULATOR:
+    def _as_half(bits):
+        return np.uint16(bits & 0xFFFF).view(np.float16)
+else:
+    from llvmlite import ir
+    from numba import types as nbtypes
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _as_half(typingctx, bits):
+        """The fp16 whose bits are the low 16 of an integer: numba-cuda keeps fp16 as i16, so a truncation."""
+        def codegen(context, builder, sig, args):
+            return builder.trunc(args[0], ir.IntType(16))
+        return nbtypes.float16(bits), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def _half(w, j):
+    """Element j of an 8-byte word of four fp16, as float32."""
+    return float32(_as_half(w >> np.uint64(16 * j)))
+
+
+def _split_wide(q, words, row_words, tables, lengths, scale, block_size, hkv, group, part_m, part_l, part_acc):
+    """`_split_kernel` for fp16 K/V read as 8-byte words (`WORD` elements each): `words` is the flat pool viewed as
+    int64, row_words its row length in words. Thread (g, sub) takes words sub, sub + SUB, ... (DW of them, a compile-
+    time constant of each variant: head dim WORD * SUB * DW) of keys g, g + GROUPS, ... and loads all KEYS * DW of
+    them before using any, so that one round of load latency brings its share of the chunk's K (then of its V).
+
+    Why: `_split_kernel` loads 2 bytes at a time, KEYS loads a round, and walks a key's dims in a runtime loop, so a
+    chunk's K costs hd / SUB rounds of load latency (8 at hd 128) and its V as many. On an H100 this form took 33.7
+    against 44.7 us per call at 4 rows of 2,048 keys (Qwen1.5, 16 heads of 128), 396.9 against 623.6 at 16 rows of
+    8,192, 12.2 against 13.7 at one row of 2,048, and 400.8 against 697.9 with 8 query heads per KV head at 16 rows of
+    8,192; a form that kept the runtime loop with 8-byte loads (KEYS a round, 80 registers) gave about half the gain
+    (benchmarks/results/attention_bench-nvidia-h100-80gb-hbm3-20261207-s58-wide.json, arms wide and wide2). ptxas
+    (offline, sm_90): 56 registers, as `_split_kernel`."""
+    H, hd = q.shape[1], q.shape[2]
+    b, h, s, start, count = _block_chunk(H, lengths)
+    if count <= 0:  # uniform over the block: no thread reaches a barrier
+        return
+    t = cuda.threadIdx.x
+    sub = t % SUB
+    g = t // SUB
+    hw = hd // WORD
+    base = cuda.shared.array(CHUNK, np.uint64)  # word of `words` where key j's row (its KV head's part) starts
+    probs = cuda.shared.array(CHUNK, np.float32)
+    red = cuda.shared.array(THREADS, np.float32)
+    part = cuda.shared.array(PART, np.float32)  # key partials [CHUNK][SUB + 1], then V partials [GROUPS][hd]
+    _key_bases(base, row_words, tables, b, start, count, block_size, hkv, hw, h // group, t)
+    qv = cuda.local.array(QW, np.float32)  # this thread's dims of q, scaled
+    for i in range(DW):
+        for j in range(WORD):
+            qv[i * WORD + j] = float32(q[b, h, WORD * (sub + SUB * i) + j]) * scale
     cuda.syncthreads()
-    for d in range(t, hd, THREADS):
-        v = float32(0.0)
-        for k in range(GROUPS):
-            v += part[k * hd + d]
-        part_acc[b, h, s, d] = v
-    if t == 0:
-        part_m[b, h, s] = m
-        part_l[b, h, s] = total
+    wv = cuda.local.array(KW, np.uint64)
+    for i in range(DW):
+        for u in range(KEYS):
+            wv[i * KEYS + u] = words[base[g + GROUPS * u] + np.uint64(sub + SUB * i)]
+    for u in range(KEYS):
+        dot = float32(0.0)
+        for i in range(DW):
+            for j in range(WORD):
+                dot += qv[i * WORD + j] * _half(wv[i * KEYS + u], j)
+        part[(g + GROUPS * u) * (SUB + 1) + sub] = dot  # padded rows: the summing threads hit distinct banks
+    cuda.syncthreads()
+    m, total = _chunk_softmax(part, red, probs, t, count)
+    v_off = np.uint64(block_size * hkv * hw)  # V follows K in a block
+    for i in range(DW):
+        for u in range(KEYS):
+            wv[i * KEYS + u] = words[base[g + GROUPS * u] + v_off + np.uint64(sub + SUB * i)]
+    acc = cuda.local.array(QW, np.float32)
+    for c in range(QW):
+        acc[c] = float32(0.0)
+    for u in range(KEYS):
+        pu = probs[g + GROUPS * u]
+        for i in range(DW):
+            for j in range(WORD):
+                acc[i * WORD + j] += pu * _half(wv[i * KEYS + u], j)
+    for i in range(DW):
+        for j in range(WORD):
+            part[g * hd + WORD * (sub + SUB * i) + j] = acc[i * WORD + j]
+    _store_split(part, part_m, part_l, part_acc, b, h, s, hd, t, m, total)
+
+
+def _wide_variant(dw: int):
+    """`_split_wide` compiled with DW = dw (its local arrays' sizes and unrolled loops need constants): a function of
+    its own name, so that Numba caches each apart."""
+    name = f"_split_wide{dw}_kernel"
+    fn = types.FunctionType(_split_wide.__code__, {**globals(), "DW": dw, "QW": WORD * dw, "KW": KEYS * dw}, name)
+    fn.__qualname__ = name
+    fn.__doc__ = _split_wide.__doc__
+    return cuda.jit(cache=True)(fn)
+
+
+_split_wide1_kernel = _wide_variant(1)
+_split_wide2_kernel = _wide_variant(2)
 
 
 @cuda.jit(cache=True)
@@ -238,6 +360,17 @@ def flat_rows(kv: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv.as_strided(((rows.shape[0] - 1) * rows.shape[1] + kv[0].numel(),), (1,)), rows.shape[1]
 
 
+def split_for(dtype: torch.dtype, head_dim: int, flat: torch.Tensor, row_len: int):
+    """(split kernel, its pool argument, row length in that argument's elements): `_split_wide*_kernel` over the pool
+    as 8-byte words for fp16 K/V of head dims WORD * SUB * WIDE_WORDS whose rows and start are whole words, else
+    `_split_kernel` over the fp16/fp32 elements."""
+    dw, rem = divmod(head_dim, WORD * SUB)
+    if dtype != torch.float16 or rem or dw not in WIDE_WORDS or row_len % WORD or flat.storage_offset() % WORD:
+        return _split_kernel, flat, row_len
+    kernel = {1: _split_wide1_kernel, 2: _split_wide2_kernel}[dw]  # looked up per call: tests record launches
+    return kernel, flat.view(torch.int64), row_len // WORD
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor
              ) -> None:
     """A decode step's new keys and values into the pool, one launch (torch: a stack, a gather and a scatter):
@@ -272,9 +405,9 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tens
     ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=dev)  # each split's max and sum
     acc = torch.empty(B, H, splits, hd, dtype=torch.float32, device=dev)
     out = torch.empty(B, H, hd, dtype=q.dtype, device=dev)  # the combine rounds into q's dtype: no cast launch
-    flat, row_len = flat_rows(kv)
+    kernel, flat, row_len = split_for(q.dtype, hd, *flat_rows(kv))
     qc = q.contiguous()  # held to the launch: a view keeps no tensor alive, so a temporary copy could be reused
-    launch(_split_kernel, (B * H, splits), THREADS, (qc, flat, row_len, tables, lengths, float32(scale), block_size,
-                                                     hkv, H // hkv, ml[0], ml[1], acc))
+    launch(kernel, (B * H, splits), THREADS, (qc, flat, row_len, tables, lengths, float32(scale), block_size, hkv,
+                                              H // hkv, ml[0], ml[1], acc))
     launch(_combine_kernel, B * H, THREADS, (lengths, ml[0], ml[1], acc, out))
     return out

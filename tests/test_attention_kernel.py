@@ -98,7 +98,8 @@ COMPILE_CHILD = BUILD + textwrap.dedent(r"""
     from unittest import mock
     from pagedweight.cuda import attention_kernels as kernels
 
-    sigs = {"_split_kernel": [], "_combine_kernel": [], "_store_kernel": []}
+    sigs = {"_split_kernel": [], "_split_wide1_kernel": [], "_split_wide2_kernel": [], "_combine_kernel": [],
+            "_store_kernel": []}
 
     %(recorder)s
 
@@ -150,6 +151,29 @@ def test_kernels_compile_to_sm90_ptx() -> None:
         for r in runs:
             assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
             assert re.search(rf"17attention_kernels{len(name)}{name}B", r["entries"][0]), r
+
+
+# (dtype, head dim, the view's first element, row length) -> (kernel, its pool argument's dtype, row length in it)
+SPLIT_PICKS = [((torch.float16, 128, 0, 1032), ("_split_wide2_kernel", torch.int64, 258)),
+               ((torch.float16, 64, 4, 1032), ("_split_wide1_kernel", torch.int64, 258)),
+               ((torch.float16, 128, 2, 1032), ("_split_kernel", torch.float16, 1032)),  # not on a word
+               ((torch.float16, 128, 0, 1030), ("_split_kernel", torch.float16, 1030)),  # rows not whole words
+               ((torch.float32, 128, 0, 1032), ("_split_kernel", torch.float32, 1032)),
+               ((torch.float16, 160, 0, 1032), ("_split_kernel", torch.float16, 1032)),
+               ((torch.float16, 256, 0, 1032), ("_split_kernel", torch.float16, 1032))]
+
+
+@pytest.mark.parametrize("case, want", SPLIT_PICKS)
+def test_split_for_takes_the_wide_kernel_where_whole_words_hold_fp16_heads_of_64_or_128(case, want) -> None:
+    """The wide kernels read fp16 K/V as 8-byte words: head dims 64 and 128, rows and the view's start in whole words
+    (CASES 0 and 3 run them under the simulator and on the GPU, the others `_split_kernel`)."""
+    from pagedweight.cuda import attention_kernels as ak
+
+    dtype, hd, offset, row_len = case
+    flat = torch.zeros(offset + 4 * row_len, dtype=dtype)[offset:]
+    kernel, arg, n = ak.split_for(dtype, hd, flat, row_len)
+    assert (kernel.py_func.__name__, arg.dtype, n) == want
+    assert arg.data_ptr() == flat.data_ptr() and arg.numel() * arg.element_size() == flat.numel() * flat.element_size()
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
