@@ -61,7 +61,7 @@ def log(msg: str) -> None:
 
 def save(complete: bool = False) -> None:
     write_result("moe_kernel_bench", ROWS, command=CMD, ceilings=CEIL, label=STATE.get("label"),
-                 extra={"complete": complete, "max_registers": mk.MAX_REGISTERS})
+                 out_dir=STATE.get("out_dir"), extra={"complete": complete, "max_registers": mk.MAX_REGISTERS})
 
 
 def add(row: dict) -> None:
@@ -470,6 +470,7 @@ def main() -> int:
     ap.add_argument("--sections", default="correctness,graph,speed,prefill")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--label", default=None, help="suffix of the result file name (a variant measured the same day)")
+    ap.add_argument("--out-dir", default=None, help="where the result file goes (run_h200.sh abfiles' warm-up runs)")
     ap.add_argument("--tokens", default=None, help="comma list of T for the speed section (default 1,4,16 or 1,4,16,64)"
                     " and the splits section (default 1,4)")
     ap.add_argument("--plans", default=None, help="comma list of speed and splits plans: wN, wNcC (N bits in LUT "
@@ -479,7 +480,7 @@ def main() -> int:
     plans = a.plans.split(",") if a.plans else None
     for plan in plans or []:
         plan_widths(plan, 1, torch.Generator())  # a bad plan name fails here, not after the compile
-    STATE["label"] = a.label
+    STATE["label"], STATE["out_dir"] = a.label, a.out_dir
     CMD = ("python benchmarks/moe_kernel_bench.py" + (" --quick" if a.quick else "")
            + f" --sections {a.sections} --shapes {a.shapes}" + (f" --label {a.label}" if a.label else "")
            + (f" --tokens {a.tokens}" if a.tokens else "") + (f" --plans {a.plans}" if a.plans else ""))

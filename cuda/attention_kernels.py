@@ -23,10 +23,10 @@ Two launches, both capturable in a CUDA graph (no host read; the grid depends on
    SDPA was cuDNN's, which the engine no longer runs: against the engine's own it is used for them too, see
    kv_cache.PagedKVCache). A block of 4 query heads reading its KV head once (branch s15-grouped-attention) took 624 us,
    1.01-2.63x the time of gather + SDPA across shapes (-s15-attn-new.json): 128 registers (offline), 4 blocks per SM.
-   fp16 K/V of head dims 64 and 128 (the bundled model's and the usual MoE checkpoints') go through `_split_wide1_kernel` / `_split_wide2_kernel`
-   instead (`split_for`): the same layout and reductions, K and V read as 8-byte words (four fp16), all of a thread's
-   words of a chunk loaded before any is used: 25-43 % less time per call than `_split_kernel` at 4-16 rows on an
-   H100, 11 % at one row of 2,048 keys (see `_split_wide`).
+   fp16 K/V of head dims 64 and 128 (the bundled model's and the usual MoE checkpoints') go through
+   `_split_wide1_kernel` / `_split_wide2_kernel` instead (`split_for`): the same layout and reductions, K and V read
+   as 8-byte words (four fp16), all of a thread's words of a chunk loaded before any is used: 25-43 % less time per
+   call than `_split_kernel` at 4-16 rows on an H100, 11 % at one row of 2,048 keys (see `_split_wide`).
 2. `_combine_kernel`, grid (B * H): rescales each split to the row's global max and normalises.
 Splits past a row's length do nothing and the combine never reads them. `_store_kernel` writes the step's new K/V
 into the pool's rows before them (one launch where torch stacks, gathers and scatters), where RoPE's kernel does not
