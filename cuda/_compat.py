@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -52,4 +53,15 @@ from numba import cuda  # noqa: E402
 
 SIMULATOR: bool = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
 
-__all__ = ["cuda", "SIMULATOR"]
+
+def jit_variant(fn, name: str, constants: dict, **options):
+    """`fn`'s code compiled as a kernel of its own `name` whose globals add `constants` (values the compiler must see
+    as constants: local array sizes, unrolled bounds, the device function a dispatch calls): one source, kernels
+    that differ in them. Numba names each one's cache files by `name` and stamps them with the file of `fn`'s code."""
+    variant = types.FunctionType(fn.__code__, {**fn.__globals__, **constants}, name)
+    variant.__qualname__ = name
+    variant.__doc__ = fn.__doc__
+    return cuda.jit(cache=True, **options)(variant)
+
+
+__all__ = ["cuda", "SIMULATOR", "jit_variant"]

@@ -36,12 +36,11 @@ has no bf16 arrays).
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import torch
 
-from ._compat import SIMULATOR, cuda
+from ._compat import SIMULATOR, cuda, jit_variant
 from .launcher import launch
 
 CHUNK = 64  # keys per split
@@ -278,18 +277,10 @@ def _split_wide(q, words, row_words, tables, lengths, scale, block_size, hkv, gr
     _store_split(part, part_m, part_l, part_acc, b, h, s, hd, t, m, total)
 
 
-def _wide_variant(dw: int):
-    """`_split_wide` compiled with DW = dw (its local arrays' sizes and unrolled loops need constants): a function of
-    its own name, so that Numba caches each apart."""
-    name = f"_split_wide{dw}_kernel"
-    fn = types.FunctionType(_split_wide.__code__, {**globals(), "DW": dw, "QW": WORD * dw, "KW": KEYS * dw}, name)
-    fn.__qualname__ = name
-    fn.__doc__ = _split_wide.__doc__
-    return cuda.jit(cache=True)(fn)
-
-
-_split_wide1_kernel = _wide_variant(1)
-_split_wide2_kernel = _wide_variant(2)
+# `_split_wide` compiled per DW (its local arrays' sizes and unrolled loops need constants)
+_split_wide1_kernel, _split_wide2_kernel = (
+    jit_variant(_split_wide, f"_split_wide{dw}_kernel", {"DW": dw, "QW": WORD * dw, "KW": KEYS * dw})
+    for dw in WIDE_WORDS)
 
 
 @cuda.jit(cache=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,7 +44,7 @@ import torch
 
 from pagedweight.runner import NARROW_WIDTH
 
-from ._compat import SIMULATOR, cuda
+from ._compat import SIMULATOR, cuda, jit_variant
 from .launcher import launch
 
 if TYPE_CHECKING:
@@ -398,13 +397,9 @@ def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_ex
 
 def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
     """`_gemv`'s code compiled with a dispatch over `bodies` as its `_dispatch`: one source, kernels whose bodies
-    differ. A function of its own name (Numba names its cache files by it) in moe_kernels.py (the cache's stamp)."""
-    fn = types.FunctionType(_gemv.__code__, {**globals(), "_dispatch": _make_dispatch(("b", "tt"), bodies, _WORK_ARGS)},
-                            name)
-    fn.__qualname__ = name
-    fn.__doc__ = _gemv.__doc__
+    differ."""
     cap = {"max_registers": max_registers} if max_registers and not SIMULATOR else {}  # the simulator has no cap
-    return cuda.jit(cache=True, **cap)(fn)
+    return jit_variant(_gemv, name, {"_dispatch": _make_dispatch(("b", "tt"), bodies, _WORK_ARGS)}, **cap)
 
 
 # Every width and token tile (~80 s of compile on the H200: cached). At T = 1 every slot holds one pair: kernels of
