@@ -114,10 +114,15 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
     return path
 
 
+COMPACT_OVER = 100_000  # characters of the indented form past which a result is written without any whitespace
+
+
 def result_json(record) -> str:
     """`record` as JSON indented one space a level, except that a list of numbers, strings or nulls stays on one
     line: a step trace's row is one line, not one per value (a traced kv_pressure result 0.6 MB instead of 1.4; what
-    a GPU call carries is limited). Keys become strings as json.dumps makes them."""
+    a GPU call carries is limited). Past COMPACT_OVER characters, one line without spaces (about half the size:
+    every tracked file travels to the GPU machine, 64 MiB in all; `python -m json.tool FILE` indents it again).
+    Keys become strings as json.dumps makes them."""
     def fmt(obj, level: int) -> str:
         if isinstance(obj, list) and not any(isinstance(x, (list, dict)) for x in obj):
             return json.dumps(obj)
@@ -129,7 +134,8 @@ def result_json(record) -> str:
             return "[\n" + ",\n".join(pad + fmt(v, level + 1) for v in obj) + "\n" + " " * level + "]"
         return json.dumps(obj)
 
-    return fmt(json.loads(json.dumps(record)), 0)
+    text = fmt(json.loads(json.dumps(record)), 0)
+    return text if len(text) <= COMPACT_OVER else json.dumps(record, separators=(",", ":"))
 
 
 def old_functions(path: str, names: list[str], namespace: dict) -> dict:

@@ -589,7 +589,7 @@ def test_step_host_times_prefill_and_decode_steps(tmp_path):
 
 def test_result_files_keep_lists_of_values_on_one_line(tmp_path):
     """write_result's JSON reads back as the record (keys as json.dumps makes them); a list of values (a trace row)
-    is one line, nested lists and dicts one item a line."""
+    is one line, nested lists and dicts one item a line; a large record is one line without spaces."""
     from benchmarks.common import result_json, write_result
 
     record = {"rows": [{"trace": {"columns": ["a", "b"], "rows": [[1.5, None], [2, "x, y"]]}, 7: {}, "e": []}]}
@@ -598,6 +598,9 @@ def test_result_files_keep_lists_of_values_on_one_line(tmp_path):
     assert saved["rows"] == json.loads(json.dumps(record["rows"])) and saved["benchmark"] == "smoke"
     lines = result_json(record).splitlines()
     assert '     [1.5, null],' in lines and '     [2, "x, y"]' in lines and '    "columns": ["a", "b"],' in lines
+    big = {"rows": [{"trace": [[i, 0.5] for i in range(20_000)]}]}  # past COMPACT_OVER: one line, no spaces
+    text = result_json(big)
+    assert "\n" not in text and " " not in text and json.loads(text) == big
 
 
 def test_layout_bench_times_each_shape_and_token_count(tmp_path):
