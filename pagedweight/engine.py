@@ -600,8 +600,6 @@ class LLM:
                                home_widths=np.full(n, home), narrow_width=NARROW_WIDTH)
         self.router_stats = RouterStats(cfg.num_hidden_layers, cfg.num_experts)
         self.router_stats.active = False  # installed as every layer's observer, folding only on observed steps
-        if self.device.type == "cuda":  # observed decode steps fold beside their sampling, not before it
-            self.router_stats.fold_stream = torch.cuda.Stream(self.device)
         if weights.heads is not None:  # the heads' features describe each request's tokens so far, as in training
             self.router_stats.track_requests(opts.max_num_seqs, self._running)
         self._first_mlp = self.model.layers[0]._modules["mlp"]  # its observer says what every layer's is

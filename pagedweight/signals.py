@@ -6,8 +6,7 @@ Block index rule: i = (layer*E + expert)*2 + (0 gate_up, 1 down).
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,10 +139,6 @@ class RouterStats:
     `prefetch()` starts that copy without waiting (CUDA), so a read after later device work does not wait for it.
     With `track_requests` (an engine whose planner has residual heads) each request's observed tokens also add up
     in a row of their own, and `features()` describes the window's requests' tokens so far, not the window's only.
-    With a `fold_stream` (an engine on CUDA), a window that `observe_layers` begins folds and copies to the host on
-    that stream, beside the step's sampling: the step's token read does not wait for that work (on the H100 it put
-    0.07-0.08 ms after each observed decode step's forward, launch_marks-nvidia-h100-80gb-hbm3-20261207-s59-marks-
-    parent-{1,2}.json). Per-layer calls stay on the forward's stream: their inputs are the forward's own tensors.
     """
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
@@ -161,10 +156,6 @@ class RouterStats:
         self._free: list[int] = []
         self._zero: list[int] = []  # rows handed out since the last fold: zeroed before the next
         self._req: torch.Tensor | None = None  # [4, (slots + 1) * L * E] on the device: the four sums per row
-        self.fold_stream: torch.cuda.Stream | None = None  # where observe_layers' windows fold (see the class doc)
-        self._beside_window = False  # this window's device work runs on fold_stream
-        self._folded: torch.cuda.Event | None = None  # recorded after the last work queued there (`_join`)
-        self._fold_pending = False
         self.reset()
 
     def track_requests(self, max_requests: int, live: Callable[[], Iterable]) -> None:
@@ -176,7 +167,6 @@ class RouterStats:
         of `arm`), and the rows of any other are reused."""
         if max_requests < 1:
             raise ValueError(f"track_requests needs max_requests >= 1, got {max_requests}")
-        self._join()  # _req may still be read on fold_stream
         self._slots, self._live = max_requests, live
         self._rows, self._free, self._zero, self._req = {}, list(range(max_requests - 1, -1, -1)), [], None
 
@@ -238,8 +228,6 @@ class RouterStats:
         self._token_weights, self._device_weights = w, None
 
     def reset(self) -> None:
-        self._join()  # the last window's work on fold_stream comes first (_req, the rows' zeroing)
-        self._beside_window = False
         self._host = np.zeros((4, self.num_layers, self.num_experts))  # mass, sum r|x|, sum r|x|^2, max |x|
         self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_merged`)
         self._ids: list[torch.Tensor] = []  # per call: flat block row layer*E + expert of every (token, slot)
@@ -262,9 +250,6 @@ class RouterStats:
         if not self.active:
             return
         self._begin()
-        if self._beside_window:  # a window begun beside the forward goes on here, in the forward's stream order
-            self._join()
-            self._beside_window = False
         self._ids.append(topk_ids.reshape(-1) + layer * self.num_experts)
         self._r.append(topk_weights.float().reshape(-1))
         scale = self._request_scale(topk_weights)
@@ -274,31 +259,6 @@ class RouterStats:
         self._k.append(topk_ids.shape[1])
         if len(self._ids) >= 4 * self.num_layers:  # many forwards without a read: bound the queue
             self._reduce()
-
-    @contextlib.contextmanager
-    def _beside(self, *inputs: torch.Tensor) -> Iterator[None]:
-        """The enclosed device work on fold_stream when this window runs there, after all the current stream has
-        queued so far; `inputs` (the caller's, perhaps freed on return) stay allocated until that stream read them."""
-        if not self._beside_window:
-            yield
-            return
-        stream = self.fold_stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        for t in inputs:
-            t.record_stream(stream)
-        with torch.cuda.stream(stream):
-            yield
-        if self._folded is None:
-            self._folded = torch.cuda.Event()
-        self._folded.record(stream)
-        self._fold_pending = True
-
-    def _join(self) -> None:
-        """The current stream waits for the work queued on fold_stream so far: before it touches what that work
-        reads or writes (the per-request sums, a window's accumulator)."""
-        if self._fold_pending:
-            torch.cuda.current_stream(self.fold_stream.device).wait_event(self._folded)
-            self._fold_pending = False
 
     @property
     def _stride(self) -> int:
@@ -310,19 +270,10 @@ class RouterStats:
         """All layers of one forward at once: x [L', n, D], ids and weights [L', n, k] of `layers`. A whole-step
         graph hands over its layers' router inputs together, so an observed step costs ~15 device ops, not ~8 per
         layer (on the H200 the per-layer calls took 8.5 ms per observed step under cProfile); on CUDA one fused
-        kernel. Folded at once on the forward's stream: the inputs may be views of a graph's outputs, overwritten by
-        its next replay. On `fold_stream` they are read later: pass tensors of their own (DecodeGraphs stacks the
-        graph's records), which the caching allocator keeps until that stream has read them."""
+        kernel. Folded at once: the inputs may be views of a graph's outputs, overwritten by its next replay."""
         if not self.active:
             return
         self._begin()
-        if self.fold_stream is not None and x.is_cuda and self._acc is None and not self._ids:
-            self._beside_window = True  # nothing queued on the forward's stream in this window yet
-        with self._beside(x, topk_ids, topk_weights):
-            self._fold_layers(layers, x, topk_ids, topk_weights)
-
-    def _fold_layers(self, layers: list[int], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-                     ) -> None:
         key = (tuple(layers), x.device)
         if self._offsets is None or self._offsets[0] != key:
             self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
@@ -461,16 +412,15 @@ class RouterStats:
         if self._acc is None:
             return
         self._land_copy()
-        with self._beside():
-            sums = self._with_merged()
-            if sums.is_cuda:
-                buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-                buf.copy_(sums, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._copy = buf, event
-            else:
-                self._copy = sums, None
+        sums = self._with_merged()
+        if sums.is_cuda:
+            buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            buf.copy_(sums, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copy = buf, event
+        else:
+            self._copy = sums, None
         self._acc = None
 
     def _land_copy(self) -> None:
@@ -495,9 +445,7 @@ class RouterStats:
         self._land_copy()
         if self._acc is None:
             return
-        with self._beside():
-            sums = self._with_merged().cpu().numpy()
-        self._add(sums)
+        self._add(self._with_merged().cpu().numpy())
         self._acc = None
 
     def _stat(self, i: int) -> np.ndarray:
