@@ -149,7 +149,7 @@ class RouterStats:
         self.active = True  # calls fold only while active (an engine turns it on for its observed steps: `arm`)
         self._window: tuple[list[int], list[int], list | None] | None = None  # `arm`'s batch: a new window next call
         # per request (track_requests): rows of _req, one per running request, and a last row (index _slots) that
-        # takes the tokens of a request without one; only the window's requests' rows are read (`_window_sums`)
+        # takes the tokens of a request without one; only the window's requests' rows are read (`_merged`)
         self._slots = 0
         self._live: Callable[[], Iterable] | None = None
         self._rows: dict[int, tuple[int, object]] = {}  # id(request) -> (its row, the request: its id stays its own)
@@ -229,7 +229,7 @@ class RouterStats:
 
     def reset(self) -> None:
         self._host = np.zeros((4, self.num_layers, self.num_experts))  # mass, sum r|x|, sum r|x|^2, max |x|
-        self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_add`)
+        self._feat: np.ndarray | None = None  # the same four, of the window's requests so far (`_merged`)
         self._ids: list[torch.Tensor] = []  # per call: flat block row layer*E + expert of every (token, slot)
         self._r: list[torch.Tensor] = []  # its routing weight (the token weight applies at `_reduce`)
         self._norm: list[torch.Tensor] = []  # |x| per token
@@ -243,8 +243,7 @@ class RouterStats:
         self._device_requests: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rw: list[torch.Tensor] = []  # per call of such a window: its routing weights times `_request_scale`
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
-        # a prefetch: host buffer, its fence, the tracked requests' KV blocks (`_window_sums`)
-        self._copy: tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray | None] | None = None
+        self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -381,28 +380,27 @@ class RouterStats:
         acc[:3].index_add_(1, ids, torch.stack([r, rn, rn * norm]))
         acc[3].scatter_reduce_(0, ids, norm, reduce="amax", include_self=True)
 
-    def _window_sums(self) -> tuple[torch.Tensor, np.ndarray | None]:
-        """The window's sums [4, L*E] on the device; with tracked requests, their rows' raw sums below them
-        ([4 * b, L*E], rows gathered in one op) and their KV blocks [b], merged on the host at the read (`_add`): the
-        merge on the device took about a dozen small kernels between an observed step's forward and its sampling."""
+    def _merged(self) -> torch.Tensor | None:
+        """[4, L*E] on the device: the sums of the window's tracked requests, each weighted per layer by its KV
+        blocks over its routing weight so far (as `_request_scale` weighs a window's; the max: the largest); None
+        without tracked requests."""
         if self._merge is None or not len(self._merge[0]) or self._req is None:
-            return self._acc, None
+            return None
         rows, blocks = self._merge
         device = self._req.device
         req = self._req_acc(device).view(4, self._slots + 1, self._stride)[:, _to_device(torch.from_numpy(rows),
                                                                                            device)]
-        return torch.cat([self._acc, req.reshape(-1, self._stride)]), blocks
+        per_layer = req[0].view(len(rows), self.num_layers, self.num_experts).sum(-1)  # [b, L]
+        weights = _to_device(torch.from_numpy(blocks), device)[:, None] / per_layer.clamp_min(_TINY)
+        out = torch.empty(4, self._stride, device=device)
+        out[:3] = (req[:3] * weights.repeat_interleave(self.num_experts, dim=1)).sum(1)
+        out[3] = req[3].amax(0)
+        return out
 
-    def _merged(self, req: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-        """The tracked requests' sums req [4, b, L*E] merged into [4, L, E]: each weighted per layer by its KV blocks
-        over its routing weight so far (as `_request_scale` weighs a window's; the max: the largest)."""
-        req = req.astype(np.float64)
-        per_layer = req[0].reshape(len(blocks), self.num_layers, self.num_experts).sum(-1)  # [b, L]
-        weights = np.repeat(blocks[:, None] / np.maximum(per_layer, _TINY), self.num_experts, axis=1)  # [b, L*E]
-        out = np.empty((4, self._stride))
-        out[:3] = (req[:3] * weights).sum(1)
-        out[3] = req[3].max(0)
-        return out.reshape(self._host.shape)
+    def _with_merged(self) -> torch.Tensor:
+        """The window's sums, and the window's requests' below them if tracked: [4 or 8, L*E]."""
+        merged = self._merged()
+        return self._acc if merged is None else torch.cat([self._acc, merged])
 
     @torch.no_grad()
     def prefetch(self) -> None:
@@ -414,33 +412,32 @@ class RouterStats:
         if self._acc is None:
             return
         self._land_copy()
-        sums, blocks = self._window_sums()
+        sums = self._with_merged()
         if sums.is_cuda:
             buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             buf.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copy = buf, event, blocks
+            self._copy = buf, event
         else:
-            self._copy = sums, None, blocks
+            self._copy = sums, None
         self._acc = None
 
     def _land_copy(self) -> None:
         if self._copy is not None:
-            buf, event, blocks = self._copy
+            buf, event = self._copy
             if event is not None:
                 event.synchronize()
-            self._add(buf.numpy(), blocks)
+            self._add(buf.numpy())
             self._copy = None
 
-    def _add(self, sums: np.ndarray, blocks: np.ndarray | None) -> None:
-        """Window sums [4, L*E] add up; with `blocks` [b], the tracked requests' raw sums below them [4 * b, L*E]
-        merge into the latest snapshot of their features."""
-        window = sums[:4].reshape(self._host.shape)
-        self._host[:3] += window[:3]
-        np.maximum(self._host[3], window[3], out=self._host[3])
-        if blocks is not None:
-            self._feat = self._merged(sums[4:].reshape(4, len(blocks), self._stride), blocks)
+    def _add(self, sums: np.ndarray) -> None:
+        """Window sums [4, L*E] add up; the tracked requests' sums below them, if any, are the latest snapshot."""
+        sums = sums.reshape(-1, *self._host.shape)
+        self._host[:3] += sums[0, :3]
+        np.maximum(self._host[3], sums[0, 3], out=self._host[3])
+        if len(sums) > 1:
+            self._feat = sums[1].copy()
 
     def _flush(self) -> None:
         """Everything observed so far into the host sums: a prefetched copy, then the one device-to-host copy."""
@@ -448,8 +445,7 @@ class RouterStats:
         self._land_copy()
         if self._acc is None:
             return
-        sums, blocks = self._window_sums()
-        self._add(sums.cpu().numpy(), blocks)
+        self._add(self._with_merged().cpu().numpy())
         self._acc = None
 
     def _stat(self, i: int) -> np.ndarray:
