@@ -610,3 +610,13 @@ def test_layout_bench_times_each_shape_and_token_count(tmp_path):
     out = json.loads(next(tmp_path.glob("layout_bench-*.json")).read_text())
     assert [(r["shape"], r["tokens"]) for r in out["rows"]] == [(s, t) for s in layout_bench.SHAPES for t in (16, 40)]
     assert all(r["us_per_call_best"] > 0 for r in out["rows"]) and out["first_call_s"] >= 0
+
+
+def test_gc_pauses_times_full_collections_and_counts_the_automatic_ones(tmp_path):
+    from benchmarks import gc_pauses
+
+    assert gc_pauses.main(["--waves", "1", "--requests", "3", "--tokens", "4", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("gc_pauses-*.json")).read_text())["rows"]
+    assert row["arm"] == "plain" and row["requests"] == 3 and row["steps"] >= 4
+    assert row["tracked_objects"] > 1000 and row["full_collection_ms_median"] > 0
+    assert all(row[f"gen{g}"]["collections"] >= 0 for g in range(3))
