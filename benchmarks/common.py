@@ -134,8 +134,11 @@ def result_json(record) -> str:
             return "[\n" + ",\n".join(pad + fmt(v, level + 1) for v in obj) + "\n" + " " * level + "]"
         return json.dumps(obj)
 
-    text = fmt(json.loads(json.dumps(record)), 0)
-    return text if len(text) <= COMPACT_OVER else json.dumps(record, separators=(",", ":"))
+    compact = json.dumps(record, separators=(",", ":"))
+    if len(compact) > COMPACT_OVER:  # the indented form is longer still: not built (a traced run saves every row)
+        return compact
+    text = fmt(json.loads(compact), 0)
+    return text if len(text) <= COMPACT_OVER else compact
 
 
 def old_functions(path: str, names: list[str], namespace: dict) -> dict:
