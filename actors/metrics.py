@@ -51,6 +51,12 @@ COUNTERS = {
     "kv_reclaimed_blocks": ("kv_reclaimed_blocks", "Kept prefix blocks that weight reloads took back (within "
                                                    "kv_evicted_blocks)."),
 }
+# cumulative totals by collector generation (0-2) in LLM.stats() -> (metric name, description), tagged `generation`
+GC_COUNTERS = {
+    "gc_collections": ("gc_collections", "Garbage collections in the engine's process (generation 2: full, each "
+                                         "walks every tracked object while the step loop waits)."),
+    "gc_pause_s": ("gc_pause_seconds", "Wall seconds the engine's process spent in garbage collections (measured)."),
+}
 # Prometheus base units: seconds (stats() keys in ms are scaled, SCALE)
 SCALE = {"planner_step_ms": 1e-3}
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
@@ -69,6 +75,10 @@ class EngineMetrics:
         for key, (name, desc) in COUNTERS.items():
             self._counters[key] = Counter(PREFIX + name, description=desc, tag_keys=("engine",))
             self._counters[key].set_default_tags(tags)
+        self._gc = {}
+        for key, (name, desc) in GC_COUNTERS.items():
+            self._gc[key] = Counter(PREFIX + name, description=desc, tag_keys=("engine", "generation"))
+            self._gc[key].set_default_tags(tags)
         self._width = Gauge(PREFIX + "committed_width_blocks",
                             description="Expert linear blocks per layer at each committed bit width (the "
                                         "checkpoint's seed width and up).",
@@ -95,18 +105,23 @@ class EngineMetrics:
             if stats.get(key) is not None:
                 gauge.set(float(stats[key]) * SCALE.get(key, 1.0))
         for key, counter in self._counters.items():
-            if stats.get(key) is None:
-                continue
-            total = float(stats[key])
-            growth = total - self._last_totals.get(key, 0.0)
-            if growth < 0:  # the engine was rebuilt and its totals restarted from zero
-                growth = total
-            if growth > 0:
-                counter.inc(growth)
-            self._last_totals[key] = total
+            if stats.get(key) is not None:
+                self._advance(counter, key, float(stats[key]))
+        for key, counter in self._gc.items():
+            for generation, total in enumerate(stats.get(key) or ()):
+                self._advance(counter, f"{key}{generation}", float(total), {"generation": str(generation)})
         for layer, counts in enumerate(stats.get("committed_width_hist") or []):  # per layer, indexed by width
             for width in range(stats.get("seed_width") or 0, len(counts)):  # none holds a width below the seed
                 self._width.set(float(counts[width]), tags={"layer": str(layer), "width": str(width)})
+
+    def _advance(self, counter, key: str, total: float, tags: dict | None = None) -> None:
+        """Counters advance by the growth of the engine's cumulative total `key`."""
+        growth = total - self._last_totals.get(key, 0.0)
+        if growth < 0:  # the engine was rebuilt and its totals restarted from zero
+            growth = total
+        if growth > 0:
+            counter.inc(growth, tags=tags)
+        self._last_totals[key] = total
 
     def observe_request(self, latency_s: float, ttft_s: float | None, finish_reason: str | None,
                         work: str = "generate", queued_s: float | None = None) -> None:

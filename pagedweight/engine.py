@@ -33,6 +33,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
+from pagedweight import gc_watch
 from pagedweight.apformat import MANIFEST, load_ap
 from pagedweight.knobs import PlannerKnobs
 from pagedweight.kv_cache import PagedKVCache, kv_layer_block_bytes
@@ -392,6 +393,7 @@ class LLM:
         self.num_steps = 0
         self.num_tokens_computed = 0  # tokens every step computed (prefill and decode): what routing statistics saw
         self.paging = PagingStats()
+        self.gc_pauses = gc_watch.watch()  # the process's collector pauses, reported by stats()
         self._requested: dict[int, int] = {}  # block -> width of the moves this engine started
         self._committed, self._committed_at = None, -1  # committed_widths() and the table.commits it was built at
         self._routing_unread = False  # an observed step's statistics wait for the next step (_read_routing)
@@ -1132,6 +1134,7 @@ class LLM:
             # it resets the peak); the gap to budget_bytes is activations, CUDA-graph pools and scratch
             "device_reserved_bytes": None,
             "device_peak_reserved_bytes": None,
+            **self.gc_pauses.stats(),  # measured: the process's garbage collections and their pauses
         }
         if self.device.type == "cuda":
             out["device_reserved_bytes"] = torch.cuda.memory_reserved(self.device)

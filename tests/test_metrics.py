@@ -29,6 +29,7 @@ SNAPSHOTS = [
      "prefix_query_tokens": 300, "prefix_hit_tokens": 128, "kv_cached_blocks": 9, "kv_retained_blocks": 5,
      "kv_evicted_blocks": 4,
      "engine_steps": 50, "steps_in_flight": 12, "time_in_flight_s": 0.75,
+     "gc_collections": [9, 2, 1], "gc_pause_s": [0.0625, 0.03125, 0.125],
      "committed_width_hist": [[0, 0, 0, 0, 0, 0, 0, 0, 16], [0, 0, 0, 0, 4, 0, 0, 0, 12]], "seed_width": 3},
     # the engine was rebuilt: its totals restart from zero, the exported counters keep growing
     {"kv_free_blocks": 70, "kv_total_blocks": 70, "bytes_offloaded": 200, "bytes_reloaded": 0,
@@ -122,6 +123,8 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert probe_v("kv_retained_blocks") == 5
     assert probe_v("engine_steps_total") == 50 and probe_v("steps_with_pages_in_flight_total") == 12
     assert probe_v("time_with_pages_in_flight_seconds_total") == 0.75
+    assert [probe_v("gc_collections_total", generation=str(g)) for g in range(3)] == [9, 2, 1]
+    assert [probe_v("gc_pause_seconds_total", generation=str(g)) for g in range(3)] == [0.0625, 0.03125, 0.125]
     # committed-width histogram per layer (last non-empty snapshot)
     assert probe_v("committed_width_blocks", layer="0", width="8") == 16
     assert probe_v("committed_width_blocks", layer="0", width="3") == 0
@@ -144,6 +147,9 @@ def test_engine_metrics_exported_with_exact_values(ray_cluster, serve_app):
     assert 0 <= value(s, "ray_pagedweight_kv_free_blocks", engine=engine) <= live["kv_total_blocks"]
     assert value(s, "ray_pagedweight_resident_weight_bytes", engine=engine) == live["resident_weight_bytes"] > 0
     assert value(s, "ray_pagedweight_budget_bytes", engine=engine) == live["budget_bytes"] > 0
+    # the replica process's collector: it has collected since it started (the engine's build, the warm-up)
+    assert live["gc_collections"][0] > 0
+    assert value(s, "ray_pagedweight_gc_collections_total", engine=engine, generation="0") > 0
     # a CPU engine has no caching allocator to measure: those gauges are left out, not exported as zero
     assert live["device_reserved_bytes"] is None and value(s, "ray_pagedweight_device_reserved_bytes",
                                                            engine=engine) is None
