@@ -3,9 +3,10 @@
 A collection holds the GIL, so it stops the engine's step loop along with every other thread of the process; a full
 (generation 2) one walks every tracked object: 148.6 ms once the bundled model's engine is built, on a 2-core CPU
 (measured, `gc_pauses-cpu-2c-20261207-s59-plain.json`). `watch()` installs one `gc.callbacks` hook per process;
-`LLM.stats()` reports its totals and actors/metrics.py exports them (by generation), so a decode stall the collector caused shows as
-such on the dashboard instead of as an unexplained inter-token tail. The counts are the process's, whichever thread
-allocated what triggered them (in a Serve replica: the engine loop and the event loop relaying HTTP).
+`LLM.stats()` reports its totals and actors/metrics.py exports them by generation, so a decode stall the collector
+caused shows as such on the dashboard instead of as an unexplained inter-token tail. The counts are the process's,
+whichever thread allocated what triggered them (in a Serve replica: the engine loop and the event loop relaying
+HTTP; `gc_pauses --http` measures one, `gc_pauses-cpu-2c-20261207-s60-http.json`).
 """
 from __future__ import annotations
 
