@@ -1,6 +1,7 @@
 """Shared plumbing for benchmark scripts: one JSON result file per run (DESIGN.md §9)."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -139,6 +141,27 @@ def result_json(record) -> str:
         return compact
     text = fmt(json.loads(compact), 0)
     return text if len(text) <= COMPACT_OVER else compact
+
+
+@contextlib.contextmanager
+def local_serve(port: int) -> Iterator[str]:
+    """A local Ray cluster with Serve's HTTP proxy on 127.0.0.1:`port` for the CPU benchmarks that serve the bundled
+    model over HTTP; yields its URL. On exit Serve, the node's page store (its /dev/shm planes) and Ray go."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from pagedweight.actors.page_store_actor import page_store_for_node
+
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.get(page_store_for_node().destroy.remote())
+        ray.shutdown()
 
 
 def old_functions(path: str, names: list[str], namespace: dict) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import write_result
+from benchmarks.common import local_serve, write_result
 from pagedweight.engine import LLM
 from pagedweight.gc_watch import GcPauses
 from pagedweight.sampling import SamplingParams
@@ -65,21 +64,15 @@ def serve_http(args) -> dict:
     """The same question in a Serve replica: `--requests` x `--waves` streamed chat completions through the OpenAI
     app, `--clients` at a time; the replica's collections and pauses (its process's hook, `LLM.stats()`) before and
     after. The ingress relays in a process of its own, not counted here."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from benchmarks.routing_affinity import chat_turn
     from pagedweight.actors.openai_app import AppArgs, build_app
-    from pagedweight.actors.page_store_actor import page_store_for_node
     from pagedweight.convert import ap_checkpoint_for
 
     model_dir = ap_checkpoint_for(Path(args.model), Path.home() / ".cache" / "pagedweight", "cpu")
-    name, url = Path(args.model).name, f"http://127.0.0.1:{args.port}"
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    try:
+    name = Path(args.model).name
+    with local_serve(args.port) as url:
         serve.run(build_app(AppArgs(model_dir=str(model_dir), engine_options={"served_model_name": name,
                                                                               "max_num_seqs": 16})),
                   name="gc", route_prefix="/")
@@ -96,16 +89,32 @@ def serve_http(args) -> dict:
                       total=len(todo), desc="requests", unit="req"))
         seconds = time.perf_counter() - t
         after = engine.stats.remote().result()
-    finally:
-        serve.shutdown()
-        ray.get(page_store_for_node().destroy.remote())  # the node's /dev/shm planes
-        ray.shutdown()
     row = {"arm": "serve-http", "requests": len(todo), "clients": args.clients, "seconds": seconds,
            "steps": after["engine_steps"] - before["engine_steps"]}
     for g in range(3):
         n = after["gc_collections"][g] - before["gc_collections"][g]
         s = after["gc_pause_s"][g] - before["gc_pause_s"][g]
         row[f"gen{g}"] = {"collections": n, "mean_ms": s / n * 1e3 if n else None}
+    return row
+
+
+def engine_loop(args) -> dict:
+    """The engine's own loop (`LLM.generate` in this process): tracked objects, a full collection's cost, and every
+    automatic collection's pause while `--waves` waves of requests run."""
+    llm = LLM(args.model, device=args.device, max_num_seqs=16)
+    gc.collect()
+    if args.freeze:
+        gc.freeze()
+    row = {"arm": "freeze" if args.freeze else "plain", "tracked_objects": len(gc.get_objects()),
+           "frozen_objects": gc.get_freeze_count(), "full_collection_ms_median": full_collection_ms(),
+           "gc_thresholds": list(gc.get_threshold())}
+    t = time.perf_counter()
+    pauses, steps = serve_waves(llm, args.waves, args.requests, args.tokens)
+    row.update(requests=args.waves * args.requests, steps=steps, seconds=time.perf_counter() - t)
+    for g in range(3):
+        ms = [s * 1e3 for gen, s in pauses.pauses if gen == g]
+        row[f"gen{g}"] = {"collections": len(ms), "median_ms": statistics.median(ms) if ms else None,
+                          "max_ms": max(ms) if ms else None}
     return row
 
 
@@ -123,25 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="--http: requests in flight at once")
     p.add_argument("--port", type=int, default=8124)
     args = p.parse_args(argv)
-    if args.http:
-        row = serve_http(args)
-        print(row)
-        print(write_result("gc_pauses", [row], out_dir=args.out_dir, label=args.label))
-        return 0
-    llm = LLM(args.model, device=args.device, max_num_seqs=16)
-    gc.collect()
-    if args.freeze:
-        gc.freeze()
-    row = {"arm": "freeze" if args.freeze else "plain", "tracked_objects": len(gc.get_objects()),
-           "frozen_objects": gc.get_freeze_count(), "full_collection_ms_median": full_collection_ms(),
-           "gc_thresholds": list(gc.get_threshold())}
-    t = time.perf_counter()
-    pauses, steps = serve_waves(llm, args.waves, args.requests, args.tokens)
-    row.update(requests=args.waves * args.requests, steps=steps, seconds=time.perf_counter() - t)
-    for g in range(3):
-        ms = [s * 1e3 for gen, s in pauses.pauses if gen == g]
-        row[f"gen{g}"] = {"collections": len(ms), "median_ms": statistics.median(ms) if ms else None,
-                          "max_ms": max(ms) if ms else None}
+    row = serve_http(args) if args.http else engine_loop(args)
     print(row)
     print(write_result("gc_pauses", [row], out_dir=args.out_dir, label=args.label))
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import local_serve, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a careful Python programmer. Answer with short, correct code and one line of explanation. " * 2
@@ -139,19 +138,14 @@ def main() -> None:
         p.error("--replicas must be >= 2 (one replica has nothing to route)")
     if args.turns < 2:
         p.error("--turns must be >= 2 (a first turn has no history to find)")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from pagedweight.actors.openai_app import AppArgs, build_app
     from pagedweight.convert import ap_checkpoint_for
 
     model_dir = ap_checkpoint_for(Path(args.model), Path.home() / ".cache" / "pagedweight", "cpu")
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    url, name, block_size, rows = f"http://127.0.0.1:{args.port}", Path(args.model).name, 16, []
-    try:
+    name, block_size, rows = Path(args.model).name, 16, []
+    with local_serve(args.port) as url:
         for router in args.routers.split(","):
             app = build_app(AppArgs(model_dir=str(model_dir), num_replicas=args.replicas,
                                     engine_num_cpus=args.engine_num_cpus, prefix_affinity=router == "affinity",
@@ -167,12 +161,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
             serve.delete("routing")
-    finally:
-        serve.shutdown()
-        from pagedweight.actors.page_store_actor import page_store_for_node
-
-        ray.get(page_store_for_node().destroy.remote())  # the node's /dev/shm planes
-        ray.shutdown()
     path = write_result("routing_affinity", rows, label=args.label,
                         extra={"model": name, "note": "KV room keeps every history: what a later turn finds "
                                                       "depends only on where it is routed"})
