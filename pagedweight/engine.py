@@ -698,10 +698,16 @@ class LLM:
         finally:
             if self.mover is not None:
                 self.mover.end_step()  # fences this step's reads of the pages it used
+        picked = None
         if failure is None:
             self.num_tokens_computed += batch.num_tokens
             self.kv.publish(batch.seqs)  # blocks this step filled: later requests with the same prefix read them
-        if observe:  # the copy of its statistics, queued right behind the forward: the next step reads it
+            try:  # the sampling and its tokens' copy to the host, queued right behind the forward
+                picked = self.sampler.pick(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+                                           _History(to_sample), self.eos_token_ids, _Seen(to_sample))
+            except Exception as exc:  # noqa: BLE001 - same as a failed forward
+                failure = exc
+        if observe:  # the copy of its statistics, queued behind the token copy (not read by it): the next step reads it
             self.router_stats.prefetch()
             self.router_stats.active = False
         if overlap:
@@ -710,8 +716,7 @@ class LLM:
         if failure is None:
             try:
                 self._read_routing()  # the last observed step's statistics: host work while this step runs
-                tokens = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
-                                      _History(to_sample), self.eos_token_ids, _Seen(to_sample))
+                tokens = picked.tolist()
                 self._logprobs(logits, to_sample, tokens)
                 if prompt_rows is not None:
                     self._prompt_logprobs(prompt_rows)

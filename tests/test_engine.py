@@ -1440,6 +1440,34 @@ def test_routing_read_lands_one_step_later(ap_dir):
     assert not llm._routing_unread and not np.array_equal(got, mass)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA streams: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
+def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir, monkeypatch):
+    """The observed step's routing fold, merge and host copy are queued behind its token copy: held up on the
+    device (a sleep queued before them), they leave the step's token read alone, so the step returns while the
+    forward's stream still runs them; the next step reads the statistics as usual."""
+    from pagedweight.signals import RouterStats
+
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    llm.add_request(PROMPTS[0], greedy(8))
+    llm.step()  # step 0: prefill, observed
+    llm.step()  # step 1 reads step 0's window
+    mass = llm.planner.routing.mass.copy()
+    prefetch = RouterStats.prefetch
+
+    def held(self):
+        torch.cuda._sleep(500_000_000)  # ~0.25 s of the forward's stream before the fold's device work
+        prefetch(self)
+
+    monkeypatch.setattr(RouterStats, "prefetch", held)
+    outs = llm.step()  # step 2: decode, observed
+    still_running = not torch.cuda.current_stream(llm.device).query()
+    torch.cuda.synchronize(llm.device)
+    assert still_running, "the step waited for its routing statistics' device work"
+    assert len(outs) == 1 and outs[0].completion_tokens == 3 and llm._routing_unread
+    llm.step()
+    assert not llm._routing_unread and not np.array_equal(llm.planner.routing.mass, mass)
+
+
 def test_residual_heads_see_each_requests_tokens_so_far(ap_dir, monkeypatch):
     """The planner's features (what the residual heads read) describe every token the request's observed steps
     computed, its prompt and each decoded token, as the heads were fitted on whole sequences: with one request,
