@@ -257,17 +257,18 @@ TRACE_COLUMNS = ["step_ms", "boundary_ms", "planner_ms", "requests_ms", "observe
 
 
 class StepPhases:
-    """Host clock marks inside llm.step(), for traces: wraps the runner's `run` and the sampler of one engine (in
-    the benchmark; the engine has no hooks). A step then splits into before the forward (a boundary that did not
-    overlap, scheduling), the forward's host part (inputs, launch or graph replay), between it and sampling (an
-    overlapped boundary, the routing read), sampling (which waits for the device: the GPU's remaining time when
-    the host is ahead) and after (outputs); and the tokens its forward ran (prefill chunks and decode rows: the
-    step's size). A step that ran no forward gets None."""
+    """Host clock marks inside llm.step(), for traces: wraps the runner's `run` and the sampler's `pick` of one
+    engine (in the benchmark; the engine has no hooks). A step then splits into before the forward (a boundary that
+    did not overlap, scheduling), the forward's host part (inputs, launch or graph replay), between it and the
+    token read (the sampling's launch, an observed step's routing copy, an overlapped boundary, the routing read),
+    the token read (`sample_ms`: it waits for the device, the GPU's remaining time when the host is ahead) and
+    after (outputs); and the tokens its forward ran (prefill chunks and decode rows: the step's size). A step that
+    ran no forward gets None."""
 
     def __init__(self, llm: LLM) -> None:
         self.marks: dict[str, float] = {}
         self.tokens: int | None = None
-        run, sample = llm.runner.run, llm.sampler
+        run, pick = llm.runner.run, llm.sampler.pick
 
         def counted(batch):
             self.tokens = sum(batch.num_new_tokens)
@@ -282,7 +283,12 @@ class StepPhases:
                     self.marks[name + "1"] = time.perf_counter()
             return wrapper
 
-        llm.runner.run, llm.sampler = timed("run", counted), timed("sample", sample)
+        def picked(*args, **kwargs):
+            pending = pick(*args, **kwargs)
+            pending.tolist = timed("sample", pending.tolist)
+            return pending
+
+        llm.runner.run, llm.sampler.pick = timed("run", counted), picked
 
     def split(self, t_step: float, t_end: float) -> list[float | int | None]:
         """[pre, forward, between, sample, post] ms and the forward's tokens of the step that ran from t_step to
