@@ -789,11 +789,12 @@ class LLM:
     def _read_routing(self) -> None:
         """Fold the routing statistics of the last observed step into the planner, if not done yet.
 
-        Called once the next step's work is queued: its copy to the host was queued right after the observed
-        step's forward (`RouterStats.prefetch`), so this is host work beside the running step, not after it (the
-        H200 traces put 0.23-0.29 ms on each observed step at batch 1 when it came after the step; the prefetch
-        itself, after sampling, cost 0.2-0.3 ms of host time there at batch 4: engine_bench-…-s7-v3.json). The
-        planner sees each window one step later than it was observed."""
+        Called once the next step's work is queued: its copy to the host was queued right behind the observed
+        step's forward and token copy (`RouterStats.prefetch`), so this is host work beside the running step, not
+        after it (the H200 traces put 0.23-0.29 ms on each observed step at batch 1 when it came after the step; the
+        prefetch itself, queued after the token read, cost 0.2-0.3 ms of host time there at batch 4:
+        engine_bench-…-s7-v3.json; queued after the token copy, it is host time before that read). The planner sees
+        each window one step later than it was observed."""
         if not self._routing_unread:
             return
         t0 = time.perf_counter()
