@@ -22,7 +22,7 @@ from pagedweight.engine import LLM
 from pagedweight.models.model import MoEForCausalLM
 from pagedweight.runner import (CAPTURE_ATTEMPTS, APExperts, CaptureGate, DecodeGraphs, ModelRunner, decode_batch_sizes,
                                 lut_width)
-from pagedweight.sampling import SamplingParams
+from pagedweight.sampling import PendingTokens, SamplingParams
 from pagedweight.sequence import Sequence
 from helpers import budget_with
 
@@ -61,20 +61,20 @@ def follow_reference(ref: LLM, llm: LLM) -> None:
     near tie (within TOL of ref's token's logit). Exact on the CPU; on CUDA, fp16 and the kernels' atomic sums
     (nondeterministic order) can flip a near tie, after which the two runs would no longer be comparable."""
     sampled: list[list[int]] = []
-    ref_sample, llm_sample = ref.sampler, llm.sampler
+    ref_pick, llm_pick = ref.sampler.pick, llm.sampler.pick
 
     def ref_sampler(logits, params, generators, *rest):
-        sampled.append(list(ref_sample(logits, params, generators, *rest)))
-        return sampled[-1]
+        sampled.append(ref_pick(logits, params, generators, *rest).tolist())
+        return PendingTokens(torch.tensor(sampled[-1], dtype=torch.long))
 
     def llm_sampler(logits, params, generators, *rest):
-        own, want = llm_sample(logits, params, generators, *rest), sampled[-1]
+        own, want = llm_pick(logits, params, generators, *rest).tolist(), sampled[-1]
         for row, (a, b) in enumerate(zip(own, want)):
             if a != b:
                 top, theirs = float(logits[row, a]), float(logits[row, b])
                 assert top - theirs <= TOL["atol"] + TOL["rtol"] * abs(top), (row, a, b, top, theirs)
-        return want
-    ref.sampler, llm.sampler = ref_sampler, llm_sampler
+        return PendingTokens(torch.tensor(want, dtype=torch.long))
+    ref.sampler.pick, llm.sampler.pick = ref_sampler, llm_sampler
 
 
 def lockstep(ref: LLM, llm: LLM, prompts: list[str], params: list[SamplingParams], between=None) -> dict[str, list]:
