@@ -707,6 +707,7 @@ class LLM:
                                            _History(to_sample), self.eos_token_ids, _Seen(to_sample))
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
+        self.runner.observe()  # a decode step's router records: the fold's device work goes behind the token copy
         if observe:  # the copy of its statistics, queued behind the token copy (not read by it): the next step reads it
             self.router_stats.prefetch()
             self.router_stats.active = False

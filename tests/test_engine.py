@@ -1441,10 +1441,11 @@ def test_routing_read_lands_one_step_later(ap_dir):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA streams: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
-def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir, monkeypatch):
-    """The observed step's routing fold, merge and host copy are queued behind its token copy: held up on the
-    device (a sleep queued before them), they leave the step's token read alone, so the step returns while the
-    forward's stream still runs them; the next step reads the statistics as usual."""
+@pytest.mark.parametrize("held", ["observe_layers", "prefetch"])
+def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir, monkeypatch, held):
+    """The observed step's routing fold (`observe_layers`) and its merge and host copy (`prefetch`) are queued
+    behind its token copy: held up on the device (a sleep queued before either), they leave the step's token read
+    alone, so the step returns while the forward's stream still runs them; the next step reads the statistics."""
     from pagedweight.signals import RouterStats
 
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
@@ -1452,13 +1453,13 @@ def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir
     llm.step()  # step 0: prefill, observed
     llm.step()  # step 1 reads step 0's window
     mass = llm.planner.routing.mass.copy()
-    prefetch = RouterStats.prefetch
+    method = getattr(RouterStats, held)
 
-    def held(self):
-        torch.cuda._sleep(500_000_000)  # ~0.25 s of the forward's stream before the fold's device work
-        prefetch(self)
+    def slow(self, *args):
+        torch.cuda._sleep(500_000_000)  # ~0.25 s of the forward's stream before the method's device work
+        method(self, *args)
 
-    monkeypatch.setattr(RouterStats, "prefetch", held)
+    monkeypatch.setattr(RouterStats, held, slow)
     outs = llm.step()  # step 2: decode, observed
     still_running = not torch.cuda.current_stream(llm.device).query()
     torch.cuda.synchronize(llm.device)
