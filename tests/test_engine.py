@@ -1450,8 +1450,10 @@ def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir
 
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
     llm.add_request(PROMPTS[0], greedy(8))
-    llm.step()  # step 0: prefill, observed
-    llm.step()  # step 1 reads step 0's window
+    # step 0: prefill, observed; step 2: the first observed decode step, whose first fold builds what later ones
+    # reuse (the layers' offsets, a synchronous copy; the route_stats kernel's module); steps 1 and 3 read
+    for _ in range(4):
+        llm.step()
     mass = llm.planner.routing.mass.copy()
     method = getattr(RouterStats, held)
 
@@ -1460,11 +1462,11 @@ def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir
         method(self, *args)
 
     monkeypatch.setattr(RouterStats, held, slow)
-    outs = llm.step()  # step 2: decode, observed
+    outs = llm.step()  # step 4: decode, observed
     still_running = not torch.cuda.current_stream(llm.device).query()
     torch.cuda.synchronize(llm.device)
     assert still_running, "the step waited for its routing statistics' device work"
-    assert len(outs) == 1 and outs[0].completion_tokens == 3 and llm._routing_unread
+    assert len(outs) == 1 and outs[0].completion_tokens == 5 and llm._routing_unread
     llm.step()
     assert not llm._routing_unread and not np.array_equal(llm.planner.routing.mass, mass)
 
