@@ -705,9 +705,9 @@ class LLM:
             try:  # the sampling and its tokens' copy to the host, queued right behind the forward
                 picked = self.sampler.pick(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
                                            _History(to_sample), self.eos_token_ids, _Seen(to_sample))
+                self.runner.observe()  # a decode step's router records: their fold's device work goes behind it
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
-        self.runner.observe()  # a decode step's router records: the fold's device work goes behind the token copy
         if observe:  # the copy of its statistics, queued behind the token copy (not read by it): the next step reads it
             self.router_stats.prefetch()
             self.router_stats.active = False

@@ -167,6 +167,29 @@ def test_warm_up_runs_every_batch_size_and_leaves_nothing():
         assert decode.stats.eager == 0 and decode.stats.captured > 0, decode.stats
 
 
+
+def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, monkeypatch):
+    """A decode step's routing fold runs once its sampling is queued (`DecodeGraphs.observe`, outside the forward):
+    if it raises, the step's requests end with an error, as after a failed forward, and the engine serves on."""
+    from pagedweight.signals import RouterStats
+
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    static_decode(llm)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()  # step 0: prefill, observed
+    llm.step()
+
+    def broken(self, *args):
+        raise RuntimeError("fold failed")
+
+    monkeypatch.setattr(RouterStats, "observe_layers", broken)
+    outs = llm.step()  # step 2: decode, observed
+    assert [o.finish_reason for o in outs] == ["error"] and "fold failed" in outs[0].error
+    assert not llm.has_unfinished() and llm.runner.decode.stats.eager + llm.runner.decode.stats.replayed == 2
+    monkeypatch.undo()
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
 def test_padded_decode_equals_packed_steps():
     """Batches of 1..5 sequences with ragged prompts (different context lengths and block-table lengths, prefill
     chunks beside decodes), padded to 1/2/4 rows; 5 sequences exceed the largest bucket and run packed until one
