@@ -190,6 +190,33 @@ def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, 
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
+
+def test_an_observed_decode_step_queues_its_sampling_before_its_routing_statistics(ap_dir, monkeypatch):
+    """A token read waits for all the stream holds before the token copy: so an observed decode step queues its
+    sampling and token copy first, then the routing fold (`observe_layers`) and the statistics' merge and copy
+    (`prefetch`), then reads the tokens (on CUDA, tests/test_engine.py holds each of the two up with a sleep)."""
+    from pagedweight.sampling import PendingTokens, Sampler
+    from pagedweight.signals import RouterStats
+
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    static_decode(llm)
+    order = []
+    for cls, name in ((Sampler, "pick"), (RouterStats, "observe_layers"), (RouterStats, "prefetch"),
+                      (PendingTokens, "tolist")):
+        def spy(*args, _method=getattr(cls, name), _name=name, **kwargs):
+            order.append(_name)
+            return _method(*args, **kwargs)
+        monkeypatch.setattr(cls, name, spy)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()  # step 0: prefill, observed (its layers fold during the forward)
+    llm.step()
+    order.clear()
+    llm.step()  # step 2: decode, observed
+    assert order == ["pick", "observe_layers", "prefetch", "tolist"]
+    order.clear()
+    llm.step()  # step 3: nothing observed
+    assert order == ["pick", "tolist"]
+
 def test_padded_decode_equals_packed_steps():
     """Batches of 1..5 sequences with ragged prompts (different context lengths and block-table lengths, prefill
     chunks beside decodes), padded to 1/2/4 rows; 5 sequences exceed the largest bucket and run packed until one
