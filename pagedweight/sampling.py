@@ -17,6 +17,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from pagedweight.host_copy import HostCopy
+
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # vLLM's temperature rules: below 1e-5 greedy, else at least 0.01 (smaller ones overflow the tempered logits to inf,
@@ -314,32 +316,6 @@ def _subtract_scaled(x: torch.Tensor, counts: torch.Tensor, per_row: list[float]
             x.add_(counts, alpha=-scale)
 
 
-@dataclass
-class PendingTokens:
-    """A step's sampled token ids on their way to the host. On a GPU the copy goes into pinned memory behind an
-    event, so `tolist()` waits for the sampling and that copy only, not for device work queued after them: the engine
-    queues an observed step's routing fold, merge and copy there, off the token read's path (queued before the
-    sampling, they held each observed step's token read 0.07-0.08 ms, launch_marks-…-s59-marks-parent-*.json)."""
-
-    host: torch.Tensor
-    event: torch.cuda.Event | None = None
-
-    @classmethod
-    def start(cls, tokens: torch.Tensor) -> PendingTokens:
-        if not tokens.is_cuda:
-            return cls(tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event)
-
-    def tolist(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
 class Sampler:
     """Picks one next token per row of last-position logits: every row of a step in a few batched ops and one host
     read (a per-row loop cost a dozen launches and a host read per sampled row). `nucleus_min_rows`: sampled rows
@@ -354,8 +330,9 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
              history: SequenceOf[np.ndarray | None] | None = None,
-             eos_token_ids: Collection[int] = (), seen: SequenceOf[np.ndarray] | None = None) -> PendingTokens:
-        """logits [B, V] (any float dtype); returns B token ids on their way to the host (`PendingTokens.tolist()`).
+             eos_token_ids: Collection[int] = (), seen: SequenceOf[np.ndarray] | None = None) -> HostCopy:
+        """logits [B, V] (any float dtype); returns B token ids on their way to the host (`HostCopy.tolist()`): the
+        engine reads them after queueing an observed step's routing fold and copy, which the read does not wait for.
         generators: each row's (None: the global RNG). history[i]: row i's generated token ids, for its penalties and
         min_tokens (`adjust_logits`; None: none yet), read only for adjusted rows; `eos_token_ids`: what min_tokens
         keeps a row from sampling besides its stop_token_ids; seen[i]: row i's prompt and generated ids, read only
@@ -370,13 +347,13 @@ class Sampler:
             elif not p.greedy:
                 sampled.append(i)
         if not sampled and not adjusted:
-            return PendingTokens.start(logits.argmax(dim=-1))
+            return HostCopy.start(logits.argmax(dim=-1))
         if len(sampled) == len(params):  # no gather
             kernel = logits.is_cuda and len(params) >= self.nucleus_min_rows
             chunk = _chunk_rows(logits.shape[1], params, gathered=False, adjusted=False, nucleus_kernel=kernel)
             picks = [sample_rows(logits[i:i + chunk], params[i:i + chunk], generators[i:i + chunk], kernel)
                      for i in range(0, len(params), chunk)]
-            return PendingTokens.start(torch.cat(picks) if len(picks) > 1 else picks[0])
+            return HostCopy.start(torch.cat(picks) if len(picks) > 1 else picks[0])
         tokens = logits.argmax(dim=-1)
         groups = (sampled, [i for i in adjusted if params[i].greedy], [i for i in adjusted if not params[i].greedy])
         for rows, adjust in zip(groups, (False, True, True)):
@@ -395,7 +372,7 @@ class Sampler:
                                                   else seen[r] for r in part])
                 tokens[index] = x.argmax(dim=-1) if ps[0].greedy else \
                     sample_rows(x, ps[c:c + chunk], [generators[r] for r in rows[c:c + chunk]], kernel)
-        return PendingTokens.start(tokens)
+        return HostCopy.start(tokens)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]) -> list[dict[int, float]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedweight.host_copy import HostCopy
 from pagedweight.knobs import PlannerKnobs
 
 # routing-weighted mean input norm, routing-weighted RMS input norm, max input norm, routing share of the layer
@@ -243,7 +244,7 @@ class RouterStats:
         self._device_requests: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rw: list[torch.Tensor] = []  # per call of such a window: its routing weights times `_request_scale`
         self._acc: torch.Tensor | None = None  # [4, L*E] on the device: the same four sums, not yet read back
-        self._copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # a prefetch: host buffer, its fence
+        self._copy: HostCopy | None = None  # a prefetch's copy
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -276,7 +277,7 @@ class RouterStats:
         self._begin()
         key = (tuple(layers), x.device)
         if self._offsets is None or self._offsets[0] != key:
-            self._offsets = key, torch.tensor(layers, device=x.device) * self.num_experts
+            self._offsets = key, _to_device(torch.tensor(layers) * self.num_experts, x.device)
         offsets = self._offsets[1]
         tracked = self._token_rows is not None
         scale = self._request_scale(topk_weights)  # [L', n], or None: the token weights [n] apply
@@ -413,22 +414,12 @@ class RouterStats:
             return
         self._land_copy()
         sums = self._with_merged()
-        if sums.is_cuda:
-            buf = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            buf.copy_(sums, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._copy = buf, event
-        else:
-            self._copy = sums, None
+        self._copy = HostCopy.start(sums)
         self._acc = None
 
     def _land_copy(self) -> None:
         if self._copy is not None:
-            buf, event = self._copy
-            if event is not None:
-                event.synchronize()
-            self._add(buf.numpy())
+            self._add(self._copy.wait().numpy())
             self._copy = None
 
     def _add(self, sums: np.ndarray) -> None:

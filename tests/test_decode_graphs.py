@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from benchmarks.decode_inputs import Tables, stand_in
 
 from pagedweight.engine import LLM
+from pagedweight.host_copy import HostCopy
 from pagedweight.models.model import MoEForCausalLM
 from pagedweight.runner import (CAPTURE_ATTEMPTS, APExperts, CaptureGate, DecodeGraphs, ModelRunner, decode_batch_sizes,
                                 lut_width)
-from pagedweight.sampling import PendingTokens, SamplingParams
+from pagedweight.sampling import SamplingParams
 from pagedweight.sequence import Sequence
 from helpers import budget_with
 
@@ -65,7 +66,7 @@ def follow_reference(ref: LLM, llm: LLM) -> None:
 
     def ref_sampler(logits, params, generators, *rest):
         sampled.append(ref_pick(logits, params, generators, *rest).tolist())
-        return PendingTokens(torch.tensor(sampled[-1], dtype=torch.long))
+        return HostCopy(torch.tensor(sampled[-1], dtype=torch.long))
 
     def llm_sampler(logits, params, generators, *rest):
         own, want = llm_pick(logits, params, generators, *rest).tolist(), sampled[-1]
@@ -73,7 +74,7 @@ def follow_reference(ref: LLM, llm: LLM) -> None:
             if a != b:
                 top, theirs = float(logits[row, a]), float(logits[row, b])
                 assert top - theirs <= TOL["atol"] + TOL["rtol"] * abs(top), (row, a, b, top, theirs)
-        return PendingTokens(torch.tensor(want, dtype=torch.long))
+        return HostCopy(torch.tensor(want, dtype=torch.long))
     ref.sampler.pick, llm.sampler.pick = ref_sampler, llm_sampler
 
 
@@ -195,14 +196,15 @@ def test_an_observed_decode_step_queues_its_sampling_before_its_routing_statisti
     """A token read waits for all the stream holds before the token copy: so an observed decode step queues its
     sampling and token copy first, then the routing fold (`observe_layers`) and the statistics' merge and copy
     (`prefetch`), then reads the tokens (on CUDA, tests/test_engine.py holds each of the two up with a sleep)."""
-    from pagedweight.sampling import PendingTokens, Sampler
+    from pagedweight.host_copy import HostCopy
+    from pagedweight.sampling import Sampler
     from pagedweight.signals import RouterStats
 
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
     static_decode(llm)
     order = []
     for cls, name in ((Sampler, "pick"), (RouterStats, "observe_layers"), (RouterStats, "prefetch"),
-                      (PendingTokens, "tolist")):
+                      (HostCopy, "tolist")):
         def spy(*args, _method=getattr(cls, name), _name=name, **kwargs):
             order.append(_name)
             return _method(*args, **kwargs)

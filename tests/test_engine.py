@@ -1442,17 +1442,18 @@ def test_routing_read_lands_one_step_later(ap_dir):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA streams: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
 @pytest.mark.parametrize("held", ["observe_layers", "prefetch"])
-def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir, monkeypatch, held):
+@pytest.mark.parametrize("step", [2, 4])
+def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir, monkeypatch, held, step):
     """The observed step's routing fold (`observe_layers`) and its merge and host copy (`prefetch`) are queued
     behind its token copy: held up on the device (a sleep queued before either), they leave the step's token read
-    alone, so the step returns while the forward's stream still runs them; the next step reads the statistics."""
+    alone, so the step returns while the forward's stream still runs them; the next step reads the statistics.
+    Step 0 is the prefill (observed), step 2 the first observed decode step (its fold builds what later ones reuse:
+    the layers' offsets, copied without a wait), step 4 a later one."""
     from pagedweight.signals import RouterStats
 
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
     llm.add_request(PROMPTS[0], greedy(8))
-    # step 0: prefill, observed; step 2: the first observed decode step, whose first fold builds what later ones
-    # reuse (the layers' offsets, a synchronous copy; the route_stats kernel's module); steps 1 and 3 read
-    for _ in range(4):
+    for _ in range(step):
         llm.step()
     mass = llm.planner.routing.mass.copy()
     method = getattr(RouterStats, held)
@@ -1462,11 +1463,11 @@ def test_an_observed_step_s_token_read_does_not_wait_for_its_routing_fold(ap_dir
         method(self, *args)
 
     monkeypatch.setattr(RouterStats, held, slow)
-    outs = llm.step()  # step 4: decode, observed
+    outs = llm.step()  # an observed decode step
     still_running = not torch.cuda.current_stream(llm.device).query()
     torch.cuda.synchronize(llm.device)
     assert still_running, "the step waited for its routing statistics' device work"
-    assert len(outs) == 1 and outs[0].completion_tokens == 5 and llm._routing_unread
+    assert len(outs) == 1 and outs[0].completion_tokens == step + 1 and llm._routing_unread
     llm.step()
     assert not llm._routing_unread and not np.array_equal(llm.planner.routing.mass, mass)
 
