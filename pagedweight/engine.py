@@ -709,7 +709,10 @@ class LLM:
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
         if observe:  # the copy of its statistics, queued behind the token copy (not read by it): the next step reads it
-            self.router_stats.prefetch()
+            try:
+                self.router_stats.prefetch()
+            except Exception as exc:  # noqa: BLE001 - same as a failed forward
+                failure = failure or exc
             self.router_stats.active = False
         if overlap:
             self._boundary()

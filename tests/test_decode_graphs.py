@@ -169,9 +169,11 @@ def test_warm_up_runs_every_batch_size_and_leaves_nothing():
 
 
 
-def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, monkeypatch):
-    """A decode step's routing fold runs once its sampling is queued (`DecodeGraphs.observe`, outside the forward):
-    if it raises, the step's requests end with an error, as after a failed forward, and the engine serves on."""
+@pytest.mark.parametrize("method", ["observe_layers", "prefetch"])
+def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, monkeypatch, method):
+    """A decode step's routing fold and its statistics' copy run once its sampling is queued (`DecodeGraphs.observe`
+    and `RouterStats.prefetch`, outside the forward): if either raises, the step's requests end with an error, as
+    after a failed forward, and the engine serves on."""
     from pagedweight.signals import RouterStats
 
     llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
@@ -181,11 +183,11 @@ def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, 
     llm.step()
 
     def broken(self, *args):
-        raise RuntimeError("fold failed")
+        raise RuntimeError(f"{method} failed")
 
-    monkeypatch.setattr(RouterStats, "observe_layers", broken)
+    monkeypatch.setattr(RouterStats, method, broken)
     outs = llm.step()  # step 2: decode, observed
-    assert [o.finish_reason for o in outs] == ["error"] and "fold failed" in outs[0].error
+    assert [o.finish_reason for o in outs] == ["error"] and f"{method} failed" in outs[0].error
     assert not llm.has_unfinished() and llm.runner.decode.stats.eager + llm.runner.decode.stats.replayed == 2
     monkeypatch.undo()
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
