@@ -705,14 +705,18 @@ class LLM:
             try:  # the sampling and its tokens' copy to the host, queued right behind the forward
                 picked = self.sampler.pick(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
                                            _History(to_sample), self.eos_token_ids, _Seen(to_sample))
-                self.runner.observe()  # a decode step's router records: their fold's device work goes behind it
             except Exception as exc:  # noqa: BLE001 - same as a failed forward
                 failure = exc
-        if observe:  # the copy of its statistics, queued behind the token copy (not read by it): the next step reads it
-            try:
+        # behind the token copy (the token read does not wait for them): a decode step's routing fold (its router
+        # records, handed over even when the sampling failed: they belong to this step's window), then an observed
+        # step's statistics copy, which the next step reads
+        try:
+            self.runner.observe()
+            if observe:
                 self.router_stats.prefetch()
-            except Exception as exc:  # noqa: BLE001 - same as a failed forward
-                failure = failure or exc
+        except Exception as exc:  # noqa: BLE001 - same as a failed forward
+            failure = failure or exc
+        if observe:
             self.router_stats.active = False
         if overlap:
             self._boundary()

@@ -194,6 +194,34 @@ def test_a_failing_routing_fold_ends_its_step_s_requests_not_the_engine(ap_dir, 
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
+def test_a_failing_sampling_still_hands_its_step_s_router_records_over(ap_dir, monkeypatch):
+    """The router records belong to the step that ran them: when its sampling raises, the step's fold still runs
+    (not at the next decode step, whose window they would join), and its requests end with an error."""
+    from pagedweight.sampling import Sampler
+    from pagedweight.signals import RouterStats
+
+    llm = LLM(ap_dir, device=DEVICE, block_size=16, page_store_dir=str(ap_dir / "store"), observe_every=2)
+    static_decode(llm)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()  # step 0: prefill, observed
+    llm.step()
+    folded = []
+    fold = RouterStats.observe_layers
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampling failed")
+
+    def spy(self, *args):
+        folded.append(llm.num_steps)
+        return fold(self, *args)
+
+    monkeypatch.setattr(Sampler, "pick", broken)
+    monkeypatch.setattr(RouterStats, "observe_layers", spy)
+    outs = llm.step()  # step 2: decode, observed
+    assert [o.finish_reason for o in outs] == ["error"] and "sampling failed" in outs[0].error
+    assert folded == [2]
+
+
 def test_an_observed_decode_step_queues_its_sampling_before_its_routing_statistics(ap_dir, monkeypatch):
     """A token read waits for all the stream holds before the token copy: so an observed decode step queues its
     sampling and token copy first, then the routing fold (`observe_layers`) and the statistics' merge and copy
