@@ -226,10 +226,11 @@ def serve(llm: LLM, batch: int, prompt_len: int, gen: int, vocab: int, seed: int
         decoding = len(first) == batch
         whole = decoding and len(llm.scheduler.running) == batch
         outs = llm.step()
+        t_end = time.perf_counter()  # one clock read for both: the median and the trace's step_ms agree
         if whole:
-            decode_ms.append((time.perf_counter() - t_step) * 1e3)
+            decode_ms.append((t_end - t_step) * 1e3)
         if trace is not None:
-            trace.append(trace_row(llm, paging, t_step, compactions, phases))
+            trace.append(trace_row(llm, paging, t_step, compactions, phases, t_end))
         for out in outs:
             if decoding:
                 window_tokens += out.completion_tokens - made.get(out.request_id, 0)
@@ -302,14 +303,15 @@ class StepPhases:
 
 
 def trace_row(llm: LLM, before: PagingStats, t_step: float, compactions_before: int,
-              phases: StepPhases | None = None) -> list:
+              phases: StepPhases | None = None, t_end: float | None = None) -> list:
     """One step of a trace (TRACE_COLUMNS): wall ms of llm.step() since `t_step`, of which the boundary's host ms
     (the planner's and the move requests' within it) and the routing read's; requests running and waiting after
     it; whether pages were in flight after the boundary (a move whose copy finished within it has committed and
     does not count); move requests and refusals; pool compactions since `compactions_before` (the pool's
     `relocations`); whether the boundary ran beside the forward (overlapped); the step's host phases and its
-    forward's tokens (StepPhases, None without). `before`: a copy of llm.paging taken before."""
-    now, ms, t_end = llm.paging, lambda a, b: round((a - b) * 1e3, 3), time.perf_counter()
+    forward's tokens (StepPhases, None without). `before`: a copy of llm.paging taken before; `t_end`: when the
+    step returned (now if None)."""
+    now, ms, t_end = llm.paging, lambda a, b: round((a - b) * 1e3, 3), t_end or time.perf_counter()
     split = phases.split(t_step, t_end) if phases is not None else [None] * 6
     return [ms(t_end, t_step), ms(now.boundary_host_s, before.boundary_host_s),
             ms(now.planner_host_s, before.planner_host_s), ms(now.requests_host_s, before.requests_host_s),
