@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,34 @@ class ServeApp:
     base_url: str  # http://127.0.0.1:PORT
     model: str  # the served model name
     api_key: str
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the child runs (helpers.ahead) that the selected tests' fixtures need, in the order of those tests, one
+    run at a time on a background thread: they use the core that single-threaded tests leave idle."""
+    from helpers import AHEAD
+
+    runs = []
+    for item in session.items:
+        for name in getattr(item, "fixturenames", ()):
+            run = AHEAD.get((getattr(getattr(item, "module", None), "__name__", ""), name))
+            if run is not None and run not in runs:
+                runs.append(run)
+
+    def start_in_turn() -> None:
+        for run in runs:
+            run.start()
+            run.wait()
+
+    if runs:
+        threading.Thread(target=start_in_turn, name="child-runs", daemon=True).start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from helpers import AHEAD
+
+    for run in AHEAD.values():  # runs whose tests failed before waiting for them, or were interrupted
+        run.kill()
 
 
 @pytest.fixture(scope="session")

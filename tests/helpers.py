@@ -6,37 +6,99 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Niceness of child interpreters: started ahead of the tests that need them (conftest), they take the core the
+# single-threaded tests leave idle and yield it back to them
+CHILD_NICE = 19
+
+
+@dataclass
+class ChildRun:
+    """Single-threaded child interpreters (so env such as NUMBA_ENABLE_CUDASIM cannot leak into this process) whose
+    JSON objects, printed on their last lines, a test merges (keys must not clash).
+
+    The simulator and compile children are most of the suite's time and CI has two cores: conftest starts the runs
+    of the fixtures (`child_fixture`) that the selected tests use in the background, one run at a time, while earlier
+    tests run. Output goes to files, not pipes, so a child that nobody reads yet never blocks on a full pipe."""
+
+    codes: list[str]
+    timeout: float  # seconds each child may take once a test waits for it
+    env: dict[str, str]
+    procs: list[tuple[subprocess.Popen, IO[str], IO[str]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False  # killed or read: never started again
+
+    def start(self) -> None:
+        with self.lock:
+            if self.procs or self.ended:
+                return
+            env = dict(os.environ, OMP_NUM_THREADS="1", **self.env)
+            for code in self.codes:
+                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                proc = subprocess.Popen([sys.executable, "-c", f"import os\nos.nice({CHILD_NICE})\n{code}"], cwd=ROOT,
+                                        env=env, stdout=out, stderr=err, text=True)
+                self.procs.append((proc, out, err))
+
+    def wait(self) -> None:
+        """Until every child has exited (conftest's background runner: one run at a time)."""
+        for proc, _, _ in self.procs:
+            proc.wait()
+
+    def result(self) -> dict:
+        """The children's merged JSON objects; starts them first if they are not running yet."""
+        self.start()
+        merged: dict = {}
+        try:
+            for proc, out, err in self.procs:
+                proc.wait(timeout=self.timeout)  # each waits in turn: the later ones ran meanwhile
+                out.seek(0), err.seek(0)
+                assert proc.returncode == 0, err.read()[-4000:]
+                part = json.loads(out.read().strip().splitlines()[-1])
+                assert not set(part) & set(merged), sorted(set(part) & set(merged))
+                merged.update(part)
+        finally:
+            self.kill()
+        return merged
+
+    def kill(self) -> None:
+        with self.lock:
+            self.ended = True
+            for proc, out, err in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close(), err.close()
+
+
+# (test module, fixture name) -> the run that fixture returns; conftest starts those the selected tests use
+AHEAD: dict[tuple[str, str], ChildRun] = {}
+
+
+def child_fixture(module: str, name: str, codes: list[str], timeout: float, **env: str):
+    """Module-scoped fixture `name` of test module `module`: the merged JSON of `codes` run as children, registered
+    so that conftest starts them in the background before the first selected test that uses the fixture."""
+    run = AHEAD[(module, name)] = ChildRun(codes, timeout, env)
+
+    def fixture() -> dict:
+        return run.result()
+
+    return pytest.fixture(scope="module", name=name)(fixture)
+
+
 def run_child_json(code: str, timeout: float, **env: str) -> dict:
-    """Run `code` in a fresh interpreter (so env such as NUMBA_ENABLE_CUDASIM cannot leak into this process) and
-    return the JSON object it prints on its last line."""
-    return run_children_json([code], timeout, **env)
-
-
-def run_children_json(codes: list[str], timeout: float, **env: str) -> dict:
-    """`run_child_json` for several single-threaded children at once, their JSON objects merged (keys must not
-    clash). The simulator and compile children are most of the suite's time; CI has two cores, and pytest waits."""
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for code in codes]
-    merged: dict = {}
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)  # each waits in turn: the later ones ran meanwhile
-            assert proc.returncode == 0, err[-4000:]
-            part = json.loads(out.strip().splitlines()[-1])
-            assert not set(part) & set(merged), sorted(set(part) & set(merged))
-            merged.update(part)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return merged
+    """Run `code` in a fresh interpreter now and return the JSON object it prints on its last line."""
+    return ChildRun([code], timeout, env).result()
 
 
 # Pasted into a child's code (`%(recorder)s`): a stand-in for a Numba kernel that records, per kernel name, each

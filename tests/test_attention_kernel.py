@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json, run_children_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, child_fixture
 from pagedweight.cuda.reference import paged_decode_attention_reference
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
@@ -118,11 +118,9 @@ def tol(dtype: str) -> float:
     return 2e-3 if dtype == "float16" else 1e-5
 
 
-@pytest.fixture(scope="module")
-def sim() -> dict:
-    # the even cases and the odd ones (with store_kv) in two children side by side
-    return run_children_json([BUILD + SIM_CHILD % {"cases": CASES, "part": part} for part in (0, 1)], timeout=900,
-                             NUMBA_ENABLE_CUDASIM="1")
+# the even cases and the odd ones (with store_kv) in two children side by side
+sim = child_fixture(__name__, "sim", [BUILD + SIM_CHILD % {"cases": CASES, "part": part} for part in (0, 1)],
+                    timeout=900, NUMBA_ENABLE_CUDASIM="1")
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
@@ -144,9 +142,11 @@ def test_supports_names_what_the_kernel_takes(sim: dict) -> None:
     assert sim["supports"] == [True, True, False, False, False, False]
 
 
-def test_kernels_compile_to_sm90_ptx() -> None:
-    out = run_child_json(COMPILE_CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
-    for name, runs in out.items():
+compiled = child_fixture(__name__, "compiled", [COMPILE_CHILD], timeout=600, NUMBA_ENABLE_CUDASIM="0")
+
+
+def test_kernels_compile_to_sm90_ptx(compiled: dict) -> None:
+    for name, runs in compiled.items():
         assert runs, f"{name}: the launcher never launched it"
         for r in runs:
             assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from helpers import KERNEL_RECORDER, run_children_json
+from helpers import KERNEL_RECORDER, child_fixture
 
 KERNELS = ("_route_kernel", "_gemv_kernel", "_gemv_t1_kernel", "_gemv_t1_narrow_kernel", "_gemv_t4_narrow_kernel",
            "_dequant_kernel")
@@ -75,10 +75,9 @@ CHILD = textwrap.dedent(r"""
 GROUPS = (("_gemv_kernel",), tuple(k for k in KERNELS if k != "_gemv_kernel"))
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_children_json([CHILD % {"kernels": KERNELS, "compile": group, "recorder": KERNEL_RECORDER}
-                              for group in GROUPS], timeout=600, NUMBA_ENABLE_CUDASIM="0")
+compiled = child_fixture(__name__, "compiled", [CHILD % {"kernels": KERNELS, "compile": group,
+                                                          "recorder": KERNEL_RECORDER} for group in GROUPS],
+                         timeout=600, NUMBA_ENABLE_CUDASIM="0")
 
 
 @pytest.mark.parametrize("name", KERNELS)

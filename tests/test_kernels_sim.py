@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from helpers import run_child_json, run_children_json
+from helpers import child_fixture, run_child_json
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
@@ -167,10 +167,9 @@ CHILD = textwrap.dedent(r"""
 """)
 
 
-@pytest.fixture(scope="module")
-def sim_results() -> dict:
-    # two children side by side, each checking half the cases (CI has two cores)
-    return run_children_json([f"PART = {part}\n" + CHILD for part in (0, 1)], timeout=1200, NUMBA_ENABLE_CUDASIM="1")
+# two children side by side, each checking half the cases (CI has two cores)
+sim_results = child_fixture(__name__, "sim_results", [f"PART = {part}\n" + CHILD for part in (0, 1)], timeout=1200,
+                            NUMBA_ENABLE_CUDASIM="1")
 
 
 @pytest.mark.parametrize("case", [f"case{i}" for i in range(11)])
@@ -405,11 +404,14 @@ ROUTE_CHILD = textwrap.dedent(r"""
 """)
 
 
-def test_route_kernel_groups_every_pair_by_expert():
+routed = child_fixture(__name__, "routed", [ROUTE_CHILD], timeout=1200, NUMBA_ENABLE_CUDASIM="1")
+
+
+def test_route_kernel_groups_every_pair_by_expert(routed: dict):
     """The decode path's routing (block 0) under the simulator, from a single expert per token to 1,024 experts:
     one slot per routed expert in ascending order, each slot's rows start where the previous ends and hold exactly
     that expert's (token, weight) pairs; the other block casts x and zeroes the split-K accumulators."""
-    res = run_child_json(ROUTE_CHILD, timeout=1200, NUMBA_ENABLE_CUDASIM="1")
+    res = routed
     assert len(res) == 5
     for case, r in res.items():
         assert all(r.values()), (case, r)

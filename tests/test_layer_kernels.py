@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json, run_children_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, child_fixture
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
@@ -245,10 +245,8 @@ BIT_EXACT = ("add_rms_norm_sum", "rope_q", "rope_k", "moe_out_norm_sum", "moe_ou
              "rope_store_q", "rope_store_kv", "rope_store_norm_q", "rope_store_src_kv")  # the store's: against its own
 
 
-@pytest.fixture(scope="module")
-def sim() -> dict:
-    return run_children_json([SIM_CHILD % case for case in MODEL_CASES.items()], timeout=1200,
-                             NUMBA_ENABLE_CUDASIM="1")
+sim = child_fixture(__name__, "sim", [SIM_CHILD % case for case in MODEL_CASES.items()], timeout=1200,
+                    NUMBA_ENABLE_CUDASIM="1")
 
 
 def check_case(r: dict, dtype: str, seed: int) -> None:
@@ -295,9 +293,11 @@ def test_model_with_kernels_matches_without_under_simulator(sim: dict, dtype: st
     assert r["max_err"] <= (2e-2 if dtype == "float16" else 1e-4) * max(1.0, r["scale"]), r
 
 
-def test_kernels_compile_to_sm90_ptx() -> None:
-    out = run_child_json(COMPILE_CHILD, timeout=900, NUMBA_ENABLE_CUDASIM="0")
-    for name, runs in out.items():
+compiled = child_fixture(__name__, "compiled", [COMPILE_CHILD], timeout=900, NUMBA_ENABLE_CUDASIM="0")
+
+
+def test_kernels_compile_to_sm90_ptx(compiled: dict) -> None:
+    for name, runs in compiled.items():
         assert len(runs) >= 2, f"{name}: launched with {len(runs)} signatures, want fp16 and fp32"
         for r in runs:
             assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r

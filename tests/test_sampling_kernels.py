@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from helpers import COMPILE_RECORDED, KERNEL_RECORDER, run_child_json, run_children_json
+from helpers import COMPILE_RECORDED, KERNEL_RECORDER, child_fixture
 
 DEVICE = os.environ.get("PAGEDWEIGHT_TEST_DEVICE", "cpu")
 
@@ -95,9 +95,9 @@ SIM_CHILD = COMPARE + textwrap.dedent(r"""
     import json, sys
     torch.set_num_threads(1)
     # V = 700: three rounds of a 64-thread block's 4 loads, the last one partial
-    # the sampler's draws on one seed's rows (each kernel call is ~10 s under the simulator)
-    json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=2 if seed == 0 else 0) for seed in (0, 1)},
-              sys.stdout)
+    # the sampler's draws on one seed's rows (each kernel call is ~10 s under the simulator); one seed a child (SEED)
+    seed = SEED
+    json.dump({f"sim/{seed}": compare("cpu", 10, 700, seed, draws=2 if seed == 0 else 0)}, sys.stdout)
 """)
 
 COMPILE_CHILD = COMPARE + textwrap.dedent(r"""
@@ -124,9 +124,8 @@ def check(r: dict) -> None:
     assert r["draws_equal"][0] == r["draws_equal"][1], r["draws_equal"]  # [0, 0] where none were drawn
 
 
-@pytest.fixture(scope="module")
-def sim() -> dict:
-    return run_children_json([SIM_CHILD], timeout=900, NUMBA_ENABLE_CUDASIM="1")
+sim = child_fixture(__name__, "sim", [f"SEED = {seed}\n" + SIM_CHILD for seed in (0, 1)], timeout=900,
+                    NUMBA_ENABLE_CUDASIM="1")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -189,10 +188,12 @@ def test_sampler_on_the_kernels_path_draws_what_the_sort_draws(monkeypatch) -> N
     assert price[0] > price[1] > price[2], price
 
 
-def test_nucleus_cut_compiles_to_sm90_ptx() -> None:
-    out = run_child_json(COMPILE_CHILD, timeout=600, NUMBA_ENABLE_CUDASIM="0")
-    assert sorted(out) == ["_cut_kernel", "_fine_hist_kernel", "_gather_kernel"], sorted(out)
-    for name, runs in out.items():
+compiled = child_fixture(__name__, "compiled", [COMPILE_CHILD], timeout=600, NUMBA_ENABLE_CUDASIM="0")
+
+
+def test_nucleus_cut_compiles_to_sm90_ptx(compiled: dict) -> None:
+    assert sorted(compiled) == ["_cut_kernel", "_fine_hist_kernel", "_gather_kernel"], sorted(compiled)
+    for name, runs in compiled.items():
         (r,) = runs
         assert r["target"] == ["sm_90"] and r["resty"] == "none" and len(r["entries"]) == 1, r
         assert re.search(rf"16sampling_kernels{len(name)}{name}B", r["entries"][0]), r

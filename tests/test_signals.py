@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_child_json
+from helpers import child_fixture
 from pagedweight.signals import RouterStats, merge_routing_mass, normalize_mass
 
 L, E, K, D = 2, 6, 2, 8
@@ -132,10 +132,13 @@ FUSED = textwrap.dedent(r"""
 """)
 
 
-def test_fused_fold_matches_torch_fold_under_simulator():
+fused = child_fixture(__name__, "fused", [FUSED], timeout=600, NUMBA_ENABLE_CUDASIM="1")
+
+
+def test_fused_fold_matches_torch_fold_under_simulator(fused: dict):
     """observe_layers through layer_kernels.route_stats (the GPU path: the window's sums weighted per layer and
     token, the requests' rows unweighted, in one launch) gives the torch fold's mass and features, with and without
     tracked requests."""
-    out = run_child_json(FUSED, timeout=600, NUMBA_ENABLE_CUDASIM="1")
+    out = fused
     assert {case: launches for case, (_, launches) in out.items()} == {"True/3": 1, "False/3": 1, "True/1": 1}, out
     assert max(err for err, _ in out.values()) <= 1e-5, out
