@@ -53,7 +53,7 @@ class ServeApp:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the child runs (helpers.ahead) that the selected tests' fixtures need, in the order of those tests, one
+    """Start the child runs (helpers.child_fixture) that the selected tests use, in the order of those tests, one
     run at a time on a background thread: they use the core that single-threaded tests leave idle."""
     from helpers import AHEAD
 
