@@ -34,7 +34,7 @@ class ChildRun:
 
     codes: list[str]
     timeout: float  # seconds each child may take once a test waits for it
-    env: dict[str, str]
+    env: dict[str, str]  # the children's whole environment, taken when the run is made (not when a thread starts it)
     procs: list[tuple[subprocess.Popen, IO[str], IO[str]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: bool = False  # killed or read: never started again
@@ -43,11 +43,10 @@ class ChildRun:
         with self.lock:
             if self.procs or self.ended:
                 return
-            env = dict(os.environ, OMP_NUM_THREADS="1", **self.env)
             for code in self.codes:
                 out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
                 proc = subprocess.Popen([sys.executable, "-c", f"import os\nos.nice({CHILD_NICE})\n{code}"], cwd=ROOT,
-                                        env=env, stdout=out, stderr=err, text=True)
+                                        env=self.env, stdout=out, stderr=err, text=True)
                 self.procs.append((proc, out, err))
 
     def wait(self) -> None:
@@ -81,6 +80,11 @@ class ChildRun:
                 out.close(), err.close()
 
 
+def child_env(**env: str) -> dict[str, str]:
+    """This process's environment with `env` and one thread per child (CI has two cores)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", **env)
+
+
 # (test module, fixture name) -> the run that fixture returns; conftest starts those the selected tests use
 AHEAD: dict[tuple[str, str], ChildRun] = {}
 
@@ -88,7 +92,7 @@ AHEAD: dict[tuple[str, str], ChildRun] = {}
 def child_fixture(module: str, name: str, codes: list[str], timeout: float, **env: str):
     """Module-scoped fixture `name` of test module `module`: the merged JSON of `codes` run as children, registered
     so that conftest starts them in the background before the first selected test that uses the fixture."""
-    run = AHEAD[(module, name)] = ChildRun(codes, timeout, env)
+    run = AHEAD[(module, name)] = ChildRun(codes, timeout, child_env(**env))
 
     def fixture() -> dict:
         return run.result()
@@ -98,7 +102,7 @@ def child_fixture(module: str, name: str, codes: list[str], timeout: float, **en
 
 def run_child_json(code: str, timeout: float, **env: str) -> dict:
     """Run `code` in a fresh interpreter now and return the JSON object it prints on its last line."""
-    return ChildRun([code], timeout, env).result()
+    return ChildRun([code], timeout, child_env(**env)).result()
 
 
 # Pasted into a child's code (`%(recorder)s`): a stand-in for a Numba kernel that records, per kernel name, each
