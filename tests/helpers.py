@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD_NICE = 19
 
 
-@dataclass
+@dataclass(eq=False)  # a run is itself: conftest collects the runs the tests use by identity
 class ChildRun:
     """Single-threaded child interpreters (so env such as NUMBA_ENABLE_CUDASIM cannot leak into this process) whose
     JSON objects, printed on their last lines, a test merges (keys must not clash).
