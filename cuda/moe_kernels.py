@@ -115,16 +115,28 @@ def _load_lut_batch(src, base, N, vals):
 
 
 @cuda.jit(device=True, inline=True)
-def _x_value(kind, src, pair_tok, pair0, rem, K, F, t, col):
-    """Input of pair pair0 + t at column col; 0 past K and past the slot's tokens. gate_up reads the token's hidden
-    row, down reads silu(gate) * up of the pair. Callers pass t and col, not a flat index: the 64-bit signed division
-    and remainder that split one cost ~20 instructions per staged value."""
+def _x_row(kind, src, row, K, F, col):
+    """Input at column col of src's row `row` (gate_up: a token's hidden row; down: a pair's, silu(gate) * up); 0
+    past K."""
     v = float32(0.0)
-    if t < rem and col < K:
+    if col < K:
         if kind == 0:
-            v = src[pair_tok[pair0 + t], col]
+            v = src[row, col]
         else:
-            v = _silu_mul(src[pair0 + t, col], src[pair0 + t, F + col])
+            v = _silu_mul(src[row, col], src[row, F + col])
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _x_value(kind, src, pair_tok, pair0, rem, K, F, t, col):
+    """Input of pair pair0 + t at column col; 0 past K and past the slot's tokens. Callers pass t and col, not a flat
+    index: the 64-bit signed division and remainder that split one cost ~20 instructions per staged value."""
+    v = float32(0.0)
+    if t < rem:
+        if kind == 0:
+            v = _x_row(kind, src, pair_tok[pair0 + t], K, F, col)
+        else:
+            v = _x_row(kind, src, pair0 + t, K, F, col)
     return v
 
 
@@ -140,6 +152,9 @@ def prefetch_words(b: int, tt: int = 1) -> int:
 def sub_words(tt: int) -> int:
     """Plane words per staged sub-chunk of a tt-token tile: WS, fewer where tt tokens of WS words overflow X_SH."""
     return min(WS, X_SH // (32 * tt))
+
+
+X_ONE = sub_words(1) * 32 // ROWS  # x values a thread stages per sub-chunk of the one-token kernels (2)
 
 
 def _lanes(b: int) -> tuple[int, int, int]:
@@ -206,19 +221,23 @@ def _lut_index(b: int, es: int, g: int) -> str:
     return f"((uint32((s{g} >> sh) & {mask}) | ubyte) >> uint32({es}))"
 
 
-def _body_source(b: int, tt: int) -> str:
+def _body_source(b: int, tt: int, one_token: bool = False) -> str:
     """Source of `_work_{b}_{tt}`: one block's K range for one token tile at width b.
 
     The 32 columns of a word are straight-line code; the token loop has a constant trip count (LLVM unrolls it
     and keeps `acc` in registers); plane words are loaded `prefetch_words(b, tt)` words ahead of their decode.
     Above 4 tokens the weights of a lane are decoded once into registers and used by each 4-token quad that holds
     tokens (a branch uniform over the block), so 5..16 tokens cost one decode, not one per 4-token tile.
+    `one_token` (tt = 1, `_work_{b}_1_one`): the body of the one-token kernels, whose step has one token (row 0 of
+    x and of the output) and whose prologue stages the first sub-chunk's x (`_gemv`).
     """
+    assert tt == 1 or not one_token
     lanes, lane_bits, groups = _lanes(b)
     es = 2 if b <= LUT32_MAX_WIDTH else 1  # log2 of the LUT entry's bytes (fp32 / fp16)
     L = []
     a = L.append
-    a(f"def _work_{b}_{tt}(kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, "
+    a(f"def _work_{b}_{tt}{'_one' if one_token else ''}(kind, src, pool_words, poff, lut32, lut16, x_sh, dst, "
+      "pair_tok, pair_w, pair0, rem, "
       f"N, K, F, w0, w1, n, tid, utid):")
     a(f"    acc = cuda.local.array({tt}, dtype=DT_F32)")
     a(f"    for t in range({tt}):")
@@ -236,7 +255,13 @@ def _body_source(b: int, tt: int) -> str:
     a("        cuda.syncthreads()  # the previous sub-chunk's reads of x_sh are done (the first time: LUT staged)")
     # x_sh[t * xs + c] = input of token t at column w * 32 + c; thread tid stages columns c = tid + j * ROWS (xs is
     # a multiple of ROWS)
-    if tt <= 4:  # every thread stages tt * xs / ROWS values, zeros past the slot's tokens
+    if one_token:  # the kernel's prologue staged the first sub-chunk; the token's row is 0, the pair's pair0
+        a("        if w != w0:")
+        for j in range(xs // ROWS):
+            a(f"            x_sh[tid + {j * ROWS}] = _x_row(kind, src, pair0 if kind else 0, K, F, "
+              f"w * 32 + tid + {j * ROWS})")
+        a("            cuda.syncthreads()")
+    elif tt <= 4:  # every thread stages tt * xs / ROWS values, zeros past the slot's tokens
         for j in range(tt * xs // ROWS):
             t, c = divmod(j * ROWS, xs)
             a(f"        x_sh[tid + {j * ROWS}] = _x_value({xargs}, {t}, w * 32 + tid + {c})")
@@ -246,7 +271,8 @@ def _body_source(b: int, tt: int) -> str:
         a(f"        for t in range(min(rem, {tt})):")
         for j in range(xs // ROWS):
             a(f"            x_sh[t * {xs} + tid + {j * ROWS}] = _x_value({xargs}, t, w * 32 + tid + {j * ROWS})")
-    a("        cuda.syncthreads()")
+    if not one_token:
+        a("        cuda.syncthreads()")
     a(f"        for i in range({ws}):")
     a("            wi = w + i")
     a("            if wi < w1:")
@@ -278,7 +304,8 @@ def _body_source(b: int, tt: int) -> str:
     a("                if kind == 0:")
     a("                    cuda.atomic.add(dst, (pair0 + t, n), acc[t])")
     a("                else:")
-    a("                    cuda.atomic.add(dst, (pair_tok[pair0 + t], n), pair_w[pair0 + t] * acc[t])")
+    a(f"                    cuda.atomic.add(dst, ({'0' if one_token else 'pair_tok[pair0 + t]'}, n), "
+      "pair_w[pair0 + t] * acc[t])")
     return "\n".join(L) + "\n"
 
 
@@ -311,12 +338,13 @@ def _dequant_body_source(b: int) -> str:
 def _device_fn(source: str, name: str):
     """The inlined device function `name` defined by generated `source`."""
     scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_x_value": _x_value,
-             "DT_F32": DT_F32}
+             "_x_row": _x_row, "DT_F32": DT_F32}
     exec(compile(source, f"<moe_kernels:{name}>", "exec"), scope)
     return cuda.jit(device=True, inline=True)(scope[name])
 
 
 _WORK = {(b, tt): _device_fn(_body_source(b, tt), f"_work_{b}_{tt}") for b in WIDTHS for tt in TILES}
+_WORK_ONE = {(b, 1): _device_fn(_body_source(b, 1, one_token=True), f"_work_{b}_1_one") for b in WIDTHS}
 _DQ = {(b,): _device_fn(_dequant_body_source(b), f"_dq_{b}") for b in WIDTHS}
 
 
@@ -353,21 +381,31 @@ MAX_REGISTERS = int(os.environ.get("PAGEDWEIGHT_MAX_REGISTERS", "128")) or None
 def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_expert, slot_start, slot_count,
           n_active, pair_tok, pair_w, dst, N, K, F, words_per_split):
     """The decode GEMV kernels' source: `_gemv_variant` compiles it with its own `_dispatch` (a global bound per
-    kernel, not defined at module level) over the bodies that kernel holds.
+    kernel, not defined at module level) over the bodies that kernel holds, and its own `ONE_TOKEN`.
 
     grid (ceil(N/ROWS), k-splits, slots), block ROWS; dynamic shared memory lut_shared_bytes(P) (the LUT).
-    Widths outside WIDTHS match no body and contribute nothing: tables must hold widths in [MIN_WIDTH, MAX_WIDTH]."""
+    Widths outside WIDTHS match no body and contribute nothing: tables must hold widths in [MIN_WIDTH, MAX_WIDTH].
+
+    A block is short (at T = 1 two to eight plane words a thread), so its prologue's chain of dependent loads is much
+    of its time: n_active and slot_expert load side by side, and with ONE_TOKEN (the one-token kernels: T = 1, so
+    slot j holds pair j, token 0's j-th expert, a token's experts being distinct) the first sub-chunk's x, which then
+    needs no table, loads before the tables into registers and is staged beside the LUT (one barrier for both), where
+    the bodies staged it after the LUT's barrier through pair_tok, two more loads in a row."""
     slot = cuda.blockIdx.z
-    if slot >= n_active[0]:
-        return
     W = (K + 31) // 32
     w0 = cuda.blockIdx.y * words_per_split
     if w0 >= W:
         return
-    w1 = min(W, w0 + words_per_split)
-    e = slot_expert[slot]
-    b = q_tab[e, kind]
     tid = cuda.threadIdx.x
+    if ONE_TOKEN:
+        xv = cuda.local.array(X_ONE, dtype=DT_F32)
+        for j in range(X_ONE):
+            xv[j] = _x_row(kind, src, slot if kind else 0, K, F, w0 * 32 + tid + j * ROWS)
+    e = slot_expert[slot]  # slot < slots: in bounds, read before n_active says whether it is meant
+    if slot >= n_active[0]:
+        return
+    w1 = min(W, w0 + words_per_split)
+    b = q_tab[e, kind]
     n = cuda.blockIdx.x * ROWS + tid
     lut32 = cuda.shared.array(0, dtype=DT_F32)  # dynamic shared arrays alias: one LUT buffer, two views
     lut16 = cuda.shared.array(0, dtype=DT_F16)
@@ -382,8 +420,14 @@ def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_ex
                 lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
             else:
                 lut16[(c0 + u) * ROWS + tid] = vals[u]
-    # the first __syncthreads inside the body orders these stores before any LUT read
+    # the first __syncthreads inside the body orders these stores before any LUT (and prologue x) read
     poff = plane_off[e, kind]
+    if ONE_TOKEN:
+        for j in range(X_ONE):
+            x_sh[tid + j * ROWS] = xv[j]
+        _dispatch(b, 1, kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, slot, 1, N, K, F,
+                  w0, w1, n, tid, uint32(tid))
+        return
     pair0 = slot_start[slot]
     cnt = slot_count[slot]
     t0 = 0
@@ -395,11 +439,12 @@ def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_ex
         t0 += tt
 
 
-def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
+def _gemv_variant(name: str, bodies: dict, max_registers: int | None, one_token: bool = False):
     """`_gemv`'s code compiled with a dispatch over `bodies` as its `_dispatch`: one source, kernels whose bodies
-    differ."""
+    differ; `one_token` for the kernels of T = 1 steps (their bodies the `_WORK_ONE` ones)."""
     cap = {"max_registers": max_registers} if max_registers and not SIMULATOR else {}  # the simulator has no cap
-    return jit_variant(_gemv, name, {"_dispatch": _make_dispatch(("b", "tt"), bodies, _WORK_ARGS)}, **cap)
+    return jit_variant(_gemv, name, {"_dispatch": _make_dispatch(("b", "tt"), bodies, _WORK_ARGS),
+                                     "ONE_TOKEN": one_token}, **cap)
 
 
 # Every width and token tile (~80 s of compile on the H200: cached). At T = 1 every slot holds one pair: kernels of
@@ -408,9 +453,10 @@ def _gemv_variant(name: str, bodies: dict, max_registers: int | None):
 # bodies alone take 72 registers uncapped, no spills (ptxas offline, sm_90, session 29: 14 blocks per SM where the
 # general kernel's 128 allow 8); over all widths such a kernel took 130, no fewer than the general one's cap.
 _gemv_kernel = _gemv_variant("_gemv_kernel", _WORK, MAX_REGISTERS)
-_gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", {key: f for key, f in _WORK.items() if key[1] == 1}, None)
+_gemv_t1_kernel = _gemv_variant("_gemv_t1_kernel", _WORK_ONE, None, one_token=True)
 _gemv_t1_narrow_kernel = _gemv_variant(
-    "_gemv_t1_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] == 1 and key[0] <= NARROW_MAX_WIDTH}, None)
+    "_gemv_t1_narrow_kernel", {key: f for key, f in _WORK_ONE.items() if key[0] <= NARROW_MAX_WIDTH}, None,
+    one_token=True)
 SMALL_T = TILES[1]  # the largest T of `_gemv_t4_narrow_kernel`
 _gemv_t4_narrow_kernel = _gemv_variant(
     "_gemv_t4_narrow_kernel", {key: f for key, f in _WORK.items() if key[1] <= SMALL_T and key[0] <= NARROW_MAX_WIDTH},

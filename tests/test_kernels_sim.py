@@ -54,19 +54,23 @@ CHILD = textwrap.dedent(r"""
     results = {}
     # E=5 experts, D=80 (3 words, last one padded), F=40 (2 words): partial words and rows past N are covered.
     # P=6 with widths 3..6 (fp32 LUTs in the decode kernel), P=8 with widths 3..8 (fp16 LUTs above 6 bits).
-    moes = {P: build_synthetic_moe(E=5, D=80, F=40, P=P, seed_bits=3, seed=1) for P in (6, 8)}
+    # D=320 (10 words): a gate_up block's K range of 10 words in the widest class (16 words a split at least), three
+    # staged sub-chunks of x where D=80 has one (the one-token kernels stage their first in the prologue).
+    moes = {(P, D): build_synthetic_moe(E=5, D=D, F=40, P=P, seed_bits=3, seed=1)
+            for P, D in ((6, 80), (8, 80), (8, 320))}
     g = torch.Generator().manual_seed(2)
     # T=65 takes the prefill path (dequantize kernel + grouped matmuls); the others the fused decode kernels, whose
     # token tiles are 1, 4 and 16: T=12 and T=24 at top-4 of 5 experts give ~10 and ~19 tokens per expert (the
     # 16-token tile with 2..4 quads holding tokens, then a remainder tile). T=1 runs the one-token kernels: all
     # widths (P=6, and P=8 with its fp16 LUTs), and the narrow class's when the widest block has 4 bits (case 9);
-    # T=4 at 4 bits the narrow class's kernel of 1- and 4-token bodies (the last case: top-3 of 5, so slots of 1..4)
-    cases = [(1, 2, torch.float16, 6, 6), (3, 2, torch.bfloat16, 6, 6), (6, 3, torch.float16, 6, 6),
-             (65, 2, torch.bfloat16, 6, 6), (65, 2, torch.float16, 8, 8), (65, 3, torch.bfloat16, 8, 8),
-             (12, 4, torch.float16, 8, 8), (24, 4, torch.bfloat16, 6, 6), (1, 3, torch.bfloat16, 8, 8),
-             (1, 4, torch.float16, 8, 4), (4, 3, torch.bfloat16, 8, 4)]
-    for case, (T, k, dtype, P, widest) in enumerate(cases):
-        moe = moes[P]
+    # T=4 at 4 bits the narrow class's kernel of 1- and 4-token bodies (case 10: top-3 of 5, so slots of 1..4)
+    cases = [(1, 2, torch.float16, 6, 6, 80), (3, 2, torch.bfloat16, 6, 6, 80), (6, 3, torch.float16, 6, 6, 80),
+             (65, 2, torch.bfloat16, 6, 6, 80), (65, 2, torch.float16, 8, 8, 80), (65, 3, torch.bfloat16, 8, 8, 80),
+             (12, 4, torch.float16, 8, 8, 80), (24, 4, torch.bfloat16, 6, 6, 80), (1, 3, torch.bfloat16, 8, 8, 80),
+             (1, 4, torch.float16, 8, 4, 80), (4, 3, torch.bfloat16, 8, 4, 80), (1, 2, torch.float16, 8, 8, 320),
+             (3, 2, torch.bfloat16, 8, 8, 320)]
+    for case, (T, k, dtype, P, widest, D) in enumerate(cases):
+        moe = moes[P, D]
         q = torch.randint(3, widest + 1, (moe.E, 2), generator=g)  # random mixed widths, gate_up and down differ
         hidden = torch.randn(T, moe.D, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(moe.E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
@@ -128,7 +132,7 @@ CHILD = textwrap.dedent(r"""
     results["bounded"] = dict(bytes=small.data.numel(), want=sum(-(-n // 256) * 256 for n in parts))
     # the prefill's dequantize kernel alone, bit for bit: W^T of every block at random widths 3..8 equals the twin's
     # weights rounded to the scratch dtype (fp16: the LUT entries themselves; bf16: torch's rounding of them)
-    moe = moes[8]
+    moe = moes[8, 80]
     q = torch.randint(3, 9, (moe.E, 2), generator=g)
     qd, po, lo = moe.tables(q)
     D, F = moe.D, moe.F
@@ -172,7 +176,7 @@ sim_results = child_fixture(__name__, "sim_results", [f"PART = {part}\n" + CHILD
                             NUMBA_ENABLE_CUDASIM="1")
 
 
-@pytest.mark.parametrize("case", [f"case{i}" for i in range(11)])
+@pytest.mark.parametrize("case", [f"case{i}" for i in range(13)])
 def test_moe_forward_matches_float32_reference(sim_results: dict, case: str) -> None:
     r = sim_results[case]
     assert r["dtype_ok"] and r["shape_ok"] and r["finite"], r
@@ -249,19 +253,21 @@ def test_dequantize_groups_through_one_prepared_launch_on_gpu(dtype: str, widest
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernels on the GPU: PAGEDWEIGHT_TEST_DEVICE=cuda (run on the H200)")
-@pytest.mark.parametrize("T, k, P, widest", [(1, 2, 6, 6), (1, 3, 8, 8), (1, 4, 8, 4), (4, 2, 6, 6), (4, 3, 8, 4),
-                                             (12, 4, 8, 8)])
-def test_moe_decode_matches_its_twin_on_gpu(T: int, k: int, P: int, widest: int) -> None:
+@pytest.mark.parametrize("T, k, P, widest, D", [(1, 2, 6, 6, 80), (1, 3, 8, 8, 80), (1, 4, 8, 4, 80),
+                                                (1, 2, 8, 8, 320), (4, 2, 6, 6, 80), (4, 3, 8, 4, 80),
+                                                (12, 4, 8, 8, 80)])
+def test_moe_decode_matches_its_twin_on_gpu(T: int, k: int, P: int, widest: int, D: int) -> None:
     """The decode path's launches on the GPU (`launcher.launch`: the route kernel, then the gate_up and down GEMVs
     with the LUT in dynamic shared memory) give the torch twin's result: one-token kernels at fp32 and fp16 LUTs and
-    the narrow class, the tiled kernel at 4 and 12 tokens, the narrow class's at 4."""
+    the narrow class, and with a K range of three sub-chunks (D = 320), the tiled kernel at 4 and 12 tokens, the
+    narrow class's at 4."""
     import torch
 
     from pagedweight.cuda.moe_kernels import moe_forward
     from pagedweight.cuda.reference import moe_forward_reference
     from pagedweight.cuda.synthetic import build_synthetic_moe
 
-    moe = build_synthetic_moe(E=5, D=80, F=40, P=P, seed_bits=3, seed=1)
+    moe = build_synthetic_moe(E=5, D=D, F=40, P=P, seed_bits=3, seed=1)
     g = torch.Generator().manual_seed(T * 10 + k)
     q = torch.randint(3, widest + 1, (moe.E, 2), generator=g)
     hidden = torch.randn(T, moe.D, generator=g).half()
