@@ -37,7 +37,7 @@ from pagedweight.kv_cache import kv_layer_block_bytes
 from pagedweight.models import ModelConfig, MoEForCausalLM
 from pagedweight.page_table import BlockSpec, expert_block_specs
 from pagedweight.pool import PAGE_ALIGN
-from pagedweight.runner import APWeights, lut_width
+from pagedweight.runner import APWeights, DecodeStats, lut_width
 from pagedweight.sampling import SamplingParams
 from pagedweight.signals import N_FEATURES, ResidualHeads
 
@@ -356,6 +356,17 @@ def warm_engine(name: str, cfg: ModelConfig, weights: APWeights | None, budget: 
     return model, llm
 
 
+def decode_stats(llm: LLM) -> DecodeStats | None:
+    """The runner's decode-graph counters (None where it runs no decode graphs)."""
+    return llm.runner.decode.stats if llm.runner.decode is not None else None
+
+
+def decode_graph_counts(llm: LLM) -> tuple[int, int]:
+    """(decode graphs captured, decode steps run eagerly) so far."""
+    stats = decode_stats(llm)
+    return (stats.captured, stats.eager) if stats is not None else (0, 0)
+
+
 def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int, b: int, home: int,
                   args: argparse.Namespace) -> dict:
     """Uniform b bits and PagedWeight (home width `home`) at the same memory, both resident in this process and
@@ -368,7 +379,9 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     place in the routing-observation cycle (`phase_step_ms`: entry j = steps with num_steps % observe_every == j,
     j = 0 the observed ones), and every step's row (`step_traces`), to say where PagedWeight's extra time per step
     goes. Always: the routed-expert bytes a token reads under each engine's widths at the end (`routed_expert_bytes`,
-    computed), PagedWeight's mean width and its layers by LUT class: bytes read against kernel speed."""
+    computed), PagedWeight's mean width and its layers by LUT class: bytes read against kernel speed; and per chunk
+    of each engine the decode graphs it captured and the decode steps it ran eagerly (`chunk_graphs`: a chunk pair
+    whose ratio falls may hold a recapture, as a width change across LUT classes makes)."""
     engines = {kind: warm_engine(config_name(kind, b, home, args.parent_bits), cfg, weights, budget, batch,
                                  args.seq_len, args.gen, args, **engine_options(kind, b, home, args))[1]
                for kind in ("uniform", "paged")}
@@ -399,11 +412,13 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
     every = engines["paged"].options.observe_every
     traces: dict[str, list[tuple[int, list]]] = {kind: [] for kind in engines}  # (num_steps % every, trace row)
     pair_ratios: list[float] = []
+    chunk_graphs: dict[str, list[list[int]]] = {kind: [] for kind in engines}  # [captured, eager] per chunk
     order = list(engines)
     while any(len(v) < args.gen for v in steps.values()):
         chunk = {}
         for kind in order:
             llm, ms = engines[kind], []
+            graphs0 = decode_graph_counts(llm)
             sync()
             for _ in range(min(args.paired_chunk, args.gen - len(steps[kind]))):
                 if phases is not None:  # the trace's "before" marks, taken only when tracing
@@ -416,6 +431,7 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
                     traces[kind].append((cycle, trace_row(llm, paging, t, compactions, phases[kind])))
             chunk[kind] = ms
             steps[kind] += ms
+            chunk_graphs[kind].append([n - n0 for n, n0 in zip(decode_graph_counts(llm), graphs0)])
         if all(chunk.values()):
             pair_ratios.append(float(np.median(chunk["uniform"]) / np.median(chunk["paged"])))
         order.reverse()
@@ -427,7 +443,7 @@ def paired_decode(cfg: ModelConfig, weights: APWeights, budget: int, batch: int,
            "uniform_step_ms_median": med["uniform"], "paged_step_ms_median": med["paged"],
            "ratio_paged_over_uniform": med["uniform"] / med["paged"],
            "pair_ratios": pair_ratios, "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios),
-           "steps_per_engine": len(steps["paged"])}
+           "steps_per_engine": len(steps["paged"]), "chunk_graphs": chunk_graphs}
     paged = engines["paged"]
     mass, widths = paged.routing_mass(), paged.committed_widths()
     routed = {kind: routed_expert_bytes(weights, w, mass, cfg.top_k)
@@ -463,7 +479,7 @@ def run_config(name: str, cfg: ModelConfig, weights: APWeights | None, budget: i
         reserved_before = torch.cuda.memory_reserved() / 2**30
     model, llm = warm_engine(name, cfg, weights, budget, batch, seq_len, gen, args, **options)
     def counters() -> dict:
-        graphs = llm.runner.decode.stats if llm.runner.decode is not None else None
+        graphs = decode_stats(llm)
         return dict(llm.stats(), sync_waits=llm.paging.syncs, steps=llm.num_steps, decode_graph_replays=graphs and graphs.replayed,
                     decode_graph_captures=graphs and graphs.captured, decode_eager_steps=graphs and graphs.eager)
 

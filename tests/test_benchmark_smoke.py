@@ -30,11 +30,14 @@ def test_engine_bench_tiny_writes_ratios_and_traces(tmp_path):
     assert 1 in tokens and max(t or 0 for t in tokens) > 1  # decode steps of batch 1, and the prefill's
 
 
-def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
+def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path, monkeypatch):
     """--rounds 0 --paired-chunk N: no table, one paired measurement per width, batch and home; each engine runs gen
-    decode steps with every request of its batch decoding in each, and each chunk pair gives a ratio."""
+    decode steps with every request of its batch decoding in each, and each chunk pair gives a ratio; each chunk's
+    decode-graph counts are that chunk's own (the CPU runs no decode graphs: counters that grow with every step of
+    an engine stand in for them)."""
     from benchmarks import engine_bench
 
+    monkeypatch.setattr(engine_bench, "decode_graph_counts", lambda llm: (2 * llm.num_steps, llm.num_steps))
     assert engine_bench.main(["--tiny", "--device", "cpu", "--bits", "3", "--batches", "1,2", "--paged-home", "match",
                               "--gen", "9", "--rounds", "0", "--paired-chunk", "3", "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("engine_bench-*.json")
@@ -42,6 +45,7 @@ def test_engine_bench_paired_chunks_alternate_over_the_whole_decode(tmp_path):
     assert res["rows"] == [] and res["complete"] and set(res["paired_decode"]) == {"ap3/b1/home3", "ap3/b2/home3"}
     for pair in res["paired_decode"].values():
         assert pair["steps_per_engine"] == 9 and len(pair["pair_ratios"]) == 3  # chunks of 3 steps
+        assert pair["chunk_graphs"] == {"uniform": [[6, 3]] * 3, "paged": [[6, 3]] * 3}
         assert pair["pair_ratio_min"] == min(pair["pair_ratios"]) and pair["pair_ratio_max"] == max(pair["pair_ratios"])
         assert pair["ratio_paged_over_uniform"] == pair["uniform_step_ms_median"] / pair["paged_step_ms_median"]
         assert "trace_medians" not in pair
