@@ -115,6 +115,20 @@ def _load_lut_batch(src, base, N, vals):
 
 
 @cuda.jit(device=True, inline=True)
+def _stage_lut(pool_halves, lo, N, b, lut32, lut16, tid):
+    """LUT_b of this thread's row (entries at lo + c * N) into the block's shared LUT, LUT_BATCH entries in flight at
+    once: fp32 up to LUT32_MAX_WIDTH bits, fp16 above."""
+    vals = cuda.local.array(LUT_BATCH, dtype=DT_F16)
+    for c0 in range(0, 1 << b, LUT_BATCH):
+        _load_lut_batch(pool_halves, lo + c0 * N, N, vals)
+        for u in range(LUT_BATCH):
+            if b <= LUT32_MAX_WIDTH:
+                lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
+            else:
+                lut16[(c0 + u) * ROWS + tid] = vals[u]
+
+
+@cuda.jit(device=True, inline=True)
 def _x_row(kind, src, row, K, F, col):
     """Input at column col of src's row `row` (gate_up: a token's hidden row; down: a pair's, silu(gate) * up); 0
     past K."""
@@ -236,31 +250,35 @@ def _body_source(b: int, tt: int, one_token: bool = False) -> str:
     es = 2 if b <= LUT32_MAX_WIDTH else 1  # log2 of the LUT entry's bytes (fp32 / fp16)
     L = []
     a = L.append
-    a(f"def _work_{b}_{tt}{'_one' if one_token else ''}(kind, src, pool_words, poff, lut32, lut16, x_sh, dst, "
-      "pair_tok, pair_w, pair0, rem, "
-      f"N, K, F, w0, w1, n, tid, utid):")
+    a(f"def _work_{b}_{tt}{'_one' if one_token else ''}({_WORK_ARGS}):")
     a(f"    acc = cuda.local.array({tt}, dtype=DT_F32)")
     a(f"    for t in range({tt}):")
     a("        acc[t] = float32(0.0)")
     a(f"    ubyte = utid << uint32({es})  # this row's byte offset inside a LUT line")
     pf = prefetch_words(b, tt)
     L += _ring_lines_setup(b, pf, "w0")
+    if one_token:  # the LUT's loads go out after the ring's, not before them (`_gemv` stages it for the others)
+        a(f"    _stage_lut(pool_halves, lo, N, {b}, lut32, lut16, tid)")
     ws = sub_words(tt)
     xs = 32 * ws  # columns of x per staged sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
     # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
     # occupancy than it hid: x is staged straight into shared memory between one barrier pair per sub-chunk.
+    if one_token:
+        a("    " + " = ".join(f"xn{j}" for j in range(xs // ROWS)) + " = float32(0.0)")
     a("    w = w0")
     a("    while w < w1:")
     a("        cuda.syncthreads()  # the previous sub-chunk's reads of x_sh are done (the first time: LUT staged)")
     # x_sh[t * xs + c] = input of token t at column w * 32 + c; thread tid stages columns c = tid + j * ROWS (xs is
     # a multiple of ROWS)
-    if one_token:  # the kernel's prologue staged the first sub-chunk; the token's row is 0, the pair's pair0
+    if one_token:  # the kernel's prologue staged the first sub-chunk; each later one was loaded into registers
+        # (xn) before the sub-chunk ahead of it was decoded. The token's row is 0, the pair's pair0.
         a("        if w != w0:")
         for j in range(xs // ROWS):
-            a(f"            x_sh[tid + {j * ROWS}] = _x_row(kind, src, pair0 if kind else 0, K, F, "
-              f"w * 32 + tid + {j * ROWS})")
+            a(f"            x_sh[tid + {j * ROWS}] = xn{j}")
         a("            cuda.syncthreads()")
+        for j in range(xs // ROWS):
+            a(f"        xn{j} = _x_row(kind, src, pair0 if kind else 0, K, F, (w + {ws}) * 32 + tid + {j * ROWS})")
     elif tt <= 4:  # every thread stages tt * xs / ROWS values, zeros past the slot's tokens
         for j in range(tt * xs // ROWS):
             t, c = divmod(j * ROWS, xs)
@@ -338,11 +356,13 @@ def _dequant_body_source(b: int) -> str:
 def _device_fn(source: str, name: str):
     """The inlined device function `name` defined by generated `source`."""
     scope = {"np": np, "cuda": cuda, "float32": float32, "uint32": uint32, "U0": uint32(0), "_x_value": _x_value,
-             "_x_row": _x_row, "DT_F32": DT_F32}
+             "_x_row": _x_row, "_stage_lut": _stage_lut, "DT_F32": DT_F32}
     exec(compile(source, f"<moe_kernels:{name}>", "exec"), scope)
     return cuda.jit(device=True, inline=True)(scope[name])
 
 
+_WORK_ARGS = ("kind, src, pool_words, pool_halves, poff, lo, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, N, "
+              "K, F, w0, w1, n, tid, utid")
 _WORK = {(b, tt): _device_fn(_body_source(b, tt), f"_work_{b}_{tt}") for b in WIDTHS for tt in TILES}
 _WORK_ONE = {(b, 1): _device_fn(_body_source(b, 1, one_token=True), f"_work_{b}_1_one") for b in WIDTHS}
 _DQ = {(b,): _device_fn(_dequant_body_source(b), f"_dq_{b}") for b in WIDTHS}
@@ -364,8 +384,6 @@ def _make_dispatch(keys: tuple[str, ...], bodies: dict, args: str):
     return cuda.jit(device=True)(scope["_dispatch"])
 
 
-_WORK_ARGS = ("kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0, rem, N, K, F, w0, w1, "
-              "n, tid, utid")
 _dq_dispatch = _make_dispatch(("b",), _DQ, "pool_words, poff, lut, dst, o, N, w0, w1, n, utid")
 
 
@@ -410,23 +428,16 @@ def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_ex
     lut32 = cuda.shared.array(0, dtype=DT_F32)  # dynamic shared arrays alias: one LUT buffer, two views
     lut16 = cuda.shared.array(0, dtype=DT_F16)
     x_sh = cuda.shared.array(X_SH, dtype=DT_F32, alignment=X_ALIGN)
-    # this row's LUT (rows past N stage row 0's: their sums are never stored), LUT_BATCH entries in flight at once
-    lo = lut_off[e, kind] + (n if n < N else 0)
-    vals = cuda.local.array(LUT_BATCH, dtype=DT_F16)
-    for c0 in range(0, 1 << b, LUT_BATCH):
-        _load_lut_batch(pool_halves, lo + c0 * N, N, vals)
-        for u in range(LUT_BATCH):
-            if b <= LUT32_MAX_WIDTH:
-                lut32[(c0 + u) * ROWS + tid] = float32(vals[u])
-            else:
-                lut16[(c0 + u) * ROWS + tid] = vals[u]
+    lo = lut_off[e, kind] + (n if n < N else 0)  # this row's LUT; rows past N stage row 0's (sums never stored)
+    if not ONE_TOKEN:  # the one-token bodies stage it after their first plane words' loads
+        _stage_lut(pool_halves, lo, N, b, lut32, lut16, tid)
     # the first __syncthreads inside the body orders these stores before any LUT (and prologue x) read
     poff = plane_off[e, kind]
     if ONE_TOKEN:
         for j in range(X_ONE):
             x_sh[tid + j * ROWS] = xv[j]
-        _dispatch(b, 1, kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, slot, 1, N, K, F,
-                  w0, w1, n, tid, uint32(tid))
+        _dispatch(b, 1, kind, src, pool_words, pool_halves, poff, lo, lut32, lut16, x_sh, dst, pair_tok, pair_w, slot,
+                  1, N, K, F, w0, w1, n, tid, uint32(tid))
         return
     pair0 = slot_start[slot]
     cnt = slot_count[slot]
@@ -434,8 +445,8 @@ def _gemv(kind, src, pool_words, pool_halves, q_tab, plane_off, lut_off, slot_ex
     while t0 < cnt:
         rem = cnt - t0
         tt = 1 if rem <= 1 else (4 if rem <= 4 else TT_MAX)
-        _dispatch(b, tt, kind, src, pool_words, poff, lut32, lut16, x_sh, dst, pair_tok, pair_w, pair0 + t0, rem,
-                  N, K, F, w0, w1, n, tid, uint32(tid))
+        _dispatch(b, tt, kind, src, pool_words, pool_halves, poff, lo, lut32, lut16, x_sh, dst, pair_tok, pair_w,
+                  pair0 + t0, rem, N, K, F, w0, w1, n, tid, uint32(tid))
         t0 += tt
 
 
