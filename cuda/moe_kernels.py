@@ -262,8 +262,9 @@ def _body_source(b: int, tt: int, one_token: bool = False) -> str:
     ws = sub_words(tt)
     xs = 32 * ws  # columns of x per staged sub-chunk
     xargs = "kind, src, pair_tok, pair0, rem, K, F"
-    # Prefetching the next sub-chunk's x into registers (tried) raised the kernel to 212 registers and lost more to
-    # occupancy than it hid: x is staged straight into shared memory between one barrier pair per sub-chunk.
+    # Prefetching the next sub-chunk's x into registers (tried) raised the multi-token kernel to 212 registers and lost
+    # more to occupancy than it hid: there x is staged straight into shared memory between one barrier pair per
+    # sub-chunk. A one-token body holds X_ONE values a thread, so it prefetches them (xn; 80 / 56 registers as without).
     if one_token:
         a("    " + " = ".join(f"xn{j}" for j in range(xs // ROWS)) + " = float32(0.0)")
     a("    w = w0")
