@@ -278,8 +278,9 @@ def _body_source(b: int, tt: int, one_token: bool = False) -> str:
         for j in range(xs // ROWS):
             a(f"            x_sh[tid + {j * ROWS}] = xn{j}")
         a("            cuda.syncthreads()")
+        a(f"        if w + {ws} < w1:  # the last sub-chunk has no next one in this split")
         for j in range(xs // ROWS):
-            a(f"        xn{j} = _x_row(kind, src, pair0 if kind else 0, K, F, (w + {ws}) * 32 + tid + {j * ROWS})")
+            a(f"            xn{j} = _x_row(kind, src, pair0 if kind else 0, K, F, (w + {ws}) * 32 + tid + {j * ROWS})")
     elif tt <= 4:  # every thread stages tt * xs / ROWS values, zeros past the slot's tokens
         for j in range(tt * xs // ROWS):
             t, c = divmod(j * ROWS, xs)
