@@ -4,10 +4,14 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import functools
+import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -29,6 +33,12 @@ def machine_name() -> str:
 
 
 @functools.cache
+def _run_digest() -> str:
+    """This checkout's source_digest, read once (at the first result written), like git_rev."""
+    return source_digest()
+
+
+@functools.cache
 def git_rev() -> str:
     """Revision of the tree that ran, read once (at the first result written, before this run's own files could
     make it look changed; a commit made during a long run does not rename the code that ran), "-dirty" when files
@@ -44,6 +54,35 @@ def git_rev() -> str:
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+SOURCE_DIRS = ("pagedweight", "cuda", "actors", "benchmarks")  # the code a benchmark runs (tests/ and scripts do not)
+
+
+def source_digest(root: str | os.PathLike | None = None) -> str:
+    """First 16 hex digits of the sha256 of every `*.py` under SOURCE_DIRS, by path relative to `root` (default:
+    this checkout), symlinked folders not followed (the GPU box links cuda/ and actors/ into pagedweight/). Names the
+    code that ran from its content: GIT_REV is passed in by hand and can be wrong (session 66's A/B files read one
+    revision for both arms). `python -m benchmarks.common digest [REV]` gives a commit's, to check a file against."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    files = []
+    for top in SOURCE_DIRS:
+        for folder, dirs, names in os.walk(root / top):  # followlinks=False
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            files += [Path(folder, n) for n in names if n.endswith(".py")]
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def rev_digest(rev: str, repo: str | os.PathLike = ".") -> str:
+    """source_digest of commit `rev` of the git checkout `repo` (its tree exported with `git archive`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = subprocess.run(["git", "archive", "--format=tar", rev, "--", *SOURCE_DIRS], cwd=repo,
+                             capture_output=True, check=True).stdout
+        tarfile.open(fileobj=io.BytesIO(tar)).extractall(tmp, filter="data")
+        return source_digest(tmp)
 
 
 def _slug(name: str) -> str:
@@ -97,6 +136,7 @@ def write_result(benchmark: str, rows: list[dict], command: str | None = None, c
         "benchmark": benchmark,
         "machine": machine,
         "git_rev": git_rev(),
+        "source_digest": _run_digest(),
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command or " ".join([Path(sys.executable).name] + sys.argv),
         "versions": package_versions(),
@@ -192,3 +232,21 @@ def failed_row(exc: BaseException, **keys) -> dict:
     logger.opt(exception=exc).error("{} failed", keys)
     traceback.clear_frames(exc.__traceback__)
     return {**keys, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.common digest [REV]`: the source_digest of REV (default: the working tree), the value a
+    result file's `source_digest` has when that code ran."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.common")
+    p.add_argument("command", choices=["digest"])
+    p.add_argument("rev", nargs="?", default=None, help="a commit of this checkout (default: the working tree)")
+    args = p.parse_args(argv)
+    root = Path(__file__).resolve().parent.parent
+    print(rev_digest(args.rev, root) if args.rev else source_digest(root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -607,6 +607,42 @@ def test_result_files_keep_lists_of_values_on_one_line(tmp_path):
     assert "\n" not in text and " " not in text and json.loads(text) == big
 
 
+def test_source_digest_names_the_benchmarked_code_by_content(tmp_path, capsys):
+    """source_digest moves with any byte or path of the benchmarked sources and not with what is not one (tests, docs,
+    caches, the GPU box's folder links); `rev_digest` of a commit equals the digest of that commit's checkout, and a
+    result file records its run's digest."""
+    import subprocess
+
+    from benchmarks.common import main, rev_digest, source_digest, write_result
+
+    files = {"pagedweight/engine.py": "E = 1\n", "cuda/k.py": "K = 2\n", "actors/a.py": "", "benchmarks/b.py": "B\n",
+             "tests/t.py": "T\n", "README.md": "r\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
+    base = source_digest(tmp_path)
+    assert rev_digest("HEAD", tmp_path) == base and len(base) == 16
+    (tmp_path / "pagedweight/cuda").symlink_to("../cuda")  # what the GPU box's step runner adds
+    (tmp_path / "cuda/__pycache__").mkdir()
+    (tmp_path / "cuda/__pycache__/k.py").write_text("cached")
+    (tmp_path / "tests/t.py").write_text("T2\n")
+    (tmp_path / "README.md").write_text("r2\n")
+    (tmp_path / "cuda/notes.md").write_text("n\n")
+    assert source_digest(tmp_path) == base
+    (tmp_path / "cuda/k.py").write_text("K = 3\n")
+    assert source_digest(tmp_path) not in (base, rev_digest("HEAD", tmp_path))
+    (tmp_path / "cuda/k.py").rename(tmp_path / "cuda/k2.py")
+    (tmp_path / "cuda/k2.py").write_text("K = 2\n")  # the same bytes under another name
+    assert source_digest(tmp_path) != base
+    saved = json.loads(write_result("smoke", [], out_dir=tmp_path / "out").read_text())
+    assert saved["source_digest"] == source_digest()  # this checkout's, untouched by the run
+    assert main(["digest"]) == 0 and capsys.readouterr().out.split() == [saved["source_digest"]]
+
+
 def test_layout_bench_times_each_shape_and_token_count(tmp_path):
     from benchmarks import layout_bench
 
